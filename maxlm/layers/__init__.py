@@ -1,0 +1,129 @@
+"""Layer backends and everything precision-related. Only this package imports Transformer Engine.
+
+`get_backend("te"|"flax")` returns a module exposing the same functions with the same parameter
+trees: `rms_norm`, `norm_dense`, `dense`, `norm_mlp`, `attention`, `no_quantization`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import jax
+
+from maxlm.layers import flax_backend
+from maxlm.layers.te_env import import_te, on_gpu, te_installed
+
+BACKENDS = ("te", "flax")
+PRECISIONS = ("bf16", "fp8_delayed", "fp8_current")
+FP8_COLLECTION = "fp8_metas"  # == transformer_engine.jax.NVTE_FP8_COLLECTION_NAME
+
+
+class PrecisionError(RuntimeError):
+  """The configured precision cannot run on this machine or backend."""
+
+
+def resolve_backend(name: str) -> str:
+  """`auto` means TE when it is installed, else the pure Flax backend."""
+  if name == "auto":
+    return "te" if te_installed() else "flax"
+  if name == "te" and not te_installed():
+    raise PrecisionError("model.backend=te but Transformer Engine is not installed "
+                         "(bash scripts/setup.sh installs it; or use model.backend=flax)")
+  if name not in BACKENDS:
+    raise ValueError(f"unknown backend {name!r}")
+  return name
+
+
+def get_backend(name: str) -> types.ModuleType:
+  name = resolve_backend(name)
+  if name == "te":
+    import_te()
+    from maxlm.layers import te_backend
+    return te_backend
+  return flax_backend
+
+
+def _recipe(precision: str, amax_history_len: int):
+  from transformer_engine.common import recipe
+  if precision == "fp8_delayed":
+    return recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=amax_history_len,
+                                 amax_compute_algo="max")
+  return recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID)
+
+
+def supported_precisions() -> list[str]:
+  """Precisions this machine can run with TE (bf16 always; FP8 recipes as the GPU reports)."""
+  out = ["bf16"]
+  if not te_installed():
+    return out
+  te = import_te()
+  try:
+    recipes = te.quantize.get_supported_quantization_recipes()
+  except Exception:  # raises without a GPU driver: no FP8 here
+    return out
+  names = {type(r).__name__ for r in recipes}
+  out += [p for p, n in (("fp8_delayed", "DelayedScaling"), ("fp8_current", "Float8CurrentScaling"))
+          if n in names]
+  return out
+
+
+def check_precision(precision: str, backend: str) -> None:
+  """Stop with a clear message when `precision` cannot run here; never fall back silently."""
+  if precision not in PRECISIONS:
+    raise PrecisionError(f"unknown model.precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+  if precision == "bf16":
+    return
+  if backend != "te":
+    raise PrecisionError(f"model.precision={precision} needs model.backend=te (FP8 runs through "
+                         "Transformer Engine)")
+  ok = supported_precisions()
+  if precision not in ok:
+    where = jax.devices()[0].device_kind
+    raise PrecisionError(f"model.precision={precision} is not supported on this device ({where}); "
+                         f"supported here: {', '.join(ok)}")
+
+
+@contextlib.contextmanager
+def precision_scope(precision: str, backend: str, amax_history_len: int = 1024,
+                    mesh_axes: dict[str, str] | None = None):
+  """Enter TE's autocast (quantization recipe + mesh resource) around init *and* tracing.
+
+  mesh_axes maps TE roles to mesh axis names, e.g. {"dp": "data", "fsdp": "fsdp", "tp": "tensor"}.
+  The flax backend needs no scope.
+  """
+  if backend != "te":
+    yield
+    return
+  te = import_te()
+  axes = mesh_axes or {}
+  resource = te.MeshResource(dp_resource=axes.get("dp"), fsdp_resource=axes.get("fsdp"),
+                             tp_resource=axes.get("tp"))
+  enabled = precision != "bf16"
+  recipe = _recipe(precision, amax_history_len) if enabled else None
+  with te.autocast(enabled=enabled, recipe=recipe, mesh_resource=resource):
+    yield
+
+
+def remat_policy(name: str, backend: str):
+  """Named rematerialization policies; `None` means no remat at all."""
+  cp = jax.checkpoint_policies
+  if name == "none":
+    return None
+  if name == "full":
+    return cp.nothing_saveable
+  if name == "save_dots":
+    if backend == "te":
+      from transformer_engine.jax.checkpoint_policies import dots_and_te_gemms_with_no_batch_dims
+      return dots_and_te_gemms_with_no_batch_dims
+    return cp.checkpoint_dots_with_no_batch_dims
+  if name == "save_attn":
+    return cp.save_only_these_names("context")
+  if name == "save_qkv_attn":
+    return cp.save_only_these_names("qkv_proj", "context")
+  raise ValueError(f"unknown remat policy {name!r}")
+
+
+__all__ = ["BACKENDS", "FP8_COLLECTION", "PRECISIONS", "PrecisionError", "check_precision",
+           "get_backend", "on_gpu", "precision_scope", "remat_policy", "resolve_backend",
+           "supported_precisions", "te_installed"]

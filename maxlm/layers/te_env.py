@@ -1,0 +1,66 @@
+"""Import Transformer Engine (JAX) lazily, making it usable on a machine without a GPU.
+
+On a CPU-only host TE needs three things (see the project README): `libnccl.so.2` preloaded
+(TE's libraries link it without an RPATH), `NVTE_JAX_CUSTOM_CALLS=false` so GEMM/norm/softmax
+run as pure JAX, and the fused-attention backend probe (which raises without a CUDA driver)
+treated as "no fused backend" so `DotProductAttention` takes its pure-JAX path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import importlib.metadata
+import importlib.util
+import os
+import sys
+
+
+def te_installed() -> bool:
+  if importlib.util.find_spec("transformer_engine") is None:
+    return False
+  try:
+    importlib.metadata.version("transformer_engine_jax")
+  except importlib.metadata.PackageNotFoundError:
+    return False
+  return True
+
+
+def on_gpu() -> bool:
+  import jax
+  return jax.default_backend() == "gpu"
+
+
+def _preload_nccl() -> None:
+  for base in sys.path:
+    for lib in glob.glob(os.path.join(base, "nvidia", "nccl", "lib", "libnccl.so.2")):
+      ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+      return
+
+
+@functools.lru_cache(maxsize=None)
+def import_te():
+  """Return the `transformer_engine.jax` module, set up for this host (GPU or CPU fallback)."""
+  if not te_installed():
+    raise ImportError("Transformer Engine for JAX is not installed (bash scripts/setup.sh installs it)")
+  cpu = not on_gpu()
+  if cpu:
+    os.environ["NVTE_JAX_CUSTOM_CALLS"] = "false"
+    os.environ.setdefault("NVTE_FUSED_ATTN", "0")
+    _preload_nccl()
+  import transformer_engine.jax as te
+  if cpu:
+    from transformer_engine.jax.cpp_extensions import attention as te_attn
+    from transformer_engine_jax import NVTE_Fused_Attn_Backend
+
+    original = te_attn.FusedAttnHelper.get_fused_attn_backend
+
+    def no_fused_backend_on_cpu(self):
+      try:
+        return original(self)
+      except RuntimeError as e:  # "CUDA driver version is insufficient": no GPU here
+        return NVTE_Fused_Attn_Backend.NVTE_No_Backend, str(e)
+
+    te_attn.FusedAttnHelper.get_fused_attn_backend = no_fused_backend_on_cpu
+  return te

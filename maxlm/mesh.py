@@ -1,0 +1,55 @@
+"""Device mesh with axes (data, fsdp, tensor): intra-node (NVLink) x inter-node (InfiniBand) degrees."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
+
+from maxlm.config import ConfigError, MeshConfig
+
+AXES = ("data", "fsdp", "tensor")
+
+
+def _fill(degrees: list[int], total: int, what: str) -> list[int]:
+  auto = [i for i, d in enumerate(degrees) if d == -1]
+  if len(auto) > 1:
+    raise ConfigError(f"mesh: at most one {what} degree may be -1, got {degrees}")
+  if any(d == 0 or d < -1 for d in degrees):
+    raise ConfigError(f"mesh: {what} degrees must be positive or -1, got {degrees}")
+  known = math.prod(d for d in degrees if d != -1)
+  if auto:
+    if total % known:
+      raise ConfigError(f"mesh: {total} {what} devices are not divisible by the fixed degrees {degrees}")
+    degrees = list(degrees)
+    degrees[auto[0]] = total // known
+  if math.prod(degrees) != total:
+    raise ConfigError(f"mesh: {what} degrees {degrees} multiply to {math.prod(degrees)}, "
+                      f"but there are {total} {what} devices")
+  return degrees
+
+
+def mesh_shape(cfg: MeshConfig, n_devices: int, n_nodes: int = 1) -> tuple[list[int], list[int]]:
+  """(intra-node degrees, inter-node degrees), -1 entries filled. One process per node assumed."""
+  dcn = _fill([cfg.dcn_data, cfg.dcn_fsdp, cfg.dcn_tensor], n_nodes, "node")
+  if n_devices % n_nodes:
+    raise ConfigError(f"mesh: {n_devices} devices do not split evenly over {n_nodes} nodes")
+  ici = _fill([cfg.data, cfg.fsdp, cfg.tensor], n_devices // n_nodes, "per-node")
+  return ici, dcn
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+  devices = list(devices if devices is not None else jax.devices())
+  n_nodes = len({d.process_index for d in devices})
+  ici, dcn = mesh_shape(cfg, len(devices), n_nodes)
+  if n_nodes > 1:
+    arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
+  else:
+    try:
+      arr = mesh_utils.create_device_mesh(ici, devices)
+    except (AssertionError, NotImplementedError, ValueError):
+      arr = np.asarray(devices).reshape(ici)
+  return Mesh(arr, AXES)

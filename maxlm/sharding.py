@@ -1,0 +1,92 @@
+"""Logical-axis rules (one table) and the helpers that turn them into shardings on a mesh.
+
+Model code names axes logically ("embed", "heads", "activation_batch", ...); this table alone
+decides which mesh axis shards them. A dimension that does not divide evenly by its mesh axes
+is replicated instead (logged once), so small models run on any mesh.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+log = logging.getLogger(__name__)
+
+BATCH = ("data", "fsdp")
+
+# logical axis -> mesh axes. Parameters are FSDP-sharded on `embed` and tensor-parallel
+# (Megatron-style) on heads / mlp / vocab; activations are sharded on batch (and heads/mlp).
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("qkv", None),
+    ("act", None),
+    ("norm", None),
+    ("layers", None),
+    # activations
+    ("activation_batch", BATCH),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_head_dim", None),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+)
+
+# Roles Transformer Engine needs to know (its MeshResource), set in one place.
+TE_MESH_AXES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor"}
+
+
+def _divisible(spec: P, shape: tuple[int, ...], mesh: Mesh, name: str) -> P:
+  out = []
+  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    if axes is None:
+      out.append(None)
+      continue
+    names = axes if isinstance(axes, tuple) else (axes,)
+    size = 1
+    for a in names:
+      size *= mesh.shape[a]
+    if dim % size:
+      log.info("sharding: %s dim %d not divisible by %s=%d; replicated", name, dim, names, size)
+      out.append(None)
+    else:
+      out.append(axes)
+  return P(*out)
+
+
+def shardings_from_logical(abstract_tree, mesh: Mesh):
+  """NamedShardings for a tree of (possibly LogicallyPartitioned-boxed) abstract arrays."""
+  specs = nn.get_partition_spec(abstract_tree)
+  mesh_specs = nn.logical_to_mesh(specs, LOGICAL_RULES)
+  plain = nn.unbox(abstract_tree)
+  paths = jax.tree_util.tree_flatten_with_path(plain)[0]
+  spec_leaves = jax.tree_util.tree_leaves(mesh_specs, is_leaf=lambda x: isinstance(x, P))
+  treedef = jax.tree_util.tree_structure(plain)
+  out = []
+  for (path, leaf), spec in zip(paths, spec_leaves):
+    spec = _divisible(spec, leaf.shape, mesh, jax.tree_util.keystr(path))
+    out.append(NamedSharding(mesh, spec))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batches [B, T] are split over the data-parallel axes."""
+  return NamedSharding(mesh, P(BATCH, None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def axis_rules():
+  """Context manager installing the logical rules for `nn.with_logical_constraint`."""
+  return nn.logical_axis_rules(LOGICAL_RULES)

@@ -1,0 +1,63 @@
+"""The train state (params, optimizer state, non-param model collections, step, RNG) and its shardings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from jax.sharding import Mesh
+
+from maxlm.sharding import shardings_from_logical
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any
+  opt_state: Any
+  # Every non-param collection of the model, e.g. TE's `fp8_metas` under delayed scaling.
+  # Updated through the backward pass, never by the optimizer.
+  model_state: Any
+  rng: jax.Array  # uint32 key data
+  nonfinite_steps: jax.Array  # int32 scalar: updates skipped for a non-finite loss / gradient
+
+
+def init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, rng: jax.Array,
+               batch: int, seq_len: int) -> TrainState:
+  """Initial state with LogicallyPartitioned boxes kept (so shardings can be read off it)."""
+  init_rng, state_rng = jax.random.split(rng)
+  tokens = jnp.zeros((batch, seq_len), jnp.int32)  # [B, T]
+  variables = model.init(init_rng, tokens)
+  params = variables["params"]
+  model_state = {k: v for k, v in variables.items() if k != "params"}
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                    model_state=model_state, rng=jax.random.key_data(state_rng),
+                    nonfinite_steps=jnp.zeros((), jnp.int32))
+
+
+def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int,
+                       batch: int, seq_len: int):
+  """(state, shardings): the state initialized directly into its shards (no host copy)."""
+  def init(rng):
+    return init_boxed(model, optimizer, rng, batch, seq_len)
+
+  rng = jax.random.PRNGKey(seed)
+  abstract = jax.eval_shape(init, rng)
+  shardings = shardings_from_logical(abstract, mesh)
+  state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(rng)
+  return state, shardings
+
+
+def abstract_state(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh, batch: int,
+                   seq_len: int):
+  """(ShapeDtypeStructs with shardings, shardings) of the state, without allocating it."""
+  abstract = jax.eval_shape(lambda r: init_boxed(model, optimizer, r, batch, seq_len),
+                            jax.random.PRNGKey(0))
+  shardings = shardings_from_logical(abstract, mesh)
+  structs = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                   nn.unbox(abstract), shardings)
+  return structs, shardings

@@ -67,7 +67,7 @@ def shardings_from_logical(abstract_tree, mesh: Mesh):
   """NamedShardings for a tree of (possibly LogicallyPartitioned-boxed) abstract arrays."""
   specs = nn.get_partition_spec(abstract_tree)
   mesh_specs = nn.logical_to_mesh(specs, LOGICAL_RULES)
-  plain = nn.unbox(abstract_tree)
+  plain = strip_boxes(abstract_tree)
   paths = jax.tree_util.tree_flatten_with_path(plain)[0]
   spec_leaves = jax.tree_util.tree_leaves(mesh_specs, is_leaf=lambda x: isinstance(x, P))
   treedef = jax.tree_util.tree_structure(plain)
@@ -76,6 +76,12 @@ def shardings_from_logical(abstract_tree, mesh: Mesh):
     spec = _divisible(spec, leaf.shape, mesh, jax.tree_util.keystr(path))
     out.append(NamedSharding(mesh, spec))
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def strip_boxes(tree):
+  """Drop LogicallyPartitioned boxes without applying constraints (works on abstract values)."""
+  return jax.tree_util.tree_map(lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x, tree,
+                                is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -11,7 +11,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import Mesh
 
-from maxlm.sharding import shardings_from_logical
+from maxlm.sharding import shardings_from_logical, strip_boxes
 
 
 @flax.struct.dataclass
@@ -59,5 +59,5 @@ def abstract_state(model: nn.Module, optimizer: optax.GradientTransformation, me
                             jax.random.PRNGKey(0))
   shardings = shardings_from_logical(abstract, mesh)
   structs = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                   nn.unbox(abstract), shardings)
+                                   strip_boxes(abstract), shardings)
   return structs, shardings

@@ -1,0 +1,90 @@
+"""Throughput accounting (tokens/s, TFLOP/s per device, MFU) and metric sinks.
+
+Sinks: `metrics.jsonl` (one JSON object per logged step), TensorBoard event files
+(tensorboardX) and a progress line on stdout. Only process 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+# Dense BF16 peak per device (FLOP/s), by `jax.Device.device_kind` substring.
+PEAK_BF16_FLOPS = (
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+)
+
+
+def device_peak_flops(device_kind: str) -> float | None:
+  for key, peak in PEAK_BF16_FLOPS:
+    if key.lower() in device_kind.lower():
+      return peak
+  return None
+
+
+def throughput(tokens: float, flops: float, seconds: float, n_devices: int,
+               peak: float | None) -> dict[str, float | None]:
+  tflops = flops / seconds / n_devices / 1e12
+  return {"tokens_per_sec": tokens / seconds, "tflops_per_device": tflops,
+          "mfu": (tflops * 1e12 / peak) if peak else None, "step_time": None}
+
+
+def _clean(v):
+  if isinstance(v, float) and not math.isfinite(v):
+    return str(v)
+  return v
+
+
+class MetricsWriter:
+  def __init__(self, run_dir: Path, enabled: bool = True, tensorboard: bool = True):
+    self.enabled = enabled
+    self._jsonl = None
+    self._tb = None
+    if not enabled:
+      return
+    self._jsonl = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+  def write(self, step: int, metrics: dict) -> None:
+    if not self.enabled:
+      return
+    row = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
+    self._jsonl.write(json.dumps(row) + "\n")
+    if self._tb is not None:
+      for k, v in metrics.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
+          self._tb.add_scalar(k, v, step)
+
+  def close(self) -> None:
+    if self._jsonl:
+      self._jsonl.close()
+    if self._tb:
+      self._tb.close()
+
+
+def progress_line(step: int, total: int, m: dict) -> str:
+  parts = [f"step {step}/{total}", f"loss {m['loss']:.4f}"]
+  if m.get("eval_loss") is not None:
+    parts.append(f"eval {m['eval_loss']:.4f}")
+  parts += [f"lr {m['learning_rate']:.2e}", f"gnorm {m['grad_norm']:.3f}"]
+  if m.get("tokens_per_sec"):
+    parts.append(f"{m['tokens_per_sec'] / 1e3:.1f}k tok/s")
+    parts.append(f"{m['tflops_per_device']:.1f} TFLOP/s/dev")
+  if m.get("mfu") is not None:
+    parts.append(f"MFU {100 * m['mfu']:.1f}%")
+  if m.get("nonfinite_steps"):
+    parts.append(f"skipped {m['nonfinite_steps']}")
+  return " | ".join(parts)
+
+
+def echo(line: str) -> None:
+  print(line, file=sys.stdout, flush=True)

@@ -57,7 +57,7 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   # Checked in maxlm.data (DataError). Lists are comma-separated strings (paths may be globs/dirs).
-  type: str = "synthetic"  # embedded | synthetic | text | jsonl | parquet | arrayrecord | mixture
+  type: str = "embedded"  # embedded (Austen) | synthetic | text | jsonl | parquet | arrayrecord | mixture
   seq_len: int = 128
   global_batch_size: int = 8
   seed: int = 0

@@ -6,11 +6,7 @@ Never imports model code; the trainer uses `make_train_iterator`, `make_eval_ite
 
 from maxlm.data.errors import DataError
 from maxlm.data.pipeline import BATCH_KEYS, DataIterator, make_eval_iterator, make_train_iterator
+from maxlm.data.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["BATCH_KEYS", "DataError", "DataIterator", "load_tokenizer", "make_eval_iterator",
-           "make_train_iterator"]
-
-
-def load_tokenizer(*args, **kwargs):
-  from maxlm.data.tokenizer import load_tokenizer as _load  # noqa: PLC0415
-  return _load(*args, **kwargs)
+__all__ = ["BATCH_KEYS", "DataError", "DataIterator", "Tokenizer", "load_tokenizer",
+           "make_eval_iterator", "make_train_iterator"]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
+
 import grain
 import numpy as np
 
 from maxlm.config import DataConfig
-from maxlm.data.errors import DataError, log
+from maxlm.data import sources
+from maxlm.data.errors import DataError, Skips, log
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
 
@@ -19,10 +23,20 @@ class DataIterator:
   """
 
   def __init__(self, it, vocab_size: int, info: dict | None = None):
-    self._it = it
+    self._box = [it]  # emptied on close, so Grain's iterators die before interpreter teardown
     self.vocab_size = vocab_size
     self.info = dict(info or {})
     self.batches = 0
+    self._finalizer = weakref.finalize(self, _close, self._box)
+
+  @property
+  def _it(self):
+    if not self._box:
+      raise DataError("this data iterator was closed")
+    return self._box[0]
+
+  def close(self) -> None:
+    self._finalizer()
 
   def __iter__(self):
     return self
@@ -43,6 +57,13 @@ class DataIterator:
   def set_state(self, state: dict) -> None:
     self._it.set_state(state["grain"])
     self.batches = int(state["batches"])
+
+
+def _close(box: list) -> None:
+  """Stop Grain's prefetch threads/processes and drop the iterator."""
+  if box and hasattr(box[0], "close"):
+    box[0].close()
+  box.clear()
 
 
 def local_batch_size(cfg: DataConfig, process_count: int) -> int:
@@ -88,6 +109,137 @@ def _synthetic(cfg: DataConfig, vocab_size: int, process_index: int, process_cou
   return DataIterator(it, vocab_size, {"type": "synthetic", "tokenizer": "none (random tokens)"})
 
 
+# --- documents -> packed rows ------------------------------------------------------------------
+
+
+class _Chunk(grain.experimental.FlatMapTransform):
+  """Document ids [n] -> shifted (inputs, targets) pieces of <= seq_len tokens.
+
+  Shifting happens per document before packing, so every kept position has its next token
+  as target within the same document. A document longer than seq_len + 1 tokens becomes several
+  pieces, each its own segment with positions from 0 (no attention across pieces).
+  """
+
+  def __init__(self, seq_len: int):
+    self.seq_len = seq_len
+    self.max_fan_out = 1 << 20
+
+  def flat_map(self, ids: np.ndarray) -> list[dict[str, np.ndarray]]:
+    n, t = len(ids) - 1, self.seq_len
+    return [{"inputs": ids[s:min(s + t, n)], "targets": ids[s + 1:min(s + t, n) + 1]}
+            for s in range(0, n, t)]
+
+
+class _Rename(grain.transforms.Map):
+  def map(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"inputs": row["inputs"], "targets": row["targets"],
+            "segment_ids": row["inputs_segment_ids"], "positions": row["inputs_positions"]}
+
+
+def _pack(ds: grain.IterDataset, cfg: DataConfig, bins: int, shuffle: bool) -> grain.IterDataset:
+  """Documents -> rows of exactly seq_len tokens (first-fit over `bins` rows, capped segments)."""
+  if cfg.max_segments_per_row < 1:
+    raise DataError(f"config key 'data.max_segments_per_row' must be >= 1, got {cfg.max_segments_per_row}")
+  ds = grain.experimental.FlatMapIterDataset(ds, _Chunk(cfg.seq_len))
+  ds = grain.experimental.FirstFitPackIterDataset(
+      ds, length_struct={"inputs": cfg.seq_len, "targets": cfg.seq_len}, num_packing_bins=bins,
+      seed=cfg.seed, shuffle_bins=shuffle, max_sequences_per_bin=cfg.max_segments_per_row)
+  return ds.map(_Rename())
+
+
+def _read_options(cfg: DataConfig) -> grain.ReadOptions:
+  if cfg.read_threads < 0 or cfg.worker_count < 0 or cfg.prefetch < 0:
+    raise DataError("config keys data.read_threads, data.worker_count and data.prefetch must be >= 0")
+  return grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=max(16, 64 * cfg.read_threads))
+
+
+def _finish(ds: grain.IterDataset, cfg: DataConfig) -> grain.IterDataset:
+  if cfg.worker_count:
+    from absl import flags  # noqa: PLC0415 - Grain's workers read absl flags; maxlm defines none
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+  if cfg.prefetch:
+    ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch)
+  return ds
+
+
+def _report(kind: str, comps, skips: Skips, vocab: sources.Vocab, docs: int, **extra) -> dict:
+  info = {"type": kind, "sources": [c.name for c in comps], "documents": docs,
+          "skipped": skips.total, "skipped_summary": skips.summary(), "tokenizer": vocab.desc, **extra}
+  log.info("data (%s): %d documents from %s; %s; %s", kind, docs, ", ".join(info["sources"]),
+           vocab.desc, skips.summary())
+  if skips.total:
+    log.warning("data (%s): %s", kind, skips.summary())
+  return info
+
+
+def _train_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataIterator:
+  comps, weights, skips = sources.load_components(cfg, "train")
+  vocab = sources.resolve_vocab(cfg, comps, vocab_size)
+  k = sources.eval_every(cfg.eval_fraction)
+  parts, docs = [], 0
+  for c, comp in enumerate(comps):
+    view = sources.DocIndex(comp.source, k, "train", pi, pc)
+    if len(view) == 0:
+      raise DataError(f"data source '{comp.name}' has no training documents for process {pi} of {pc} "
+                      f"({len(comp.source)} documents, eval_fraction {cfg.eval_fraction})")
+    docs += len(view)
+    ds = grain.MapDataset.source(view)
+    if cfg.shuffle:
+      ds = ds.shuffle(seed=cfg.seed + 7919 * c)  # reshuffled every epoch
+    ds = ds.repeat(cfg.num_epochs if cfg.num_epochs > 0 else None)
+    parts.append(sources.token_dataset(comp, vocab, ds))
+  ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
+  ds = ds.to_iter_dataset(_read_options(cfg))
+  b = local_batch_size(cfg, pc)
+  ds = _pack(ds, cfg, max(cfg.packing_bins, b), shuffle=cfg.shuffle)
+  # A finite run's last partial batch is padded with empty rows (segment_ids 0), not dropped.
+  ds = _finish(ds.batch(b).map(_ProcessRows(0, b, b)), cfg)
+  info = _report("train", comps, skips, vocab, docs, weights=weights, process=f"{pi}/{pc}")
+  return DataIterator(iter(ds), vocab_size, info)
+
+
+class _ProcessRows(grain.transforms.Map):
+  """A global eval batch (maybe short) -> this process's rows, padded with empty rows."""
+
+  def __init__(self, start: int, rows: int, global_rows: int):
+    self.start, self.rows, self.global_rows = start, rows, global_rows
+
+  def map(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in batch.items():
+      full = np.zeros((self.global_rows, v.shape[1]), np.int32)  # [global B, T]
+      full[:len(v)] = v
+      out[k] = full[self.start:self.start + self.rows]  # [B_local, T]
+    return out
+
+
+def _eval_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataIterator | None:
+  if not cfg.eval_paths and sources.eval_every(cfg.eval_fraction) == 0:
+    return None
+  comps, _, skips = sources.load_components(cfg, "eval")
+  vocab = sources.resolve_vocab(cfg, comps, vocab_size)
+  part = "all" if cfg.eval_paths else "eval"
+  k = sources.eval_every(cfg.eval_fraction)
+  # Every process packs the same global eval stream and keeps its slice of each global batch:
+  # processes see disjoint rows and the same number of batches (collectives stay in step).
+  parts = [sources.token_dataset(c, vocab, grain.MapDataset.source(sources.DocIndex(c.source, k, part)))
+           for c in comps]
+  ds = parts[0] if len(parts) == 1 else sources.Concat(parts)
+  docs = len(ds)
+  if docs == 0:
+    log.warning("data (eval): no held-out documents in %s", ", ".join(c.name for c in comps))
+    return None
+  b = local_batch_size(cfg, pc)
+  ds = _pack(ds.to_iter_dataset(_read_options(cfg)), cfg, max(cfg.packing_bins, cfg.global_batch_size),
+             shuffle=False)
+  ds = ds.batch(cfg.global_batch_size, drop_remainder=False).map(
+      _ProcessRows(pi * b, b, cfg.global_batch_size))
+  info = _report("eval", comps, skips, vocab, docs, process=f"{pi}/{pc}")
+  return DataIterator(iter(_finish(ds, dataclasses.replace(cfg, worker_count=0))), vocab_size, info)
+
+
 # --- public entry points ---------------------------------------------------------------------------
 
 
@@ -97,7 +249,7 @@ def make_train_iterator(cfg: DataConfig, vocab_size: int, process_index: int = 0
   _check_process(process_index, process_count)
   if cfg.type == "synthetic":
     return _synthetic(cfg, vocab_size, process_index, process_count)
-  raise DataError(f"data.type={cfg.type!r} is not implemented yet")
+  return _train_text(cfg, vocab_size, process_index, process_count)
 
 
 def make_eval_iterator(cfg: DataConfig, vocab_size: int, process_index: int = 0,
@@ -106,4 +258,4 @@ def make_eval_iterator(cfg: DataConfig, vocab_size: int, process_index: int = 0,
   _check_process(process_index, process_count)
   if cfg.type == "synthetic":
     return None
-  raise DataError(f"data.type={cfg.type!r} is not implemented yet")
+  return _eval_text(cfg, vocab_size, process_index, process_count)

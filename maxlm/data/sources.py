@@ -1,0 +1,249 @@
+"""From `DataConfig` to Grain MapDatasets of token arrays: sources, held-out split, host shards.
+
+A *component* is one source of documents (the embedded corpus, a set of text/JSONL/Parquet files
+read into memory, or prepared ArrayRecord shards read lazily); `data.type=mixture` has several.
+The held-out split is by document index (every k-th document, k = round(1/eval_fraction)) and is
+taken before per-process sharding, so it does not depend on the number of hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from maxlm.config import DataConfig
+from maxlm.data.errors import DataError, Skips
+from maxlm.data.readers import META_NAME, file_format, read_documents, resolve_files, split_list
+from maxlm.data.tokenizer import ASSETS, Tokenizer, check_vocab, load_tokenizer, special_ids
+
+EMBEDDED_CORPUS = ASSETS / "austen.txt.xz"  # one paragraph per line; built by scripts/build_assets.py
+TYPES = ("embedded", "synthetic", "text", "jsonl", "parquet", "arrayrecord", "mixture")
+
+
+def eval_every(fraction: float) -> int:
+  """k such that documents i with i % k == 0 are held out (0: none)."""
+  if not 0 <= fraction <= 0.5:
+    raise DataError(f"config key 'data.eval_fraction' must be in [0, 0.5], got {fraction}")
+  return round(1 / fraction) if fraction > 0 else 0
+
+
+class DocIndex:
+  """Random-access view: the train or eval part of `source`, then one process's strided shard."""
+
+  def __init__(self, source, k: int, part: str, process_index: int = 0, process_count: int = 1):
+    n = len(source)
+    n_eval = -(-n // k) if k else 0
+    n_part = {"train": n - n_eval, "eval": n_eval, "all": n}[part]
+    self.source, self.k, self.part = source, k, part
+    self.start, self.step = process_index, process_count
+    self.length = max(0, -(-(n_part - process_index) // process_count))
+
+  def __len__(self) -> int:
+    return self.length
+
+  def index(self, m: int) -> int:
+    """Position m in this view -> index in the source."""
+    if not 0 <= m < self.length:
+      raise IndexError(m)
+    j = self.start + self.step * m
+    if self.part == "eval":
+      return j * self.k
+    if self.part == "train" and self.k:
+      return j + j // (self.k - 1) + 1  # skip every k-th document (i % k == 0)
+    return j
+
+  def __getitem__(self, m: int):
+    return self.source[self.index(m)]
+
+
+@dataclasses.dataclass
+class Component:
+  name: str
+  fmt: str  # text | jsonl | parquet | arrayrecord
+  source: object  # random access: a list of str, or an ArrayRecordDataSource of token bytes
+  meta: dict | None = None  # prepared shards' maxlm_data.json
+
+
+@functools.lru_cache(maxsize=8)
+def _read_texts(files: tuple[tuple[str, float], ...], fmt: str, field: str, text_split: str,
+                skip_bad: bool) -> tuple[list[str], Skips]:
+  skips = Skips(skip_bad)
+  docs = [d for f, _ in files for d in read_documents(Path(f), fmt, skips, field=field,
+                                                       text_split=text_split)]
+  return docs, skips
+
+
+def _shard_meta(files: list[Path]) -> dict:
+  metas = {}
+  for d in sorted({f.parent for f in files}):
+    mp = d / META_NAME
+    if not mp.is_file():
+      raise DataError(f"'{d}' has no {META_NAME}; make ArrayRecord shards with python -m maxlm.data.prepare")
+    try:
+      metas[d] = json.loads(mp.read_text())
+      metas[d]["dtype"], metas[d]["tokenizer"]["sha256"]  # noqa: B018 - required keys
+    except (ValueError, KeyError, TypeError) as e:
+      raise DataError(f"'{mp}' is not a valid {META_NAME} ({type(e).__name__}: {e})") from None
+  first_dir, first = next(iter(metas.items()))
+  for d, m in metas.items():
+    if (m["dtype"], m["tokenizer"]["sha256"]) != (first["dtype"], first["tokenizer"]["sha256"]):
+      raise DataError(f"shards in '{d}' and '{first_dir}' were made with different tokenizers or "
+                      f"dtypes; list them as separate data.type=mixture entries")
+  return first
+
+
+def load_component(entry: str, fmt: str, cfg: DataConfig, skips: Skips) -> Component:
+  """One source: the files of a comma-separated `entry` list, read as `fmt` ('' = by extension)."""
+  files = [f for e in split_list(entry) for f in resolve_files(e)]
+  if not files:
+    raise DataError("config key 'data.paths' is empty; give files, globs or directories")
+  fmt = fmt or file_format(files[0])
+  if fmt == "arrayrecord":
+    if any(file_format(f) != "arrayrecord" for f in files):
+      raise DataError(f"'{entry}' mixes ArrayRecord shards with other files")
+    meta = _shard_meta(files)
+    try:
+      src = grain.sources.ArrayRecordDataSource([str(f) for f in files])
+    except Exception as e:  # noqa: BLE001 - the reader raises RuntimeError/ValueError/OSError
+      raise DataError(f"cannot open ArrayRecord shards '{entry}': {str(e).splitlines()[0]}") from None
+    return Component(entry, fmt, src, meta)
+  split = cfg.text_split if cfg.type != "embedded" else "line"
+  stamp = tuple((str(f), f.stat().st_mtime) for f in files)
+  docs, file_skips = _read_texts(stamp, fmt, cfg.field, split, cfg.skip_bad_records)
+  skips.merge(file_skips)
+  return Component(entry, fmt, docs)
+
+
+def load_components(cfg: DataConfig, part: str) -> tuple[list[Component], list[float], Skips]:
+  """The training (part='train') or eval (part='eval') sources and their mixture weights."""
+  if cfg.type not in TYPES:
+    raise DataError(f"config key 'data.type' must be one of {', '.join(TYPES)}; got {cfg.type!r}")
+  skips = Skips(cfg.skip_bad_records)
+  if cfg.type == "embedded":
+    paths = str(EMBEDDED_CORPUS) if part == "train" or not cfg.eval_paths else cfg.eval_paths
+    entries, fmt = [paths], "text"
+  elif part == "eval" and cfg.eval_paths:
+    entries, fmt = (split_list(cfg.eval_paths), "") if cfg.type == "mixture" else ([cfg.eval_paths], cfg.type)
+  elif cfg.type == "mixture":
+    entries, fmt = split_list(cfg.paths), ""
+  else:
+    entries, fmt = [cfg.paths], cfg.type
+  if not any(split_list(e) for e in entries):
+    raise DataError(f"data.type={cfg.type} needs data.paths (comma-separated files, globs or directories)")
+  comps = [load_component(e, fmt, cfg, skips) for e in entries]
+  weights = [1.0] * len(comps)
+  if cfg.type == "mixture" and part == "train" and cfg.weights:
+    try:
+      weights = [float(w) for w in split_list(cfg.weights)]
+    except ValueError:
+      raise DataError(f"config key 'data.weights' must be comma-separated numbers, got {cfg.weights!r}") from None
+    if len(weights) != len(comps) or min(weights) <= 0:
+      raise DataError(f"data.weights needs {len(comps)} positive numbers (one per data.paths entry), "
+                      f"got {cfg.weights!r}")
+  return comps, weights, skips
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+  """What every component's tokens must agree on."""
+
+  tokenizer: Tokenizer | None
+  bos: int | None
+  eos: int | None
+  desc: str
+
+
+def resolve_vocab(cfg: DataConfig, comps: list[Component], vocab_size: int) -> Vocab:
+  """Load the tokenizer (or trust the shards' record of it) and check it fits `vocab_size`."""
+  metas = [c.meta for c in comps if c.meta is not None]
+  tok = None
+  if cfg.tokenizer or len(metas) < len(comps):  # raw text needs a tokenizer; else shards tell
+    tok = load_tokenizer(cfg.tokenizer, cfg.tokenizer_type)
+    check_vocab(tok, vocab_size)
+  for c in comps:
+    if c.meta is not None and tok is not None and c.meta["tokenizer"]["sha256"] != tok.sha256:
+      raise DataError(f"shards '{c.name}' were tokenized with {c.meta['tokenizer'].get('path')}, not "
+                      f"with {tok.path} (data.tokenizer); re-prepare them or point data.tokenizer there")
+  if tok is not None:
+    bos, eos = special_ids(tok, cfg.add_bos, cfg.add_eos, cfg.bos_id, cfg.eos_id)
+    return Vocab(tok, bos, eos, repr(tok))
+  m = metas[0]["tokenizer"]
+  n = int(m["vocab_size"])
+  if n > vocab_size:
+    raise DataError(f"shards '{comps[0].name}' use a {n}-token tokenizer ({m.get('path')}) but "
+                    f"model.vocab_size is {vocab_size}")
+  shadow = Tokenizer(Path(str(m.get("path", "?"))))
+  shadow.vocab_size, shadow.bos_id, shadow.eos_id = n, int(m.get("bos_id", -1)), int(m.get("eos_id", -1))
+  bos, eos = special_ids(shadow, cfg.add_bos, cfg.add_eos, cfg.bos_id, cfg.eos_id)
+  return Vocab(None, bos, eos, f"{m.get('kind', '?')} tokenizer {m.get('path')} (from the shards, vocab {n})")
+
+
+class Tokenize(grain.transforms.Map):
+  """Document text -> int32 ids with BOS/EOS as configured."""
+
+  def __init__(self, vocab: Vocab):
+    self.tok, self.bos, self.eos = vocab.tokenizer, vocab.bos, vocab.eos
+
+  def map(self, text: str) -> np.ndarray:
+    return _wrap(self.tok.encode(text), self.bos, self.eos)
+
+
+class DecodeRecord(grain.transforms.Map):
+  """Prepared ArrayRecord bytes -> int32 ids with BOS/EOS as configured."""
+
+  def __init__(self, vocab: Vocab, dtype: str):
+    self.bos, self.eos, self.dtype = vocab.bos, vocab.eos, np.dtype(dtype)
+
+  def map(self, record: bytes) -> np.ndarray:
+    if len(record) % self.dtype.itemsize:
+      raise DataError(f"corrupt ArrayRecord record: {len(record)} bytes is not a multiple of "
+                      f"{self.dtype.itemsize} ({self.dtype})")
+    return _wrap(np.frombuffer(record, self.dtype).astype(np.int32), self.bos, self.eos)
+
+
+def _wrap(ids: np.ndarray, bos: int | None, eos: int | None) -> np.ndarray:
+  parts = ([np.array([bos], np.int32)] if bos is not None else []) + [ids]
+  parts += [np.array([eos], np.int32)] if eos is not None else []
+  return np.concatenate(parts).astype(np.int32, copy=False)  # [n]
+
+
+def token_dataset(comp: Component, vocab: Vocab, ds: grain.MapDataset) -> grain.MapDataset:
+  """`ds` (raw records of `comp`: text or shard bytes) mapped to int32 token arrays."""
+  if comp.fmt == "arrayrecord":
+    return ds.map(DecodeRecord(vocab, comp.meta["dtype"]))
+  return ds.map(Tokenize(vocab))
+
+
+class Concat(grain.MapDataset):
+  """Several finite MapDatasets one after the other (the eval parts of a mixture)."""
+
+  def __init__(self, parents: list[grain.MapDataset]):
+    super().__init__(parents)
+    self._ends = np.cumsum([len(p) for p in parents])
+
+  def __len__(self) -> int:
+    return int(self._ends[-1]) if len(self._ends) else 0
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    i = int(np.searchsorted(self._ends, index, side="right"))
+    return self.parents[i][index - (int(self._ends[i - 1]) if i else 0)]
+
+  def __str__(self) -> str:
+    return f"Concat({len(self.parents)} parents)"
+
+
+def documents_summary(comps: list[Component]) -> int:
+  return sum(len(c.source) for c in comps)
+
+
+def split_sizes(n: int, k: int) -> tuple[int, int]:
+  n_eval = math.ceil(n / k) if k else 0
+  return n - n_eval, n_eval

@@ -113,7 +113,7 @@ def _synthetic(cfg: DataConfig, vocab_size: int, process_index: int, process_cou
 
 
 class _Chunk(grain.experimental.FlatMapTransform):
-  """Document ids [n] -> shifted (inputs, targets) pieces of <= seq_len tokens.
+  """A block of documents' ids -> shifted (inputs, targets) pieces of <= seq_len tokens.
 
   Shifting happens per document before packing, so every kept position has its next token
   as target within the same document. A document longer than seq_len + 1 tokens becomes several
@@ -124,10 +124,10 @@ class _Chunk(grain.experimental.FlatMapTransform):
     self.seq_len = seq_len
     self.max_fan_out = 1 << 20
 
-  def flat_map(self, ids: np.ndarray) -> list[dict[str, np.ndarray]]:
-    n, t = len(ids) - 1, self.seq_len
-    return [{"inputs": ids[s:min(s + t, n)], "targets": ids[s + 1:min(s + t, n) + 1]}
-            for s in range(0, n, t)]
+  def flat_map(self, docs: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
+    t = self.seq_len
+    return [{"inputs": ids[s:min(s + t, len(ids) - 1)], "targets": ids[s + 1:min(s + t + 1, len(ids))]}
+            for ids in docs for s in range(0, len(ids) - 1, t)]
 
 
 class _Rename(grain.transforms.Map):
@@ -150,7 +150,7 @@ def _pack(ds: grain.IterDataset, cfg: DataConfig, bins: int, shuffle: bool) -> g
 def _read_options(cfg: DataConfig) -> grain.ReadOptions:
   if cfg.read_threads < 0 or cfg.worker_count < 0 or cfg.prefetch < 0:
     raise DataError("config keys data.read_threads, data.worker_count and data.prefetch must be >= 0")
-  return grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=max(16, 64 * cfg.read_threads))
+  return grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=max(4, 4 * cfg.read_threads))
 
 
 def _finish(ds: grain.IterDataset, cfg: DataConfig) -> grain.IterDataset:
@@ -185,11 +185,9 @@ def _train_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataItera
       raise DataError(f"data source '{comp.name}' has no training documents for process {pi} of {pc} "
                       f"({len(comp.source)} documents, eval_fraction {cfg.eval_fraction})")
     docs += len(view)
-    ds = grain.MapDataset.source(view)
-    if cfg.shuffle:
-      ds = ds.shuffle(seed=cfg.seed + 7919 * c)  # reshuffled every epoch
-    ds = ds.repeat(cfg.num_epochs if cfg.num_epochs > 0 else None)
-    parts.append(sources.token_dataset(comp, vocab, ds))
+    parts.append(sources.doc_blocks(
+        comp, vocab, view, shuffle_seed=cfg.seed + 7919 * c if cfg.shuffle else None,
+        epochs=cfg.num_epochs if cfg.num_epochs > 0 else None))
   ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
   ds = ds.to_iter_dataset(_read_options(cfg))
   b = local_batch_size(cfg, pc)
@@ -224,10 +222,10 @@ def _eval_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataIterat
   k = sources.eval_every(cfg.eval_fraction)
   # Every process packs the same global eval stream and keeps its slice of each global batch:
   # processes see disjoint rows and the same number of batches (collectives stay in step).
-  parts = [sources.token_dataset(c, vocab, grain.MapDataset.source(sources.DocIndex(c.source, k, part)))
-           for c in comps]
+  views = [sources.DocIndex(c.source, k, part) for c in comps]
+  parts = [sources.doc_blocks(c, vocab, v) for c, v in zip(comps, views)]
   ds = parts[0] if len(parts) == 1 else sources.Concat(parts)
-  docs = len(ds)
+  docs = sum(len(v) for v in views)
   if docs == 0:
     log.warning("data (eval): no held-out documents in %s", ", ".join(c.name for c in comps))
     return None

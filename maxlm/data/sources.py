@@ -23,6 +23,7 @@ from maxlm.data.readers import META_NAME, file_format, read_documents, resolve_f
 from maxlm.data.tokenizer import ASSETS, Tokenizer, check_vocab, load_tokenizer, special_ids
 
 EMBEDDED_CORPUS = ASSETS / "austen.txt.xz"  # one paragraph per line; built by scripts/build_assets.py
+DOCS_PER_READ = 64  # documents read and tokenized per call
 TYPES = ("embedded", "synthetic", "text", "jsonl", "parquet", "arrayrecord", "mixture")
 
 
@@ -184,40 +185,52 @@ def resolve_vocab(cfg: DataConfig, comps: list[Component], vocab_size: int) -> V
   return Vocab(None, bos, eos, f"{m.get('kind', '?')} tokenizer {m.get('path')} (from the shards, vocab {n})")
 
 
-class Tokenize(grain.transforms.Map):
-  """Document text -> int32 ids with BOS/EOS as configured."""
+class ReadDocs(grain.transforms.Map):
+  """A block of positions in `view` -> their documents as int32 ids with BOS/EOS as configured.
 
-  def __init__(self, vocab: Vocab):
+  Blocks make ArrayRecord reads and tokenization batched calls (one Python call per block).
+  """
+
+  def __init__(self, comp: Component, view: DocIndex, vocab: Vocab, threads: int = 1):
+    self.view, self.fmt, self.threads = view, comp.fmt, threads
     self.tok, self.bos, self.eos = vocab.tokenizer, vocab.bos, vocab.eos
+    self.dtype = np.dtype(comp.meta["dtype"]) if comp.meta else None
 
-  def map(self, text: str) -> np.ndarray:
-    return _wrap(self.tok.encode(text), self.bos, self.eos)
-
-
-class DecodeRecord(grain.transforms.Map):
-  """Prepared ArrayRecord bytes -> int32 ids with BOS/EOS as configured."""
-
-  def __init__(self, vocab: Vocab, dtype: str):
-    self.bos, self.eos, self.dtype = vocab.bos, vocab.eos, np.dtype(dtype)
-
-  def map(self, record: bytes) -> np.ndarray:
-    if len(record) % self.dtype.itemsize:
-      raise DataError(f"corrupt ArrayRecord record: {len(record)} bytes is not a multiple of "
-                      f"{self.dtype.itemsize} ({self.dtype})")
-    return _wrap(np.frombuffer(record, self.dtype).astype(np.int32), self.bos, self.eos)
+  def map(self, positions: np.ndarray) -> list[np.ndarray]:
+    idx = [self.view.index(int(m)) for m in positions]
+    src = self.view.source
+    if self.fmt != "arrayrecord":
+      return [_wrap(ids, self.bos, self.eos)
+              for ids in self.tok.encode_batch([src[i] for i in idx], self.threads)]
+    out = []
+    for i, rec in zip(idx, src.__getitems__(idx)):
+      if len(rec) % self.dtype.itemsize:
+        raise DataError(f"corrupt record {i} in ArrayRecord shards: {len(rec)} bytes is not a multiple "
+                        f"of {self.dtype.itemsize} ({self.dtype})")
+      out.append(_wrap(np.frombuffer(rec, self.dtype), self.bos, self.eos))
+    return out
 
 
 def _wrap(ids: np.ndarray, bos: int | None, eos: int | None) -> np.ndarray:
-  parts = ([np.array([bos], np.int32)] if bos is not None else []) + [ids]
-  parts += [np.array([eos], np.int32)] if eos is not None else []
-  return np.concatenate(parts).astype(np.int32, copy=False)  # [n]
+  out = np.empty(len(ids) + (bos is not None) + (eos is not None), np.int32)  # [n]
+  out[int(bos is not None):len(out) - int(eos is not None)] = ids
+  if bos is not None:
+    out[0] = bos
+  if eos is not None:
+    out[-1] = eos
+  return out
 
 
-def token_dataset(comp: Component, vocab: Vocab, ds: grain.MapDataset) -> grain.MapDataset:
-  """`ds` (raw records of `comp`: text or shard bytes) mapped to int32 token arrays."""
-  if comp.fmt == "arrayrecord":
-    return ds.map(DecodeRecord(vocab, comp.meta["dtype"]))
-  return ds.map(Tokenize(vocab))
+def doc_blocks(comp: Component, vocab: Vocab, view: DocIndex, *, shuffle_seed: int | None = None,
+               epochs: int | None = 1, threads: int = 1) -> grain.MapDataset:
+  """MapDataset of blocks (lists) of `view`'s documents as token arrays: seeded shuffle
+  (a new order every epoch), `epochs` passes (None = forever), then `DOCS_PER_READ` per block."""
+  ds = grain.MapDataset.range(len(view))
+  if shuffle_seed is not None:
+    ds = ds.shuffle(seed=shuffle_seed)
+  if epochs != 1:
+    ds = ds.repeat(epochs)
+  return ds.batch(DOCS_PER_READ).map(ReadDocs(comp, view, vocab, threads))
 
 
 class Concat(grain.MapDataset):

@@ -1,0 +1,40 @@
+"""Test setup: 8 simulated CPU devices (set before JAX is imported), TE helpers and markers."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu" if os.environ.get("MAXLM_TEST_GPU") != "1" else "")
+
+import pytest  # noqa: E402
+
+from maxlm.layers import te_installed  # noqa: E402
+
+TE_REASON = "Transformer Engine is not installed (bash scripts/setup.sh installs it)"
+
+
+def pytest_collection_modifyitems(config, items):
+  if te_installed():
+    return
+  skip = pytest.mark.skip(reason=TE_REASON)
+  for item in items:
+    if "te" in item.keywords:
+      item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_fp8_gpu(monkeypatch):
+  """Make TE's compute-capability probe report a Hopper GPU so FP8 recipes run on CPU.
+
+  TE then takes its pure-JAX FP8 path (NVTE_JAX_CUSTOM_CALLS=false), which simulates E4M3/E5M2
+  quantization with per-tensor scales exactly.
+  """
+  from maxlm.layers.te_env import import_te
+  import_te()
+  import transformer_engine_jax
+  from transformer_engine.jax.quantize import device_utils, helper
+  monkeypatch.setattr(transformer_engine_jax, "get_device_compute_capability", lambda gpu_id=0: 90)
+  device_utils.get_device_compute_capability.cache_clear()
+  monkeypatch.setattr(helper, "_is_scaling_mode_supported", None)
+  monkeypatch.setattr(helper, "_reason_for_no_scaling_mode", None, raising=False)
+  yield
+  device_utils.get_device_compute_capability.cache_clear()

@@ -1,0 +1,201 @@
+"""Each layer backend against references written here, and TE vs Flax on identical parameters."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from maxlm.layers import get_backend, precision_scope
+from maxlm.layers.rope import apply_rope, rope_frequencies
+
+BACKENDS = [pytest.param("flax"), pytest.param("te", marks=pytest.mark.te)]
+
+
+class Wrap(nn.Module):
+  fn: object
+
+  @nn.compact
+  def __call__(self, *args):
+    return self.fn(*args)
+
+
+def run(backend, fn, *args, params=None):
+  """Init (or reuse `params`) and apply a backend function inside the backend's scope."""
+  mod = Wrap(fn)
+  with precision_scope("bf16", backend):
+    if params is None:
+      params = nn.unbox(jax.jit(mod.init)(jax.random.PRNGKey(0), *args))
+    return jax.jit(mod.apply)(params, *args), params
+
+
+def rand(shape, seed=0, dtype=jnp.float32):
+  return jax.random.normal(jax.random.PRNGKey(seed), shape, dtype)
+
+
+# ---- references (float64 numpy) ------------------------------------------------------------------
+
+def ref_rms(x, scale, eps):
+  x = np.asarray(x, np.float64)
+  return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * np.asarray(scale, np.float64)
+
+
+def ref_llama3_inv_freq(dim, theta, factor, low, high, orig):
+  out = []
+  for i in range(0, dim, 2):
+    f = 1.0 / theta ** (i / dim)
+    wavelen = 2 * math.pi / f
+    if wavelen < orig / high:
+      out.append(f)
+    elif wavelen > orig / low:
+      out.append(f / factor)
+    else:
+      s = (orig / wavelen - low) / (high - low)
+      out.append((1 - s) * f / factor + s * f)
+  return np.array(out)
+
+
+def ref_rope(x, pos, inv_freq):
+  x = np.asarray(x, np.float64)
+  half = x.shape[-1] // 2
+  ang = np.asarray(pos, np.float64)[..., None] * inv_freq  # [B, T, Dh/2]
+  cos = np.concatenate([np.cos(ang)] * 2, -1)[:, :, None]
+  sin = np.concatenate([np.sin(ang)] * 2, -1)[:, :, None]
+  rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
+  return x * cos + rot * sin
+
+
+def ref_attention(q, k, v, window=0, seg=None):
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  b, t, h, d = q.shape
+  rep = h // k.shape[2]
+  k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+  logits = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+  qi, ki = np.arange(t)[:, None], np.arange(t)[None]
+  keep = np.broadcast_to(ki <= qi, (b, 1, t, t)).copy()
+  if window:
+    keep &= (qi - ki < window)
+  if seg is not None:
+    seg = np.asarray(seg)
+    keep &= (seg[:, None, :, None] == seg[:, None, None, :]) & (seg[:, None, :, None] > 0)
+  logits = np.where(keep, logits, -1e30)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def ref_swiglu(x, scale, wi, wo, eps):
+  y = ref_rms(x, scale, eps)
+  wi = np.asarray(wi, np.float64)
+  g, u = y @ wi[:, 0], y @ wi[:, 1]
+  return (g / (1 + np.exp(-g)) * u) @ np.asarray(wo, np.float64)
+
+
+# ---- tests -----------------------------------------------------------------------------------------
+
+def test_rope_matches_reference_with_and_without_llama3_scaling():
+  x = rand((2, 7, 3, 16))
+  pos = jnp.array([[0, 1, 2, 0, 1, 2, 3], [5, 6, 7, 8, 9, 10, 11]])
+  plain = rope_frequencies(16, 10000.0)
+  np.testing.assert_allclose(plain, 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16), rtol=1e-12)
+  np.testing.assert_allclose(apply_rope(x, pos, plain), ref_rope(x, pos, plain), atol=1e-5)
+  scaled = rope_frequencies(128, 500000.0, "llama3", 8.0, 1.0, 4.0, 8192)
+  np.testing.assert_allclose(scaled, ref_llama3_inv_freq(128, 500000.0, 8.0, 1.0, 4.0, 8192), rtol=1e-12)
+  assert not np.allclose(scaled, rope_frequencies(128, 500000.0))  # scaling changes low frequencies
+
+
+def test_rope_positions_restart_per_document():
+  x = rand((1, 6, 2, 8))
+  inv = rope_frequencies(8, 10000.0)
+  packed = apply_rope(x, jnp.array([[0, 1, 2, 0, 1, 2]]), inv)
+  np.testing.assert_allclose(packed[:, 3:], apply_rope(x[:, 3:], jnp.array([[0, 1, 2]]), inv), atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rms_norm(backend):
+  be = get_backend(backend)
+  x = rand((2, 5, 32))
+  y, p = run(backend, functools.partial(be.rms_norm, eps=1e-5, param_dtype=jnp.float32, name="n"), x)
+  scale = np.asarray(p["params"]["n"]["scale"])
+  np.testing.assert_allclose(y, ref_rms(x, scale, 1e-5), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_norm_dense_multi_dim_features(backend):
+  be = get_backend(backend)
+  x = rand((2, 5, 32))
+  fn = functools.partial(be.norm_dense, features=(2, 3, 8), kernel_axes=("embed", "kv_heads", "qkv", "head_dim"),
+                         eps=1e-5, param_dtype=jnp.float32, kernel_init=nn.initializers.normal(0.1), name="qkv")
+  y, p = run(backend, fn, x)
+  w = np.asarray(p["params"]["qkv"]["kernel"])
+  assert w.shape == (32, 2, 3, 8) and y.shape == (2, 5, 2, 3, 8)
+  ref = np.einsum("btd,dkgh->btkgh", ref_rms(x, p["params"]["qkv"]["scale"], 1e-5), w)
+  np.testing.assert_allclose(y, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dense_contracts_heads(backend):
+  be = get_backend(backend)
+  x = rand((2, 5, 4, 8))
+  fn = functools.partial(be.dense, features=(32,), axis=(-2, -1), kernel_axes=("heads", "head_dim", "embed"),
+                         param_dtype=jnp.float32, kernel_init=nn.initializers.normal(0.1), name="out")
+  y, p = run(backend, fn, x)
+  np.testing.assert_allclose(y, np.einsum("bthd,hde->bte", x, p["params"]["out"]["kernel"]), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_swiglu_mlp(backend):
+  be = get_backend(backend)
+  x = rand((2, 5, 32))
+  fn = functools.partial(be.norm_mlp, ffn_dim=48, eps=1e-5, param_dtype=jnp.float32,
+                         kernel_init=nn.initializers.normal(0.2), name="mlp")
+  y, p = run(backend, fn, x)
+  mp = p["params"]["mlp"]
+  assert mp["wi_kernel"].shape == (32, 2, 48) and mp["wo_kernel"].shape == (48, 32)
+  np.testing.assert_allclose(y, ref_swiglu(x, mp["scale"], mp["wi_kernel"], mp["wo_kernel"], 1e-5), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window,packed", [(0, False), (3, False), (0, True), (4, True)])
+def test_gqa_attention(backend, window, packed):
+  be = get_backend(backend)
+  q, k, v = rand((2, 9, 4, 8), 1), rand((2, 9, 2, 8), 2), rand((2, 9, 2, 8), 3)
+  seg = jnp.array([[1, 1, 1, 2, 2, 2, 2, 3, 0], [1, 1, 1, 1, 1, 1, 2, 2, 2]]) if packed else None
+  pos = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0, 0], [0, 1, 2, 3, 4, 5, 0, 1, 2]]) if packed else None
+  fn = functools.partial(be.attention, segment_ids=seg, positions=pos, window=window, max_segments=4, name="a")
+  y, _ = run(backend, fn, q, k, v)
+  ref = ref_attention(q, k, v, window, seg)
+  valid = np.asarray(seg > 0)[..., None, None] if packed else np.ones((1, 1, 1, 1), bool)
+  np.testing.assert_allclose(np.where(valid, y, 0), np.where(valid, ref, 0), atol=1e-5)
+
+
+@pytest.mark.te
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_te_equals_flax_on_the_same_parameters(dtype):
+  te, fx = get_backend("te"), get_backend("flax")
+  x = rand((2, 6, 32)).astype(dtype)
+
+  def block(be):
+    def fn(x):
+      h = be.norm_dense(x, features=(2, 4, 8), kernel_axes=("embed", "kv_heads", "qkv", "head_dim"), eps=1e-5,
+                        param_dtype=jnp.float32, kernel_init=nn.initializers.normal(0.2), name="qkv")
+      q = h[:, :, :, :2].reshape(2, 6, 4, 8)
+      a = be.attention(q, h[:, :, :, 2], h[:, :, :, 3], name="attn")
+      o = be.dense(a, features=(32,), axis=(-2, -1), kernel_axes=("heads", "head_dim", "embed"),
+                   param_dtype=jnp.float32, kernel_init=nn.initializers.normal(0.2), name="out")
+      return be.norm_mlp(x + o, ffn_dim=64, eps=1e-5, param_dtype=jnp.float32,
+                         kernel_init=nn.initializers.normal(0.2), name="mlp")
+    return fn
+
+  y_te, params = run("te", block(te), x)
+  y_fx, params_fx = run("flax", block(fx), x, params=params)
+  assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(run("flax", block(fx), x)[1])
+  assert y_te.dtype == y_fx.dtype == dtype
+  a, b = np.asarray(y_te, np.float32), np.asarray(y_fx, np.float32)
+  if dtype == jnp.float32:
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  else:  # bf16 (8-bit mantissa): compare as relative L2 error, as one would for any bf16 kernel
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from maxlm.config import DataConfig
-from maxlm.data import BATCH_KEYS, DataError, make_eval_iterator, make_train_iterator
+from maxlm.data import BATCH_KEYS, DataError, load_tokenizer, make_eval_iterator, make_train_iterator
 
 
 def _hash(batches) -> str:
@@ -68,3 +68,162 @@ def test_bad_process_arguments():
     make_train_iterator(cfg, 10, 0, 4)
   with pytest.raises(DataError, match="process_index"):
     make_train_iterator(cfg, 10, 2, 2)
+
+
+# --- real text: packing, sharding, epochs, eval, state --------------------------------------------
+
+WORDS = "the a cat sat on mat of Emma was very happy and Mr Knightley said no".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """60 documents of 1..120 words (some longer than seq_len tokens), one per line."""
+  rng = np.random.default_rng(0)
+  docs = [f"doc{i} " + " ".join(rng.choice(WORDS, rng.integers(1, 120))) for i in range(60)]
+  path = tmp_path_factory.mktemp("corpus") / "docs.txt"
+  path.write_text("\n".join(docs) + "\n")
+  return path, docs
+
+
+def _cfg(path, **kw):
+  base = dict(type="text", paths=str(path), seq_len=32, global_batch_size=4, eval_fraction=0.0,
+              num_epochs=1, max_segments_per_row=8, packing_bins=8)
+  return DataConfig(**{**base, **kw})
+
+
+def _expected_pieces(docs, seq_len):
+  tok = load_tokenizer()
+  out = []
+  for d in docs:
+    ids = [1, *tok.encode(d).tolist(), 2]
+    out += [tuple(ids[s:min(s + seq_len + 1, len(ids))]) for s in range(0, len(ids) - 1, seq_len)]
+  return sorted(out)
+
+
+def _pieces(batches, cap):
+  """Check the packing invariants of every row; return each segment's tokens (inputs + last target)."""
+  out = []
+  for b in batches:
+    for inp, tgt, seg, pos in zip(b["inputs"], b["targets"], b["segment_ids"], b["positions"]):
+      used = int((seg > 0).sum())
+      assert (seg[used:] == 0).all() and (inp[used:] == 0).all()  # padding only at the end
+      assert seg[0] == 1 if used else True
+      assert (np.diff(seg[:used]) >= 0).all() and (np.diff(seg[:used]) <= 1).all()
+      assert seg.max() <= cap
+      for s in range(1, seg.max() + 1):
+        m = np.flatnonzero(seg == s)
+        assert len(m) and (np.diff(m) == 1).all()
+        np.testing.assert_array_equal(pos[m], np.arange(len(m)))  # positions restart per document
+        np.testing.assert_array_equal(tgt[m][:-1], inp[m][1:])  # shifted inside the document
+        out.append(tuple(inp[m].tolist()) + (int(tgt[m][-1]),))
+  return sorted(out)
+
+
+def test_packing_invariants_and_exact_content(corpus):
+  path, docs = corpus
+  cfg = _cfg(path, max_segments_per_row=3)
+  batches = list(make_train_iterator(cfg, 8192))
+  assert all(b[k].shape == (4, 32) and b[k].dtype == np.int32 for b in batches for k in BATCH_KEYS)
+  assert _pieces(batches, cap=3) == _expected_pieces(docs, 32)
+  assert max(int(b["segment_ids"].max()) for b in batches) == 3  # the cap binds here
+
+
+def test_sharding_disjoint_and_complete(corpus):
+  path, docs = corpus
+  cfg = _cfg(path, global_batch_size=6)
+  per_process = [_pieces(list(make_train_iterator(cfg, 8192, p, 3)), cap=8) for p in range(3)]
+  merged = sorted(x for pieces in per_process for x in pieces)
+  assert merged == _expected_pieces(docs, 32)  # complete, and no piece twice
+  assert all(per_process)
+
+
+def test_epochs_reshuffle(corpus):
+  path, docs = corpus
+  batches = list(make_train_iterator(_cfg(path, num_epochs=2, seq_len=256), 8192))
+  pieces = _pieces(batches, cap=8)
+  assert pieces == sorted(_expected_pieces(docs, 256) * 2)
+  tok, seen = load_tokenizer(), []
+  for b in batches:
+    for inp, seg in zip(b["inputs"], b["segment_ids"]):
+      for s in range(1, seg.max() + 1):
+        text = tok.decode(inp[seg == s])
+        seen += [int(text[3:].split()[0])] if text.startswith("doc") else []
+  first = sorted(range(60), key=seen.index)
+  second = sorted(range(60), key=lambda d: len(seen) - 1 - seen[::-1].index(d))
+  rank = {d: i for i, d in enumerate(second)}
+  discordant = sum(rank[a] > rank[b] for i, a in enumerate(first) for b in first[i + 1:])
+  assert discordant > 0.25 * 60 * 59 / 2  # the second epoch is in a new order (~0.5 when random)
+
+
+def test_seed_changes_order(corpus):
+  path, _ = corpus
+  a = next(make_train_iterator(_cfg(path, seed=1), 8192))
+  b = next(make_train_iterator(_cfg(path, seed=2), 8192))
+  assert not np.array_equal(a["inputs"], b["inputs"])
+
+
+def test_state_restore_embedded_default():
+  cfg = DataConfig(seq_len=64, global_batch_size=4)
+  assert cfg.type == "embedded"
+  _check_state_restore(cfg, 8192)
+  _check_state_restore(dataclasses.replace(cfg, prefetch=0, read_threads=0), 8192, process_index=1,
+                       process_count=2)
+
+
+def test_mixture_weights_and_state(tmp_path):
+  (tmp_path / "a.txt").write_text("".join(f"apple {i}\n" for i in range(300)))
+  (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": f"banana {i}"}) + "\n" for i in range(300)))
+  cfg = DataConfig(type="mixture", paths=f"{tmp_path}/a.txt,{tmp_path}/b.jsonl", weights="3,1",
+                   seq_len=64, global_batch_size=4, eval_fraction=0.0)
+  tok = load_tokenizer()
+  apple, banana = tok.encode("apple")[0], tok.encode("banana")[0]
+  rows = _take(make_train_iterator(cfg, 8192), 40)
+  heads = np.concatenate([b["inputs"][b["positions"] == 1] for b in rows])  # [documents] after BOS
+  n_a, n_b = int((heads == apple).sum()), int((heads == banana).sum())
+  assert n_a + n_b == len(heads) and 2.5 < n_a / n_b < 3.5
+  _check_state_restore(cfg, 8192)
+  with pytest.raises(DataError, match="needs 2 positive numbers"):
+    make_train_iterator(dataclasses.replace(cfg, weights="1"), 8192)
+
+
+def test_eval_split_disjoint_and_multiprocess(corpus):
+  path, docs = corpus
+  cfg = _cfg(path, eval_fraction=0.1, num_epochs=1)
+  train = _pieces(list(make_train_iterator(cfg, 8192)), cap=8)
+  held = [d for i, d in enumerate(docs) if i % 10 == 0]
+  single = list(make_eval_iterator(cfg, 8192))
+  assert _pieces(single, cap=8) == _expected_pieces(held, 32)
+  assert train == _expected_pieces([d for i, d in enumerate(docs) if i % 10], 32)
+  assert list(make_eval_iterator(cfg, 8192))  # a fresh pass each call
+  two = [list(make_eval_iterator(cfg, 8192, p, 2)) for p in range(2)]
+  assert len(two[0]) == len(two[1]) == len(single)  # same number of batches on every process
+  for step, b in enumerate(single):
+    for k in BATCH_KEYS:
+      np.testing.assert_array_equal(np.concatenate([two[0][step][k], two[1][step][k]]), b[k])
+  assert make_eval_iterator(_cfg(path), 8192) is None  # no split, no eval_paths
+
+
+def test_eval_paths(corpus, tmp_path):
+  path, docs = corpus
+  held = tmp_path / "held.txt"
+  held.write_text("held out one\nheld out two\n")
+  cfg = _cfg(path, eval_paths=str(held))
+  assert _pieces(list(make_eval_iterator(cfg, 8192)), cap=8) == _expected_pieces(
+      ["held out one", "held out two"], 32)
+
+
+def test_bad_config_and_skips(tmp_path):
+  with pytest.raises(DataError, match="data.type' must be one of"):
+    make_train_iterator(DataConfig(type="csv"), 8192)
+  with pytest.raises(DataError, match="needs data.paths"):
+    make_train_iterator(DataConfig(type="jsonl"), 8192)
+  with pytest.raises(DataError, match="eval_fraction"):
+    make_train_iterator(DataConfig(eval_fraction=0.9), 8192)
+  bad = tmp_path / "d.jsonl"
+  bad.write_text('{"text": "fine document"}\n{oops\n' * 4)
+  with pytest.raises(DataError, match=r"d.jsonl:2: malformed JSON"):
+    make_train_iterator(DataConfig(type="jsonl", paths=str(bad), eval_fraction=0), 8192)
+  it = make_train_iterator(DataConfig(type="jsonl", paths=str(bad), eval_fraction=0,
+                                      skip_bad_records=True), 8192)
+  assert it.info["skipped"] == 4 and "4 malformed JSON" in it.info["skipped_summary"]
+  assert next(it)["segment_ids"].max() >= 1

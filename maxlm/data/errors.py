@@ -23,7 +23,8 @@ class Skips:
   def bad(self, where: str, reason: str, n: int = 1) -> None:
     """Report a bad record at `where` (e.g. 'a.jsonl:12'): raise, or count it when skipping."""
     if not self.enabled:
-      raise DataError(f"{where}: {reason} (set data.skip_bad_records=true to skip such records)")
+      raise DataError(f"{where}: {reason} (data.skip_bad_records=true or prepare "
+                      f"--skip-bad-records skips such records)")
     self.counts[reason] += n
     self.first.setdefault(reason, where)
 

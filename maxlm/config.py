@@ -195,6 +195,11 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
   elif typ is float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return float(value)
+    if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+      try:
+        return float(value)
+      except ValueError:
+        pass
   elif typ is str:
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
       return str(value)
@@ -209,6 +214,9 @@ def _apply(obj, updates: dict[str, Any], prefix: str = ""):
   for name, value in updates.items():
     key = prefix + name
     if name not in hints:
+      while isinstance(value, dict) and len(value) == 1:  # name the full dotted key the user typed
+        sub, value = next(iter(value.items()))
+        key += "." + sub
       raise _unknown(key, type(obj))
     typ = hints[name]
     if dataclasses.is_dataclass(typ):

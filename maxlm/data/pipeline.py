@@ -125,15 +125,19 @@ class _Chunk(grain.experimental.FlatMapTransform):
     self.max_fan_out = 1 << 20
 
   def flat_map(self, docs: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
-    t = self.seq_len
-    return [{"inputs": ids[s:min(s + t, len(ids) - 1)], "targets": ids[s + 1:min(s + t + 1, len(ids))]}
-            for ids in docs for s in range(0, len(ids) - 1, t)]
+    t, out = self.seq_len, []
+    for ids in docs:
+      pairs = np.stack([ids[:-1], ids[1:]], axis=-1)  # [n - 1, 2]: (input, target)
+      out += [{"io": pairs[s:s + t]} for s in range(0, len(pairs), t)]
+    return out
 
 
-class _Rename(grain.transforms.Map):
+class _Split(grain.transforms.Map):
+  """Packed row {io [T, 2], io_segment_ids [T], io_positions [T]} -> the four batch keys."""
+
   def map(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {"inputs": row["inputs"], "targets": row["targets"],
-            "segment_ids": row["inputs_segment_ids"], "positions": row["inputs_positions"]}
+    return {"inputs": row["io"][:, 0], "targets": row["io"][:, 1],
+            "segment_ids": row["io_segment_ids"], "positions": row["io_positions"]}
 
 
 def _pack(ds: grain.IterDataset, cfg: DataConfig, bins: int, shuffle: bool) -> grain.IterDataset:
@@ -142,9 +146,9 @@ def _pack(ds: grain.IterDataset, cfg: DataConfig, bins: int, shuffle: bool) -> g
     raise DataError(f"config key 'data.max_segments_per_row' must be >= 1, got {cfg.max_segments_per_row}")
   ds = grain.experimental.FlatMapIterDataset(ds, _Chunk(cfg.seq_len))
   ds = grain.experimental.FirstFitPackIterDataset(
-      ds, length_struct={"inputs": cfg.seq_len, "targets": cfg.seq_len}, num_packing_bins=bins,
-      seed=cfg.seed, shuffle_bins=shuffle, max_sequences_per_bin=cfg.max_segments_per_row)
-  return ds.map(_Rename())
+      ds, length_struct={"io": cfg.seq_len}, num_packing_bins=bins, seed=cfg.seed,
+      shuffle_bins=shuffle, max_sequences_per_bin=cfg.max_segments_per_row)
+  return ds.map(_Split())
 
 
 def _read_options(cfg: DataConfig) -> grain.ReadOptions:

@@ -14,6 +14,8 @@ import lzma
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from maxlm.data.errors import DataError, Skips
 
 TEXT_SPLITS = ("line", "paragraph", "file")
@@ -182,3 +184,54 @@ def _parquet_docs(path: Path, skips: Skips, *, field: str, **_) -> Iterator[str]
         value = _decode(value, where, skips)
       if value is not None and value.strip():
         yield value
+
+
+class ShardSource:
+  """Random access to the records of several ArrayRecord files (prepared token shards).
+
+  `read(indices)` makes one batched read per file; readers open lazily in each process.
+  """
+
+  OPTIONS = "readahead_buffer_size:0"
+
+  def __init__(self, files: list[Path]):
+    self.files = [str(f) for f in files]
+    counts = []
+    for f in self.files:
+      reader = self._open(f)
+      counts.append(reader.num_records())
+      reader.close()
+    self._ends = np.cumsum(counts)  # [files]
+    self._readers: dict[int, object] = {}
+
+  def _open(self, f: str):
+    from array_record.python.array_record_module import ArrayRecordReader  # noqa: PLC0415
+    try:
+      return ArrayRecordReader(f, self.OPTIONS)
+    except Exception as e:  # noqa: BLE001 - the reader raises RuntimeError/ValueError/OSError
+      raise DataError(f"cannot open ArrayRecord shard '{f}': {str(e).splitlines()[0]}") from None
+
+  def __len__(self) -> int:
+    return int(self._ends[-1]) if len(self._ends) else 0
+
+  def __getitem__(self, i: int) -> bytes:
+    return self.read([i])[0]
+
+  def read(self, indices: list[int]) -> list[bytes]:
+    idx = np.asarray(indices, np.int64)  # [n]
+    if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
+      raise IndexError(f"record index out of range [0, {len(self)})")
+    which = np.searchsorted(self._ends, idx, side="right")  # [n]
+    out: list[bytes] = [b""] * len(idx)
+    for f in np.unique(which).tolist():
+      sel = np.flatnonzero(which == f)
+      local = idx[sel] - (self._ends[f - 1] if f else 0)
+      reader = self._readers.get(f)
+      if reader is None:
+        reader = self._readers[f] = self._open(self.files[f])
+      for j, rec in zip(sel.tolist(), reader.read(local.tolist())):
+        out[j] = rec
+    return out
+
+  def __getstate__(self):
+    return {**self.__dict__, "_readers": {}}

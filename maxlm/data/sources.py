@@ -21,7 +21,8 @@ import numpy as np
 
 from maxlm.config import DataConfig
 from maxlm.data.errors import DataError, Skips
-from maxlm.data.readers import META_NAME, file_format, read_documents, resolve_files, split_list
+from maxlm.data.readers import (META_NAME, ShardSource, file_format, read_documents, resolve_files,
+                                split_list)
 from maxlm.data.tokenizer import ASSETS, Tokenizer, check_vocab, load_tokenizer, special_ids
 
 EMBEDDED_CORPUS = ASSETS / "austen.txt.xz"  # one paragraph per line; built by scripts/build_assets.py
@@ -69,7 +70,7 @@ class DocIndex:
 class Component:
   name: str
   fmt: str  # text | jsonl | parquet | arrayrecord
-  source: object  # random access: a list of str, or an ArrayRecordDataSource of token bytes
+  source: object  # random access: a list of str, or a ShardSource of token bytes
   meta: dict | None = None  # prepared shards' maxlm_data.json
 
 
@@ -110,12 +111,7 @@ def load_component(entry: str, fmt: str, cfg: DataConfig, skips: Skips) -> Compo
   if fmt == "arrayrecord":
     if any(file_format(f) != "arrayrecord" for f in files):
       raise DataError(f"'{entry}' mixes ArrayRecord shards with other files")
-    meta = _shard_meta(files)
-    try:
-      src = grain.sources.ArrayRecordDataSource([str(f) for f in files])
-    except Exception as e:  # noqa: BLE001 - the reader raises RuntimeError/ValueError/OSError
-      raise DataError(f"cannot open ArrayRecord shards '{entry}': {str(e).splitlines()[0]}") from None
-    return Component(entry, fmt, src, meta)
+    return Component(entry, fmt, ShardSource(files), _shard_meta(files))
   split = cfg.text_split if cfg.type != "embedded" else "line"
   stamp = tuple((str(f), f.stat().st_mtime) for f in files)
   docs, file_skips = _read_texts(stamp, fmt, cfg.field, split, cfg.skip_bad_records)
@@ -205,7 +201,7 @@ class ReadDocs(grain.transforms.Map):
       return [_wrap(ids, self.bos, self.eos)
               for ids in self.tok.encode_batch([src[i] for i in idx], self.threads)]
     out = []
-    for i, rec in zip(idx, src.__getitems__(idx)):
+    for i, rec in zip(idx, src.read(idx)):
       if len(rec) % self.dtype.itemsize:
         raise DataError(f"corrupt record {i} in ArrayRecord shards: {len(rec)} bytes is not a multiple "
                         f"of {self.dtype.itemsize} ({self.dtype})")

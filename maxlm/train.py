@@ -1,6 +1,9 @@
 """`python -m maxlm.train [config=FILE] [key=value ...]`: the training entry point.
 
-Exit codes: 0 done, 2 bad configuration or input (one-line message, nothing written).
+Exit codes: 0 done, 1 run-time failure (e.g. non-finite loss with train.nonfinite=stop), 2 bad
+configuration or input (one-line message, nothing written), 3 checkpoint error (none usable, or a
+save failed; earlier checkpoints stay intact), 75 preempted by SIGTERM/SIGINT (a checkpoint of the
+last step was saved; rerun the same command to resume).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from maxlm.config import Config, ConfigError, dump_yaml, load_config
 
 EXIT_BAD_INPUT = 2
+EXIT_CHECKPOINT = 3
 
 log = logging.getLogger("maxlm")
 
@@ -132,10 +136,16 @@ def train(cfg: Config) -> int:
        f"precision={m.precision}) on {jax.device_count()} x {kind}, mesh "
        f"{dict(trainer.mesh.shape)}, run dir {run_dir}")
 
-  start_step = int(jax.device_get(trainer.state.step))
-  tokens_per_step = d.global_batch_size * d.seq_len
-  t_last, steps_since = None, 0
+  from maxlm import checkpoint
+  from maxlm.config import to_dict
+  from maxlm.preemption import EXIT_PREEMPTED, Preemption
+  ckpt, preemption = None, Preemption()
   try:
+    ckpt = checkpoint.start(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
+    start_step = int(jax.device_get(trainer.state.step))
+    checked, skipped = start_step, int(jax.device_get(trainer.state.nonfinite_steps))
+    tokens_per_step = d.global_batch_size * d.seq_len
+    t_last, steps_since = None, 0
     for step in range(start_step, t.steps):
       batch = trainer.to_device(next(trainer.train_data))
       trainer.state, metrics = trainer.train_step(trainer.state, batch)
@@ -144,6 +154,20 @@ def train(cfg: Config) -> int:
       if t_last is None:  # the first step compiles: time from its end
         jax.block_until_ready(metrics)
         t_last, steps_since = time.perf_counter(), 0
+      stop = preemption.reached(done)
+      if ckpt is not None and (stop or done == t.steps or ckpt.due(done)):
+        if t.nonfinite == "stop":  # never checkpoint past a skipped update
+          checked = _check_finite(jax.device_get(metrics), checked, skipped, done, ckpt)
+        ckpt.save(done, trainer.state, trainer.train_data.get_state(), to_dict(cfg))
+      elif ckpt is not None:
+        ckpt.poll()
+      if stop:
+        if ckpt is not None:
+          ckpt.wait()
+        echo(f"maxlm: {preemption.signal} at step {done}: "
+             + (f"checkpoint step {done} saved in {ckpt.directory}" if ckpt else "checkpointing is disabled")
+             + f"; exiting with code {EXIT_PREEMPTED} (rerun the same command to resume)")
+        return EXIT_PREEMPTED
       if done % t.log_every and done != t.steps:
         continue
       metrics = jax.device_get(metrics)
@@ -156,17 +180,33 @@ def train(cfg: Config) -> int:
         row["step_time"] = dt / steps_since
       else:
         row.update({"tokens_per_sec": None, "tflops_per_device": None, "mfu": None, "step_time": None})
-      if not bool(metrics["finite"]) and t.nonfinite == "stop":
-        raise RunError(f"non-finite loss or gradient at step {done} (loss={row['loss']}, "
-                       f"grad_norm={row['grad_norm']}); the update was not applied")
+      if t.nonfinite == "stop":
+        checked = _check_finite(metrics, checked, skipped, done, ckpt)
       if trainer.eval_data_factory and t.eval_every and (done % t.eval_every == 0 or done == t.steps):
         row.update(trainer.evaluate())
       writer.write(done, row)
       echo(progress_line(done, t.steps, row))
       t_last, steps_since = time.perf_counter(), 0
   finally:
+    preemption.close()
     writer.close()
+    if ckpt is not None:
+      ckpt.close()  # waits for the save in flight
   return 0
+
+
+def _check_finite(metrics: dict, checked: int, skipped: int, done: int, ckpt) -> int:
+  """train.nonfinite=stop: raise RunError if an update after step `checked` was skipped; else `done`."""
+  if int(metrics["nonfinite_steps"]) == skipped:
+    return done
+  if bool(metrics["finite"]):
+    where = f"between steps {checked + 1} and {done}"
+  else:
+    where = f"at step {done} (loss={float(metrics['loss'])}, grad_norm={float(metrics['grad_norm'])})"
+  kept = "no checkpoint was written"
+  if ckpt is not None and ckpt.latest is not None:
+    kept = f"the last good checkpoint is step {ckpt.latest} in {ckpt.directory}"
+  raise RunError(f"non-finite loss or gradient {where}; the update was not applied; {kept}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(argv)
   except ConfigError as e:
     return _fail(str(e), EXIT_BAD_INPUT)
+  from maxlm.checkpoint import CheckpointError
   from maxlm.data import DataError
   from maxlm.layers import PrecisionError
   try:
@@ -187,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     return _fail(str(e), EXIT_BAD_INPUT)
   except RunError as e:
     return _fail(str(e), 1)
+  except CheckpointError as e:
+    return _fail(str(e), EXIT_CHECKPOINT)
 
 
 if __name__ == "__main__":

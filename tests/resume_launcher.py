@@ -1,0 +1,124 @@
+"""Test-only entry point: `python tests/resume_launcher.py key=value ...` runs `maxlm.train.main`
+with hooks the checkpoint/resume tests need (never used outside tests).
+
+Environment:
+  MAXLM_TEST_FAKE_FP8=1      TE's GPU probe reports a Hopper GPU, so FP8 recipes run on CPU (pure JAX)
+  MAXLM_TEST_TRACE=FILE      append one JSON line per train step: {"step", "batch": sha256 of the batch}
+  MAXLM_TEST_STEP_SLEEP=SEC  sleep after every step (so a test can place signals and kills)
+  MAXLM_TEST_SLOW_SAVE=SEC   in the save thread, once all files are written and before the checkpoint
+                             is committed, print "SAVE-COMMITTING <step>" and sleep
+  MAXLM_TEST_NAN_STEPS=3,5   make the loss of those steps NaN (chosen by batch content)
+  MAXLM_TEST_FSIZE_AFTER=N   saves after step N hit a 64 KiB file-size limit (EFBIG, like a full disk)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def fake_fp8_gpu() -> None:
+  """Make TE's compute-capability probe report SM 9.0 and drop every cached answer."""
+  from maxlm.layers.te_env import import_te
+  import_te()
+  import transformer_engine_jax
+  from transformer_engine.jax.quantize import device_utils, helper
+  transformer_engine_jax.get_device_compute_capability = lambda gpu_id=0: 90
+  device_utils.get_device_compute_capability.cache_clear()
+  device_utils.is_fp8_gemm_with_all_layouts_supported.cache_clear()
+  helper._is_scaling_mode_supported = None
+
+
+def batch_hash(batch) -> str:
+  h = hashlib.sha256()
+  for k in sorted(batch):
+    h.update(k.encode() + np.ascontiguousarray(np.asarray(batch[k])).tobytes())
+  return h.hexdigest()
+
+
+def poisoned_losses(cfg, steps: list[int]):
+  """A `maxlm.step.token_losses` whose loss is NaN (gradients stay finite) on the batches of `steps`
+  (1-based, recognized by the sum of their targets)."""
+  import jax.numpy as jnp
+
+  from maxlm import step as step_lib
+  from maxlm.data import make_train_iterator
+  it = make_train_iterator(cfg.data, cfg.model.vocab_size, 0, 1)
+  sums = [int(next(it)["targets"].astype(np.int64).sum()) for _ in range(max(steps) + 64)]
+  it.close()
+  bad = {sums[s - 1] for s in steps}
+  assert not bad & {v for i, v in enumerate(sums) if i + 1 not in steps}, "batch sums collide"
+  original = step_lib.token_losses
+
+  def poisoned(logits, targets, mask):
+    loss, n = original(logits, targets, mask)
+    hit = jnp.isin(jnp.sum(targets), jnp.asarray(sorted(bad), jnp.int32))
+    return loss + jnp.where(hit, jnp.nan, 0.0), n
+
+  return poisoned
+
+
+def install_hooks(argv: list[str]) -> None:
+  from maxlm import checkpoint, train
+  trace = os.environ.get("MAXLM_TEST_TRACE")
+  pause = float(os.environ.get("MAXLM_TEST_STEP_SLEEP", "0"))
+  build = train.Trainer.build
+
+  def traced_build(self):
+    build(self)
+    inner = self.train_step
+
+    def step(state, batch):
+      if trace:
+        row = {"step": int(state.step) + 1, "batch": batch_hash(batch)}
+        with open(trace, "a") as f:
+          f.write(json.dumps(row) + "\n")
+      out = inner(state, batch)
+      if pause:
+        time.sleep(pause)
+      return out
+    self.train_step = step
+
+  train.Trainer.build = traced_build
+  slow = float(os.environ.get("MAXLM_TEST_SLOW_SAVE", "0"))
+  if slow:
+    finalized = checkpoint.Checkpointer._on_finalized
+
+    def slow_finalized(self):
+      finalized(self)
+      print(f"SAVE-COMMITTING {self._pending}", flush=True)
+      time.sleep(slow)
+    checkpoint.Checkpointer._on_finalized = slow_finalized
+  fsize_after = int(os.environ.get("MAXLM_TEST_FSIZE_AFTER", "-1"))
+  if fsize_after >= 0:
+    import resource
+    import signal
+    save = checkpoint.Checkpointer.save
+
+    def limited_save(self, step, *a, **kw):
+      if step > fsize_after:
+        self.wait()
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
+      return save(self, step, *a, **kw)
+    checkpoint.Checkpointer.save = limited_save
+  nan_steps = os.environ.get("MAXLM_TEST_NAN_STEPS")
+  if nan_steps:
+    from maxlm import step as step_lib
+    from maxlm.config import load_config
+    step_lib.token_losses = poisoned_losses(load_config(argv), [int(s) for s in nan_steps.split(",")])
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  args = sys.argv[1:]
+  if os.environ.get("MAXLM_TEST_FAKE_FP8") == "1":
+    fake_fp8_gpu()
+  install_hooks(args)
+  from maxlm.train import main
+  sys.exit(main(args))

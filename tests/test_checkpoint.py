@@ -1,0 +1,220 @@
+"""Checkpointer unit tests (in-process, 8 simulated CPU devices from conftest): round trip onto other
+meshes, data position, corruption detection and fallback, NaN refusal, failed saves, retention,
+parameter-only loads."""
+
+import json
+import os
+import resource
+import shutil
+import signal
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from maxlm.checkpoint import CheckpointError, Checkpointer, load_params
+from maxlm.config import CheckpointConfig, MeshConfig, load_config, to_dict
+from maxlm.mesh import make_mesh
+from maxlm.optim import make_optimizer
+from maxlm.train import Trainer
+from maxlm.train_state import abstract_state
+
+TINY = ["model.backend=flax", "model.n_layers=1", "model.d_model=64", "model.vocab_size=512",
+        "model.remat=none", "data.type=synthetic", "data.seq_len=16", "data.global_batch_size=8",
+        "optim.warmup_steps=0"]
+
+
+def _trainer(*extra):
+  cfg = load_config(TINY + list(extra))
+  t = Trainer(cfg)
+  t.build()
+  return cfg, t
+
+
+def _host(tree):
+  return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _same(a, b) -> bool:
+  return len(a) == len(b) and all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """Checkpoints of steps 2 and 3 of a run on mesh (data, fsdp, tensor) = (2, 2, 2)."""
+  cfg, t = _trainer("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  assert dict(t.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  root = tmp_path_factory.mktemp("saved") / "checkpoints"
+  ckpt = Checkpointer(root, CheckpointConfig(enabled=True, keep=5))
+  states, data = {}, {}
+  for step in (1, 2, 3):
+    t.state, _ = t.train_step(t.state, t.to_device(next(t.train_data)))
+    if step >= 2:
+      ckpt.save(step, t.state, t.train_data.get_state(), to_dict(cfg))
+      states[step], data[step] = _host(t.state), json.loads(json.dumps(t.train_data.get_state()))
+  next_batch = next(t.train_data)
+  ckpt.close()
+  return {"root": root, "states": states, "data": data, "next_batch": next_batch, "cfg": cfg, "trainer": t}
+
+
+def _copy(saved, tmp_path) -> Path:
+  dest = tmp_path / "checkpoints"
+  shutil.copytree(saved["root"], dest)
+  return dest
+
+
+def _target(*extra):
+  """(config, restore target, its shardings) for a run, without initializing or compiling anything."""
+  cfg = load_config(TINY + list(extra))
+  t = Trainer(cfg)
+  optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
+  target, shardings = abstract_state(t.model, optimizer, t.mesh, cfg.data.global_batch_size, cfg.data.seq_len)
+  t.train_data.close()
+  return cfg, target, shardings
+
+
+def _restore(directory, *extra):
+  cfg, target, shardings = _target(*extra)
+  ckpt = Checkpointer(directory, CheckpointConfig(enabled=True, keep=5))
+  try:
+    return ckpt.restore_latest(target, to_dict(cfg)), shardings
+  finally:
+    ckpt.close()
+
+
+def _largest_file(step_dir: Path, item: str = "params") -> Path:
+  return max((p for p in (step_dir / item).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_restore_onto_other_meshes_is_identical(saved, tmp_path):
+  r, shardings = _restore(_copy(saved, tmp_path), "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1")
+  assert r.step == 3 and _same(_host(r.state), saved["states"][3])
+  for x, want in zip(jax.tree_util.tree_leaves(r.state), jax.tree_util.tree_leaves(shardings)):
+    assert x.sharding == want
+  # one device: abstract_state() on a 1-device mesh is the restore target
+  cfg = saved["cfg"]
+  mesh1 = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  t = Trainer(cfg)
+  target, _ = abstract_state(t.model, make_optimizer(cfg.optim, cfg.train.steps)[0], mesh1, 8, 16)
+  ckpt = Checkpointer(saved["root"], CheckpointConfig(enabled=True))
+  one = ckpt.restore_latest(target, to_dict(saved["cfg"]))
+  ckpt.close()
+  assert one.step == 3 and _same(_host(one.state), saved["states"][3])
+  assert all(len(x.sharding.device_set) == 1 for x in jax.tree_util.tree_leaves(one.state))
+
+
+def test_restored_data_state_continues_the_batches(saved, tmp_path):
+  r, _ = _restore(_copy(saved, tmp_path), "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  assert r.data == saved["data"][3]
+  it = Trainer(saved["cfg"]).train_data
+  it.set_state(r.data)
+  b = next(it)
+  assert all(np.array_equal(b[k], saved["next_batch"][k]) for k in b)
+
+
+def test_truncated_latest_falls_back_in_one_line(saved, tmp_path, capsys):
+  root = _copy(saved, tmp_path)
+  bad = _largest_file(root / "3")
+  os.truncate(bad, bad.stat().st_size // 2)
+  r, _ = _restore(root, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  assert r.step == 2 and _same(_host(r.state), saved["states"][2])
+  lines = [ln for ln in capsys.readouterr().out.splitlines() if "is unusable" in ln]
+  assert len(lines) == 1 and "step 3" in lines[0] and str(bad.relative_to(root / "3")) in lines[0]
+  assert not (root / "3").exists() and len(list((tmp_path / "checkpoints.corrupt").iterdir())) == 1
+
+
+def test_flipped_bits_are_caught_by_checksums(saved, tmp_path, capsys):
+  root = _copy(saved, tmp_path)
+  f = _largest_file(root / "3")  # random float32 weights are stored as raw (incompressible) chunks
+  b = bytearray(f.read_bytes())
+  b[len(b) // 2] ^= 0x40
+  f.write_bytes(b)
+  r, _ = _restore(root, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  assert r.step == 2 and _same(_host(r.state), saved["states"][2])
+  out = capsys.readouterr().out
+  assert "checkpoint step 3 is unusable (1 array(s) differ from their saved checksums (.params[" in out
+
+
+def test_garbled_metadata_falls_back(saved, tmp_path):
+  root = _copy(saved, tmp_path)
+  (root / "3" / "meta" / "metadata").write_text("{not json")
+  r, _ = _restore(root, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  assert r.step == 2
+
+
+def test_no_usable_checkpoint_names_the_files(saved, tmp_path):
+  root = _copy(saved, tmp_path)
+  bad = [_largest_file(root / "3"), _largest_file(root / "2", "state")]
+  for f in bad:
+    os.truncate(f, 7)
+  with pytest.raises(CheckpointError) as e:
+    _restore(root, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  msg = str(e.value)
+  assert "no usable checkpoint" in msg and "\n" not in msg
+  assert all(str(f) in msg for f in bad)
+  assert (root / "3").exists() and (root / "2").exists()  # nothing moved when nothing is usable
+
+
+def test_other_model_is_a_clear_error_not_corruption(saved, tmp_path):
+  root = _copy(saved, tmp_path)
+  with pytest.raises(CheckpointError, match=r"does not fit this model.*model\.d_model: 64 -> 32"):
+    _restore(root, "model.d_model=32")
+  assert sorted(p.name for p in root.iterdir()) == ["2", "3"]
+
+
+def test_non_finite_state_is_never_saved(saved, tmp_path):
+  cfg, t = saved["cfg"], saved["trainer"]
+  ckpt = Checkpointer(tmp_path / "c", CheckpointConfig(enabled=True))
+  ckpt.save(1, t.state, t.train_data.get_state(), to_dict(cfg))
+  ckpt.wait()
+  bad = t.state.replace(params=jax.tree_util.tree_map(lambda x: x.at[(0,) * x.ndim].set(np.nan), t.state.params))
+  with pytest.raises(CheckpointError, match=r"refusing to save checkpoint step 2: non-finite.*step 1"):
+    ckpt.save(2, bad, t.train_data.get_state(), to_dict(cfg))
+  ckpt.close()
+  assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["1"]
+
+
+def test_failed_save_reports_and_keeps_earlier(saved, tmp_path):
+  cfg, t = saved["cfg"], saved["trainer"]
+  ckpt = Checkpointer(tmp_path / "c", CheckpointConfig(enabled=True, keep=1))
+  ckpt.save(1, t.state, t.train_data.get_state(), to_dict(cfg))
+  ckpt.wait()
+  # the file-size limit makes every write past 64 KiB fail (EFBIG), like a full disk (root ignores chmod)
+  old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (65536, old_limit[1]))
+  try:
+    with pytest.raises(CheckpointError) as e:
+      ckpt.save(2, t.state, t.train_data.get_state(), to_dict(cfg))
+      ckpt.wait()
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+    signal.signal(signal.SIGXFSZ, old_handler)
+  msg = str(e.value)
+  assert "saving checkpoint step 2" in msg and "File too large" in msg and "latest: step 1" in msg
+  assert "\n" not in msg
+  ckpt.close()
+  r, _ = _restore(tmp_path / "c", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  assert r.step == 1
+
+
+def test_retention_keeps_last_k_and_every_mth(saved, tmp_path):
+  cfg, t = saved["cfg"], saved["trainer"]
+  ckpt = Checkpointer(tmp_path / "c", CheckpointConfig(enabled=True, keep=2, keep_period=3))
+  for step in range(1, 8):
+    ckpt.save(step, t.state, t.train_data.get_state(), to_dict(cfg))
+  ckpt.close()
+  assert sorted(int(p.name) for p in (tmp_path / "c").iterdir()) == [3, 6, 7]
+
+
+def test_load_params_from_step_or_run_directory(saved, tmp_path):
+  _, target, _ = _target("mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1")
+  target = target.params
+  n = len(jax.tree_util.tree_leaves(target))
+  for path, step in ((saved["root"] / "2", 2), (saved["root"], 3)):
+    params = load_params(str(path), target)
+    assert _same(_host(params), saved["states"][step][1:1 + n])  # TrainState leaves: step, params, ...
+  with pytest.raises(CheckpointError, match="does not fit this model"):
+    load_params(str(saved["root"]), _target("model.d_model=32")[1].params)
+  with pytest.raises(CheckpointError, match="no such file"):
+    load_params(str(tmp_path / "nope"), target)

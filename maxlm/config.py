@@ -75,7 +75,7 @@ class DataConfig:
   field: str = "text"  # JSONL field / Parquet column holding the document text
   shuffle: bool = True
   num_epochs: int = 0  # 0 = repeat forever
-  max_segments_per_row: int = 32  # cap on documents (chunks) packed into one row
+  max_segments_per_row: int = 64  # cap on documents (chunks) packed into one row
   packing_bins: int = 64  # rows packed together (first-fit); >= the per-process batch
   read_threads: int = 2  # threads reading + tokenizing documents (per process)
   worker_count: int = 0  # Grain worker processes (0 = in this process)

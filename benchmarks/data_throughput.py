@@ -4,11 +4,12 @@
       [--threads 1,2] [--workers 0,2] [--corpus FILE,...] [--step-tokens-per-s 80000]
 
 Corpus: the embedded Austen novels plus, when present, ../shared/data/treasury_of_david.txt.xz
-(one paragraph per line = one document; about 4.5M tokens with the shipped 8k tokenizer). They are prepared once into
-ArrayRecord shards in a temp dir (timed), then each configuration runs for --seconds after two
-warm-up batches. "tokens/s" counts whole rows (what the train step consumes: batch x seq_len per
-batch); "fill" is the share of non-padding positions; "cores" is CPU time of this process and its
-Grain workers divided by wall time. "x step" compares with the 8B train step on one H200.
+(one paragraph per line = one document; 4.2M tokens with the shipped 8k tokenizer). They are
+prepared once into ArrayRecord shards in a temp dir (timed), then each configuration runs for
+--seconds after two warm-up batches. "tokens/s" counts whole rows (what the train step consumes:
+batch x seq_len per batch); "fill" is the share of non-padding positions; "cores" is CPU time of
+this process and its Grain workers divided by wall time. "x step" compares with the 8B train step
+on one H200.
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ def main() -> None:
   held = [d for i, d in enumerate(docs) if k and i % k == 0]
   train_tokenizer(train, DEFAULT_TOKENIZER)
   for p in (EMBEDDED_CORPUS, DEFAULT_TOKENIZER):
-    print(f"{p.relative_to(ROOT)}: {p.stat().st_size:,} bytes, sha256 {hashlib.sha256(p.read_bytes()).hexdigest()}")
+    digest = hashlib.sha256(p.read_bytes()).hexdigest()
+    print(f"{p.relative_to(ROOT)}: {p.stat().st_size:,} bytes, sha256 {digest}")
   print(f"{len(docs)} paragraphs ({len(train)} train, {len(held)} held out: every {k}th)")
   if args.baselines:
     baselines(train, held, DEFAULT_TOKENIZER)

@@ -227,3 +227,16 @@ def test_bad_config_and_skips(tmp_path):
                                       skip_bad_records=True), 8192)
   assert it.info["skipped"] == 4 and "4 malformed JSON" in it.info["skipped_summary"]
   assert next(it)["segment_ids"].max() >= 1
+
+
+def test_worker_processes_state_restore(corpus):
+  path, docs = corpus
+  cfg = _cfg(path, num_epochs=1, worker_count=2)
+  _check_state_restore(dataclasses.replace(cfg, num_epochs=0), 8192)
+  assert _pieces(list(make_train_iterator(cfg, 8192)), cap=8) == _expected_pieces(docs, 32)
+
+
+def test_state_from_another_config_is_a_data_error():
+  it = make_train_iterator(DataConfig(type="synthetic", seq_len=8, global_batch_size=2), 50)
+  with pytest.raises(DataError, match="state does not fit"):
+    it.set_state({"grain": {"unexpected": 1}, "batches": 3})

@@ -55,8 +55,14 @@ class DataIterator:
     return {"grain": self._it.get_state(), "batches": self.batches}
 
   def set_state(self, state: dict) -> None:
-    self._it.set_state(state["grain"])
-    self.batches = int(state["batches"])
+    """Restore a `get_state()` of an iterator made from the same data config (worker_count too)."""
+    try:
+      self._it.set_state(state["grain"])
+      self.batches = int(state["batches"])
+    except (KeyError, TypeError, ValueError, IndexError, AssertionError) as e:
+      why = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
+      raise DataError(f"data iterator state does not fit this data config ({why}); was data.* "
+                      f"changed since it was saved?") from None
 
 
 def _close(box: list) -> None:

@@ -77,7 +77,8 @@ def read_documents(path: Path, fmt: str, skips: Skips, *, field: str = "text",
   if reader is None:
     raise DataError(f"'{path}' is {fmt}, not a text/JSONL/Parquet file")
   if text_split not in TEXT_SPLITS:
-    raise DataError(f"config key 'data.text_split' must be one of {', '.join(TEXT_SPLITS)}; got {text_split!r}")
+    raise DataError(f"config key 'data.text_split' must be one of {', '.join(TEXT_SPLITS)}; "
+                    f"got {text_split!r}")
   n, before = 0, skips.total
   for doc in reader(path, skips, field=field, text_split=text_split):
     n += 1
@@ -99,7 +100,8 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
     with _open(path) as f:
       yield from enumerate(f, 1)
   except (OSError, EOFError, lzma.LZMAError) as e:
-    raise DataError(f"cannot read '{path}': {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise DataError(f"cannot read '{path}': {why}") from None
 
 
 def _decode(raw: bytes, where: str, skips: Skips) -> str | None:

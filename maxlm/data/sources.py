@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import sys
 import threading
 from pathlib import Path
@@ -141,7 +140,8 @@ def load_components(cfg: DataConfig, part: str) -> tuple[list[Component], list[f
     try:
       weights = [float(w) for w in split_list(cfg.weights)]
     except ValueError:
-      raise DataError(f"config key 'data.weights' must be comma-separated numbers, got {cfg.weights!r}") from None
+      raise DataError(f"config key 'data.weights' must be comma-separated numbers, "
+                      f"got {cfg.weights!r}") from None
     if len(weights) != len(comps) or min(weights) <= 0:
       raise DataError(f"data.weights needs {len(comps)} positive numbers (one per data.paths entry), "
                       f"got {cfg.weights!r}")
@@ -189,8 +189,8 @@ class ReadDocs(grain.transforms.Map):
   Blocks make ArrayRecord reads and tokenization batched calls (one Python call per block).
   """
 
-  def __init__(self, comp: Component, view: DocIndex, vocab: Vocab, threads: int = 1):
-    self.view, self.fmt, self.threads = view, comp.fmt, threads
+  def __init__(self, comp: Component, view: DocIndex, vocab: Vocab):
+    self.view, self.fmt = view, comp.fmt
     self.tok, self.bos, self.eos = vocab.tokenizer, vocab.bos, vocab.eos
     self.dtype = np.dtype(comp.meta["dtype"]) if comp.meta else None
 
@@ -199,7 +199,7 @@ class ReadDocs(grain.transforms.Map):
     src = self.view.source
     if self.fmt != "arrayrecord":
       return [_wrap(ids, self.bos, self.eos)
-              for ids in self.tok.encode_batch([src[i] for i in idx], self.threads)]
+              for ids in self.tok.encode_batch([src[i] for i in idx])]
     out = []
     for i, rec in zip(idx, src.read(idx)):
       if len(rec) % self.dtype.itemsize:
@@ -262,7 +262,7 @@ class EpochShuffle(grain.MapDataset):
 
 
 def doc_blocks(comp: Component, vocab: Vocab, view: DocIndex, *, shuffle_seed: int | None = None,
-               epochs: int | None = 1, threads: int = 1) -> grain.MapDataset:
+               epochs: int | None = 1) -> grain.MapDataset:
   """MapDataset of blocks (lists) of `view`'s documents as token arrays: seeded shuffle
   (a new order every epoch), `epochs` passes (None = forever), then `DOCS_PER_READ` per block."""
   n = len(view)
@@ -274,7 +274,7 @@ def doc_blocks(comp: Component, vocab: Vocab, view: DocIndex, *, shuffle_seed: i
       ds = ds.shuffle(seed=shuffle_seed)
     if epochs != 1:
       ds = ds.repeat(epochs)
-  return ds.batch(DOCS_PER_READ).map(ReadDocs(comp, view, vocab, threads))
+  return ds.batch(DOCS_PER_READ).map(ReadDocs(comp, view, vocab))
 
 
 class Concat(grain.MapDataset):
@@ -296,11 +296,3 @@ class Concat(grain.MapDataset):
   def __str__(self) -> str:
     return f"Concat({len(self.parents)} parents)"
 
-
-def documents_summary(comps: list[Component]) -> int:
-  return sum(len(c.source) for c in comps)
-
-
-def split_sizes(n: int, k: int) -> tuple[int, int]:
-  n_eval = math.ceil(n / k) if k else 0
-  return n - n_eval, n_eval

@@ -182,7 +182,8 @@ def special_ids(tok: Tokenizer, add_bos: bool, add_eos: bool, bos_id: int = -1,
                 eos_id: int = -1) -> tuple[int | None, int | None]:
   """The BOS/EOS ids to add around each document (None = don't add), from config or tokenizer."""
   out = []
-  for name, add, override, own in (("bos", add_bos, bos_id, tok.bos_id), ("eos", add_eos, eos_id, tok.eos_id)):
+  for name, add, override, own in (("bos", add_bos, bos_id, tok.bos_id),
+                                    ("eos", add_eos, eos_id, tok.eos_id)):
     if not add:
       out.append(None)
       continue

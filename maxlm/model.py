@@ -76,7 +76,7 @@ class Transformer(nn.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
     embed = nn.Embed(m.vocab_size, m.d_model, dtype=cdt, param_dtype=pdt, name="embed",
-                     embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0),
+                     embedding_init=nn.with_logical_partitioning(nn.initializers.normal(m.init_std),
                                                                  ("vocab", "embed")))
     x = nn.with_logical_constraint(embed(tokens), BTD)  # [B, T, D]
 

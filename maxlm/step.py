@@ -54,28 +54,32 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
       (g, new_state), (loss, n) = vg(params, model_state, mb)
       return (jax.tree_util.tree_map(jnp.add, grad_sum, g), new_state, loss_sum + loss, count + n), None
 
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-    carry = (zeros, state.model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     if grad_accum == 1:
-      carry, _ = one(carry, batch)
+      (grad_sum, new_model_state), (loss_sum, count) = vg(params, state.model_state, batch)
     else:
+      zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+      carry = (zeros, state.model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
       micro_batches = jax.tree_util.tree_map(
           lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)  # [A, B/A, T]
-      carry, _ = jax.lax.scan(one, carry, micro_batches)
-    grad_sum, new_model_state, loss_sum, count = carry
+      (grad_sum, new_model_state, loss_sum, count), _ = jax.lax.scan(one, carry, micro_batches)
     count = jnp.maximum(count, 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / count, grad_sum)
     loss = loss_sum / count
     grad_norm = optax.global_norm(grads)
-    updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
-    new_params = optax.apply_updates(params, updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
+
+    # A conditional rather than a select over every parameter: the skip costs nothing when the
+    # update is finite (a select reads and writes params and both Adam moments once more).
+    def apply_update(_):
+      updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
+      return optax.apply_updates(params, updates), new_opt_state, new_model_state
+
+    def skip_update(_):
+      return params, state.opt_state, state.model_state
+
+    new_params, new_opt_state, new_model_state = jax.lax.cond(finite, apply_update, skip_update, None)
     new_state = state.replace(
-        step=state.step + 1,
-        params=keep(new_params, params),
-        opt_state=keep(new_opt_state, state.opt_state),
-        model_state=keep(new_model_state, state.model_state),
+        step=state.step + 1, params=new_params, opt_state=new_opt_state, model_state=new_model_state,
         nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32))
     metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                "tokens": count, "finite": finite, "nonfinite_steps": new_state.nonfinite_steps}

@@ -67,7 +67,9 @@ def test_gradient_accumulation_equals_full_batch():
   n4, m4 = run4(s4, bt)
   np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-6)
   np.testing.assert_allclose(float(m4["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), n4.params, n1.params)
+  # Adam (lr 3e-3) turns summation-order noise on near-zero gradients into up to one step of
+  # difference, so parameters agree to 1% of a step rather than bitwise.
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=3e-5), n4.params, n1.params)
 
 
 def test_nonfinite_update_is_skipped_and_counted():

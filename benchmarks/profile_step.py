@@ -1,0 +1,77 @@
+"""Profile the trainer's step on a GPU: where do the milliseconds go?
+
+  python benchmarks/profile_step.py config=llama8b.yml model.n_layers=4 data.seq_len=4096 \
+      data.global_batch_size=4 model.remat=none [profile.steps=3] [profile.dir=/tmp/maxlm-prof]
+
+Builds the same Trainer as `python -m maxlm.train`, warms up, traces a few steps with
+`jax.profiler` (Perfetto JSON) and prints the GPU kernels that take the most time per step.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _split(argv):
+  ours = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith("profile.")}
+  return [a for a in argv if not a.startswith("profile.")], ours
+
+
+def kernel_table(trace_file: Path, steps: int, top: int = 30) -> str:
+  with gzip.open(trace_file, "rt") as f:
+    events = json.load(f)
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  pname = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu = {pid for pid, n in pname.items() if "GPU" in n or "gpu" in n}
+  by_name = collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
+      by_name[e["name"]] += e["dur"]
+  total = sum(by_name.values())
+  lines = [f"GPU kernel time per step: {total / steps / 1e3:.1f} ms  (events on {sorted(pname[p] for p in gpu)})"]
+  for name, us in by_name.most_common(top):
+    lines.append(f"{us / steps / 1e3:9.2f} ms  {100 * us / max(total, 1):5.1f}%  {name[:110]}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  import jax
+
+  from maxlm.config import load_config
+  from maxlm.train import Trainer
+
+  args, ours = _split(argv)
+  steps = int(ours.get("profile.steps", 3))
+  out = Path(ours.get("profile.dir", "/tmp/maxlm-prof"))
+  cfg = load_config(args)
+  trainer = Trainer(cfg)
+  trainer.build()
+  batch = trainer.to_device(next(trainer.train_data))
+  for _ in range(3):
+    trainer.state, m = trainer.train_step(trainer.state, batch)
+  jax.block_until_ready(m)
+  t0 = time.perf_counter()
+  for _ in range(5):
+    trainer.state, m = trainer.train_step(trainer.state, batch)
+  jax.block_until_ready(m)
+  step_s = (time.perf_counter() - t0) / 5
+  print(f"step {step_s * 1e3:.1f} ms, {cfg.data.global_batch_size * cfg.data.seq_len / step_s / 1e3:.1f}k tok/s")
+  with jax.profiler.trace(str(out), create_perfetto_trace=True):
+    for _ in range(steps):
+      trainer.state, m = trainer.train_step(trainer.state, batch)
+    jax.block_until_ready(m)
+  traces = sorted(out.rglob("*.trace.json.gz")) or sorted(out.rglob("perfetto_trace.json.gz"))
+  if not traces:
+    print(f"no trace written under {out}")
+    return 1
+  print(kernel_table(traces[-1], steps))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,93 @@
+"""GPU-only checks (run on the H200: `MAXLM_TEST_GPU=1 python -m pytest -m gpu`).
+
+TE with cuDNN fused attention against the Flax backend, the packed THD path, and FP8 steps.
+"""
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from maxlm.config import MeshConfig, ModelConfig, OptimConfig
+from maxlm.layers import check_precision, precision_scope, supported_precisions
+from maxlm.mesh import make_mesh
+from maxlm.model import Transformer
+from maxlm.optim import make_optimizer
+from maxlm.step import make_train_step
+from maxlm.train_state import create_train_state
+
+pytestmark = [pytest.mark.gpu, pytest.mark.te]
+
+MODEL = ModelConfig(vocab_size=1024, d_model=256, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=64, ffn_dim=512,
+                    dtype="bfloat16", remat="none")
+
+
+@pytest.fixture(autouse=True)
+def _need_gpu():
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def apply(backend, tokens, params=None, **kw):
+  model = Transformer(dataclasses.replace(MODEL, backend=backend), max_segments=8)
+  with precision_scope("bf16", backend), warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)  # an unfused-attention fallback would warn
+    if params is None:
+      params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens))
+    return jax.jit(model.apply)(params, tokens, kw.get("positions"), kw.get("segment_ids")), params
+
+
+def test_fused_attention_te_matches_flax():
+  toks = jax.random.randint(jax.random.PRNGKey(1), (2, 256), 0, MODEL.vocab_size)
+  ref, params = apply("flax", toks)
+  out, _ = apply("te", toks, params)
+  assert rel_err(out, ref) < 1e-2
+
+
+def test_packed_thd_matches_documents_alone():
+  lens = [100, 60, 96]
+  docs = [jax.random.randint(jax.random.PRNGKey(i), (1, n), 0, MODEL.vocab_size) for i, n in enumerate(lens)]
+  row = jnp.concatenate(docs, axis=1)  # [1, 256]
+  seg = jnp.concatenate([jnp.full((1, n), i + 1) for i, n in enumerate(lens)], axis=1)
+  pos = jnp.concatenate([jnp.arange(n)[None] for n in lens], axis=1)
+  packed, params = apply("te", row, positions=pos, segment_ids=seg)
+  start = 0
+  for d, n in zip(docs, lens):
+    pad = jnp.pad(d, ((0, 0), (0, 128 - n))) if n < 128 else d  # cuDNN likes lengths in multiples of 64
+    alone, _ = apply("te", pad, params)
+    assert rel_err(packed[:, start:start + n], alone[:, :n]) < 2e-2
+    start += n
+
+
+@pytest.mark.parametrize("precision", ["fp8_delayed", "fp8_current"])
+def test_fp8_training_steps(precision):
+  assert precision in supported_precisions()
+  check_precision(precision, "te")
+  cfg = dataclasses.replace(MODEL, backend="te", precision=precision)
+  model = Transformer(cfg)
+  opt, sched = make_optimizer(OptimConfig(warmup_steps=0, learning_rate=1e-3), 10)
+  mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+  with jax.set_mesh(mesh), precision_scope(precision, "te", cfg.fp8_amax_history_len):
+    state, _ = create_train_state(model, opt, mesh, 0, 4, 256)
+    step = jax.jit(make_train_step(model, opt, sched))
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 64, (4, 257), dtype=np.int32)  # a learnable, low-entropy batch
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.ones((4, 256), np.int32),
+             "positions": np.tile(np.arange(256, dtype=np.int32), (4, 1))}
+    losses = []
+    for _ in range(5):
+      state, m = step(state, batch)
+      losses.append(float(m["loss"]))
+  assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+  if precision == "fp8_delayed":
+    hist = state.model_state["fp8_metas"]["layers"]["qkv"]["x_amax_history"]
+    assert int((np.asarray(hist) != 0).sum(-1).max()) == 5

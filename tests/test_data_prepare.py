@@ -124,3 +124,20 @@ def test_cli_module_entry_point(inputs):
                       str(tmp / "cli")], capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr
   assert "prepared 30 documents" in r.stdout and "prepare" in r.stderr  # tqdm bar on stderr
+
+
+def test_corrupt_shard_record(tmp_path):
+  from array_record.python.array_record_module import ArrayRecordWriter
+  src = tmp_path / "a.txt"
+  src.write_text("one document\nanother document\n")
+  out = tmp_path / "shards"
+  prepare([str(src)], str(out), progress=False)
+  w = ArrayRecordWriter(str(out / "shard-00001.array_record"), "group_size:1")
+  w.write(b"\x01\x02\x03")  # 3 bytes: not whole uint16 token ids
+  w.close()
+  cfg = DataConfig(type="arrayrecord", paths=str(out), seq_len=16, global_batch_size=2, eval_fraction=0)
+  with pytest.raises(DataError, match="corrupt record 2 in ArrayRecord shards"):
+    next(make_train_iterator(cfg, 8192))
+  (out / "shard-00001.array_record").write_bytes(b"not an array record file")
+  with pytest.raises(DataError, match="cannot open ArrayRecord shard .*shard-00001"):
+    make_train_iterator(cfg, 8192)

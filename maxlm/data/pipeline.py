@@ -44,8 +44,10 @@ class DataIterator:
   def __next__(self) -> dict[str, np.ndarray]:
     batch = next(self._it)
     hi = max(int(batch["inputs"].max()), int(batch["targets"].max()))
-    if hi >= self.vocab_size or min(int(batch["inputs"].min()), int(batch["targets"].min())) < 0:
-      raise DataError(f"data batch {self.batches} holds token id {hi} outside [0, model.vocab_size="
+    lo = min(int(batch["inputs"].min()), int(batch["targets"].min()))
+    if hi >= self.vocab_size or lo < 0:
+      bad = hi if hi >= self.vocab_size else lo
+      raise DataError(f"data batch {self.batches} holds token id {bad} outside [0, model.vocab_size="
                       f"{self.vocab_size}) (tokenizer: {self.info.get('tokenizer', '?')}); use a tokenizer "
                       f"that fits the model's vocabulary or raise model.vocab_size")
     self.batches += 1

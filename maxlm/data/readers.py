@@ -198,18 +198,19 @@ class ShardSource:
 
   def __init__(self, files: list[Path]):
     self.files = [str(f) for f in files]
-    counts = []
-    for f in self.files:
-      reader = self._open(f)
-      counts.append(reader.num_records())
-      reader.close()
-    self._ends = np.cumsum(counts)  # [files]
+    self._ends = np.cumsum([self._open(f, count=True) for f in self.files])  # [files]
     self._readers: dict[int, object] = {}
 
-  def _open(self, f: str):
+  def _open(self, f: str, count: bool = False):
+    """A reader for file `f` (or, with count=True, its number of records)."""
     from array_record.python.array_record_module import ArrayRecordReader  # noqa: PLC0415
     try:
-      return ArrayRecordReader(f, self.OPTIONS)
+      reader = ArrayRecordReader(f, self.OPTIONS)
+      if not count:
+        return reader
+      n = reader.num_records()
+      reader.close()
+      return n
     except Exception as e:  # noqa: BLE001 - the reader raises RuntimeError/ValueError/OSError
       raise DataError(f"cannot open ArrayRecord shard '{f}': {str(e).splitlines()[0]}") from None
 

@@ -182,6 +182,9 @@ def test_mixture_weights_and_state(tmp_path):
   n_a, n_b = int((heads == apple).sum()), int((heads == banana).sum())
   assert n_a + n_b == len(heads) and 2.5 < n_a / n_b < 3.5
   _check_state_restore(cfg, 8192)
+  held = [f"apple {i}" for i in range(0, 300, 10)] + [f"banana {i}" for i in range(0, 300, 10)]
+  evals = list(make_eval_iterator(dataclasses.replace(cfg, eval_fraction=0.1), 8192))
+  assert _pieces(evals, cap=64) == _expected_pieces(held, 64)  # every source's held-out part
   with pytest.raises(DataError, match="needs 2 positive numbers"):
     make_train_iterator(dataclasses.replace(cfg, weights="1"), 8192)
 
@@ -219,6 +222,9 @@ def test_bad_config_and_skips(tmp_path):
     make_train_iterator(DataConfig(type="jsonl"), 8192)
   with pytest.raises(DataError, match="eval_fraction"):
     make_train_iterator(DataConfig(eval_fraction=0.9), 8192)
+  (tmp_path / "x.jsonl").write_text('{"text": "a"}\n')
+  with pytest.raises(DataError, match="looks like jsonl but is read as text; set data.type=jsonl"):
+    make_train_iterator(DataConfig(type="text", paths=str(tmp_path / "x.jsonl")), 8192)
   bad = tmp_path / "d.jsonl"
   bad.write_text('{"text": "fine document"}\n{oops\n' * 4)
   with pytest.raises(DataError, match=r"d.jsonl:2: malformed JSON"):

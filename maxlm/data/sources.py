@@ -101,15 +101,27 @@ def _shard_meta(files: list[Path]) -> dict:
   return first
 
 
+def _named_format(path: Path) -> str:
+  try:
+    return file_format(path)
+  except DataError:
+    return ""  # any name goes for text
+
+
 def load_component(entry: str, fmt: str, cfg: DataConfig, skips: Skips) -> Component:
   """One source: the files of a comma-separated `entry` list, read as `fmt` ('' = by extension)."""
   files = [f for e in split_list(entry) for f in resolve_files(e)]
   if not files:
     raise DataError("config key 'data.paths' is empty; give files, globs or directories")
   fmt = fmt or file_format(files[0])
+  for f in files:
+    named = _named_format(f)
+    if named not in ("", fmt):
+      raise DataError(f"'{f}' looks like {named} but is read as {fmt}; set data.type={named} "
+                      f"(or data.type=mixture to combine formats)")
   if fmt == "arrayrecord":
-    if any(file_format(f) != "arrayrecord" for f in files):
-      raise DataError(f"'{entry}' mixes ArrayRecord shards with other files")
+    if any(_named_format(f) != "arrayrecord" for f in files):
+      raise DataError(f"'{entry}' mixes ArrayRecord shards (.array_record) with other files")
     return Component(entry, fmt, ShardSource(files), _shard_meta(files))
   split = cfg.text_split if cfg.type != "embedded" else "line"
   stamp = tuple((str(f), f.stat().st_mtime) for f in files)

@@ -167,6 +167,7 @@ def summary(meta: dict, output: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="python -m maxlm.data.prepare", description=__doc__.split("\n\n")[0],
+                               epilog=__doc__.split("\n\n", 2)[2],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("inputs", nargs="+", help="files, globs or directories")
   ap.add_argument("--output", "-o", required=True, help="directory for the shards")

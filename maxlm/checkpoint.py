@@ -135,7 +135,7 @@ class Checkpointer:
     self.latest: int | None = None  # last step saved (or being saved) or restored
     self._pending: int | None = None  # step of the save in flight
     self._failed = False
-    self._t0 = 0.0
+    self._t0 = self._blocked = 0.0
     self._written: dict[int, int] = {}  # step -> bytes, from the finalization callback
     self._noise = OrbaxNoise()
     self._noise.install()
@@ -172,6 +172,7 @@ class Checkpointer:
     holds NaN/Inf (nothing is written) or when this or the previous save failed.
     """
     self.wait()
+    t0 = self._t0 = time.perf_counter()
     sums, finite, paths = fingerprint(state)
     if not finite.all():
       bad = [p for p, ok in zip(paths, finite) if not ok]
@@ -184,13 +185,14 @@ class Checkpointer:
     args = ocp.args.Composite(params=ocp.args.StandardSave(params), state=ocp.args.StandardSave(rest),
                               data=ocp.args.JsonSave(data), config=ocp.args.JsonSave(config),
                               meta=ocp.args.JsonSave(meta))
-    self._pending, self._t0 = step, time.perf_counter()
+    self._pending = step
     try:
       with quiet():
         self._mngr.save(step, args=args, force=True)
     except Exception as e:
       self._pending = None
       raise self._save_error(step, e) from None
+    self._blocked = time.perf_counter() - t0
     self.latest = step
     if not self.cfg.async_save:
       self.wait()
@@ -225,8 +227,8 @@ class Checkpointer:
       self._pending = None
     size = self._written.pop(step, None)
     if size is not None:
-      echo(f"maxlm: checkpoint step {step} written: {_size(size)} in "
-           f"{time.perf_counter() - self._t0:.1f} s ({self.directory / str(step)})")
+      echo(f"maxlm: checkpoint step {step} written: {_size(size)} in {time.perf_counter() - self._t0:.1f} s, "
+           f"training blocked {self._blocked:.2f} s ({self.directory / str(step)})")
 
   def close(self) -> None:
     """Wait for the save in flight (raising if it failed) and release the manager."""
@@ -251,6 +253,7 @@ class Checkpointer:
     shardings, for any mesh). A damaged checkpoint is reported in one line and moved aside. Returns
     None without checkpoints; raises CheckpointError when none is usable or they do not fit the model.
     """
+    self.wait()
     self._mngr.reload()
     bad: list[tuple[int, str]] = []
     for step in sorted(self._mngr.all_steps(), reverse=True):

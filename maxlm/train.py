@@ -161,14 +161,7 @@ def train(cfg: Config) -> int:
         ckpt.save(done, trainer.state, trainer.train_data.get_state(), to_dict(cfg))
       elif ckpt is not None:
         ckpt.poll()
-      if stop:
-        if ckpt is not None:
-          ckpt.wait()
-        echo(f"maxlm: {preemption.signal} at step {done}: "
-             + (f"checkpoint step {done} saved in {ckpt.directory}" if ckpt else "checkpointing is disabled")
-             + f"; exiting with code {EXIT_PREEMPTED} (rerun the same command to resume)")
-        return EXIT_PREEMPTED
-      if done % t.log_every and done != t.steps:
+      if done % t.log_every and done != t.steps and not stop:
         continue
       metrics = jax.device_get(metrics)
       now = time.perf_counter()
@@ -187,6 +180,13 @@ def train(cfg: Config) -> int:
       writer.write(done, row)
       echo(progress_line(done, t.steps, row))
       t_last, steps_since = time.perf_counter(), 0
+      if stop:
+        if ckpt is not None:
+          ckpt.wait()
+        echo(f"maxlm: {preemption.signal} at step {done}: "
+             + (f"checkpoint step {done} saved in {ckpt.directory}" if ckpt else "checkpointing is disabled")
+             + f"; exiting with code {EXIT_PREEMPTED} (rerun the same command to resume)")
+        return EXIT_PREEMPTED
   finally:
     preemption.close()
     writer.close()

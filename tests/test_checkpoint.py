@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm.checkpoint import CheckpointError, Checkpointer, load_params
+from maxlm.checkpoint import CheckpointError, Checkpointer, load_params, start
 from maxlm.config import CheckpointConfig, MeshConfig, load_config, to_dict
 from maxlm.mesh import make_mesh
 from maxlm.optim import make_optimizer
@@ -200,7 +200,7 @@ def test_failed_save_reports_and_keeps_earlier(saved, tmp_path):
 
 def test_retention_keeps_last_k_and_every_mth(saved, tmp_path):
   cfg, t = saved["cfg"], saved["trainer"]
-  ckpt = Checkpointer(tmp_path / "c", CheckpointConfig(enabled=True, keep=2, keep_period=3))
+  ckpt = Checkpointer(tmp_path / "c", CheckpointConfig(enabled=True, keep=2, keep_period=3, async_save=False))
   for step in range(1, 8):
     ckpt.save(step, t.state, t.train_data.get_state(), to_dict(cfg))
   ckpt.close()
@@ -218,3 +218,23 @@ def test_load_params_from_step_or_run_directory(saved, tmp_path):
     load_params(str(saved["root"]), _target("model.d_model=32")[1].params)
   with pytest.raises(CheckpointError, match="no such file"):
     load_params(str(tmp_path / "nope"), target)
+
+
+def test_trainer_start_loads_params_only_or_resumes(saved, tmp_path, capsys):
+  t, live = saved["trainer"], saved["trainer"].state
+  mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", f"output_dir={tmp_path}", "run_name=r"]
+  n = len(jax.tree_util.tree_leaves(live.params))
+  try:
+    t.state = live.replace(step=live.step * 0, params=jax.tree_util.tree_map(lambda x: x * 0, live.params))
+    cfg = load_config(TINY + mesh + [f"checkpoint.load_params={saved['root'] / '2'}"])
+    assert start(t, cfg) is None  # checkpointing disabled: nothing to resume, params loaded
+    assert _same(_host(t.state.params), saved["states"][2][1:1 + n]) and int(t.state.step) == 0
+    assert _same(_host(t.state.opt_state), _host(live.opt_state))  # untouched
+    shutil.copytree(saved["root"], tmp_path / "r" / "checkpoints")
+    cfg = load_config(TINY + mesh + ["checkpoint.enabled=true", f"checkpoint.load_params={saved['root'] / '2'}"])
+    start(t, cfg).close()  # resuming wins over load_params
+    assert _same(_host(t.state), saved["states"][3]) and t.train_data.get_state() == saved["data"][3]
+    out = capsys.readouterr().out
+    assert "resumed from checkpoint step 3" in out and "ignoring checkpoint.load_params" in out
+  finally:
+    t.state = live

@@ -187,8 +187,8 @@ class OrbaxNoise:
       self._hook(args)
 
   def remove(self, failed: bool) -> None:
-    """Wait for Orbax's leftover save threads, then restore logging (after a failure the
-    unraisable-exception filter stays: those threads' callbacks may still fire until exit)."""
+    """Wait for Orbax's leftover save threads, then restore logging (after a failure the filters
+    stay: that save's futures and callbacks may still report until the process exits)."""
     for th in threading.enumerate():
       if th is not threading.current_thread() and type(th).__module__.startswith("orbax"):
         try:
@@ -198,11 +198,12 @@ class OrbaxNoise:
     gc.collect()
     if self._hook is None:
       return
+    if failed:  # the failed write's futures and coroutines are collected later, until exit
+      warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+      return
     for name in ("absl", "asyncio"):
       logging.getLogger(name).removeFilter(self._filter)
-    if failed:  # coroutines of the failed write are collected at exit
-      warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
-    elif sys.unraisablehook == self._unraisable:
+    if sys.unraisablehook == self._unraisable:
       sys.unraisablehook = self._hook
     self._hook = None
 

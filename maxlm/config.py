@@ -125,12 +125,19 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  every: int = 0  # 0 = only at the end (when enabled)
+  # Orbax checkpoints in <run_dir>/checkpoints (see maxlm/checkpoint.py). When enabled, a run whose
+  # directory holds checkpoints resumes from the latest usable one.
+  every: int = 0  # save every N steps (async); 0 = only at the end. Also saved at the end and on SIGTERM/SIGINT
   enabled: bool = False
-  keep: int = 3
-  keep_period: int = 0
-  async_save: bool = True
-  load_params: str = ""
+  keep: int = 3  # keep the last K checkpoints (0 = all)
+  keep_period: int = 0  # also keep every checkpoint whose step is a multiple of M (0 = none)
+  async_save: bool = True  # false: training waits until each checkpoint is on disk
+  load_params: str = ""  # start from these parameters (a step dir, a checkpoints dir, an Orbax tree) unless resuming
+
+  def __post_init__(self):
+    for key in ("every", "keep", "keep_period"):
+      if getattr(self, key) < 0:
+        raise ConfigError(f"config key 'checkpoint.{key}' must be >= 0, got {getattr(self, key)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,12 +136,12 @@ def train(cfg: Config) -> int:
        f"precision={m.precision}) on {jax.device_count()} x {kind}, mesh "
        f"{dict(trainer.mesh.shape)}, run dir {run_dir}")
 
-  from maxlm import checkpoint
+  from maxlm import resume
   from maxlm.config import to_dict
   from maxlm.preemption import EXIT_PREEMPTED, Preemption
   ckpt, preemption = None, Preemption()
   try:
-    ckpt = checkpoint.start(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
+    ckpt = resume.start(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
     start_step = int(jax.device_get(trainer.state.step))
     checked, skipped = start_step, int(jax.device_get(trainer.state.nonfinite_steps))
     tokens_per_step = d.global_batch_size * d.seq_len

@@ -13,6 +13,7 @@ Environment:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,6 +21,25 @@ import sys
 import time
 
 import numpy as np
+
+
+@contextlib.contextmanager
+def compile_cache(path):
+  """Share XLA executables between runs of the same program inside this block (JAX's persistent
+  compilation cache in `path`, every compilation cached); the previous settings come back after."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+  old = {k: getattr(jax.config, k) for k in keys}
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      jax.config.update(k, v)
+    compilation_cache.reset_cache()
 
 
 def fake_fp8_gpu() -> None:

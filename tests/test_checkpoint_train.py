@@ -6,7 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from resume_launcher import poisoned_losses
+from resume_launcher import compile_cache, poisoned_losses
 
 from maxlm import step as step_lib
 from maxlm.checkpoint import Checkpointer, abstract_like
@@ -19,6 +19,13 @@ SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.hea
          "model.n_layers=1", "model.vocab_size=128", "model.remat=none", "data.type=synthetic",
          "data.seq_len=16", "data.global_batch_size=8", "optim.warmup_steps=0", "train.log_every=1",
          "checkpoint.enabled=true", "model.backend=flax"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_compilations(tmp_path_factory):
+  """The runs below compile the same programs: compile each once."""
+  with compile_cache(tmp_path_factory.mktemp("xla-cache")):
+    yield
 
 
 def _args(tmp_path, *extra):
@@ -47,15 +54,15 @@ def _restore(run_dir, args):
 
 
 def test_nonfinite_skip_counts_and_checkpoints_stay_finite(tmp_path, monkeypatch):
-  args = _args(tmp_path, "train.steps=6", "checkpoint.every=2")
+  args = _args(tmp_path, "train.steps=8", "checkpoint.every=2")
   monkeypatch.setattr(step_lib, "token_losses", poisoned_losses(load_config(args), [3]))
   assert main(args) == 0
   rows = _rows(tmp_path / "r")
-  assert [r["nonfinite_steps"] for r in rows] == [0, 0, 1, 1, 1, 1]
+  assert [r["nonfinite_steps"] for r in rows] == [0, 0, 1, 1, 1, 1, 1, 1]
   assert rows[2]["loss"] == "nan" and all(np.isfinite(r["loss"]) for i, r in enumerate(rows) if i != 2)
-  assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["2", "4", "6"]
+  assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["4", "6", "8"]  # keep=3
   r = _restore(tmp_path / "r", args)  # verifies every checksum
-  assert r.step == 6 and int(r.state.nonfinite_steps) == 1
+  assert r.step == 8 and int(r.state.nonfinite_steps) == 1
 
 
 @pytest.mark.parametrize("log_every,where", [(1, "at step 3 (loss=nan"), (5, "between steps 3 and 4")])

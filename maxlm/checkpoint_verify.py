@@ -12,6 +12,7 @@ import gc
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import warnings
@@ -145,7 +146,9 @@ def reason(e: BaseException) -> str:
   for c in chain:
     if isinstance(c, OSError) or "Error writing" in str(c) or "Error reading" in str(c):
       best = c
-  text = str(best).split(" See full TensorStore details")[0].strip()
+  text = str(best).split(" See full TensorStore details")[0]
+  text = re.sub(r"\s*\[source locations='.*?'\]", "", text, flags=re.S)  # TensorStore's C++ call sites
+  text = re.sub(r"[\w/.-]+\.(cc|h):\d+", " ", text.replace("\\n", " "))
   line = " ".join(text.split())
   name = type(best).__name__
   line = line if len(line) <= 400 else line[:150] + " ... " + line[-250:]  # the OS error is at the end

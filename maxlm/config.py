@@ -113,14 +113,13 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  steps: int = 200
+  steps: int = 600
   grad_accum: int = 1
   seed: int = 0
-  log_every: int = 10
-  eval_every: int = 0  # 0 = no eval
-  eval_steps: int = 4
+  log_every: int = 50
+  eval_every: int = 100  # 0 = no eval (also none when the data has no eval split)
+  eval_steps: int = 0  # batches per evaluation; 0 = the whole eval split
   nonfinite: str = "skip"  # skip | stop
-  profile_steps: int = 0  # >0: write a jax.profiler trace of that many steps after warm-up
 
 
 @dataclasses.dataclass(frozen=True)

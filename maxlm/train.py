@@ -102,7 +102,7 @@ class Trainer:
     if it is None:
       return {}
     for i, batch in enumerate(it):
-      if i >= self.cfg.train.eval_steps:
+      if self.cfg.train.eval_steps and i >= self.cfg.train.eval_steps:
         break
       out = jax.device_get(self.eval_step(self.state, self.to_device(batch)))
       loss_sum += float(out["loss_sum"])

@@ -9,6 +9,7 @@ Environment:
                              is committed, print "SAVE-COMMITTING <step>" and sleep
   MAXLM_TEST_NAN_STEPS=3,5   make the loss of those steps NaN (chosen by batch content)
   MAXLM_TEST_FSIZE_AFTER=N   saves after step N hit a 64 KiB file-size limit (EFBIG, like a full disk)
+  MAXLM_TEST_DISTRIBUTED=ADDR,N,I  jax.distributed with N CPU processes (this one I; Gloo collectives)
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ def install_hooks(argv: list[str]) -> None:
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   args = sys.argv[1:]
+  if os.environ.get("MAXLM_TEST_DISTRIBUTED"):
+    import jax
+    addr, n, i = os.environ["MAXLM_TEST_DISTRIBUTED"].split(",")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=addr, num_processes=int(n), process_id=int(i))
   if os.environ.get("MAXLM_TEST_FAKE_FP8") == "1":
     fake_fp8_gpu()
   install_hooks(args)

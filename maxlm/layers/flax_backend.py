@@ -6,6 +6,7 @@ parameters land at `<caller>/<name>/{scale,kernel,wi_kernel,wo_kernel}` in both 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import jax
@@ -140,5 +141,4 @@ def attention(q, k, v, *, segment_ids=None, positions=None, window: int = 0, max
 
 
 def no_quantization():
-  import contextlib
   return contextlib.nullcontext()

@@ -206,8 +206,9 @@ class Checkpointer:
                            f"{self._kept()}")
 
   def poll(self) -> None:
-    """Report a finished background save (raising if it failed) without blocking."""
-    if self._pending is not None and not self._mngr.is_saving_in_progress():
+    """Report a finished background save (raising if it failed) without blocking. With several
+    processes this waits for the next save instead, so that all of them raise at the same step."""
+    if self._pending is not None and jax.process_count() == 1 and not self._mngr.is_saving_in_progress():
       self.wait()
 
   def wait(self) -> None:

@@ -4,6 +4,7 @@ weights: a checkpoint step directory, a checkpoints directory, or a bare Orbax p
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import orbax.checkpoint as ocp
@@ -75,6 +76,7 @@ def start(trainer, cfg) -> Checkpointer | None:
 def _start(trainer, cfg, ckpt: Checkpointer | None) -> None:
   c = cfg.checkpoint
   target = abstract_like(trainer.state, trainer.state_shardings)
+  t0 = time.perf_counter()
   restored = ckpt.restore_latest(target, to_dict(cfg)) if ckpt else None
   if restored is not None:
     trainer.state = restored.state
@@ -84,7 +86,8 @@ def _start(trainer, cfg, ckpt: Checkpointer | None) -> None:
       raise CheckpointError(f"checkpoint step {restored.step}: the data-iterator state does not fit "
                             f"this data config: {reason(e)}") from None
     changes = config_changes(restored.config or {}, to_dict(cfg))
-    echo(f"maxlm: resumed from checkpoint step {restored.step} ({restored.path})"
+    echo(f"maxlm: resumed from checkpoint step {restored.step} ({restored.path}, "
+         f"{time.perf_counter() - t0:.1f} s)"
          + (f"; config changes: {', '.join(changes)}" if changes else ""))
     if c.load_params:
       echo(f"maxlm: ignoring checkpoint.load_params={c.load_params} (resuming this run)")

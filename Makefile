@@ -12,4 +12,4 @@ train: setup
 	$(PY) -m maxlm.train $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +37,14 @@ def throughput(tokens: float, flops: float, seconds: float, n_devices: int,
           "mfu": (tflops * 1e12 / peak) if peak else None, "step_time": None}
 
 
+def _step_of(line: str) -> float:
+  """The step of a metrics.jsonl row; a row cut short by a crash counts as after every step."""
+  try:
+    return json.loads(line)["step"]
+  except (ValueError, KeyError, TypeError):
+    return float("inf")
+
+
 def _clean(v):
   if isinstance(v, float) and not math.isfinite(v):
     return str(v)
@@ -43,16 +52,26 @@ def _clean(v):
 
 
 class MetricsWriter:
-  def __init__(self, run_dir: Path, enabled: bool = True, tensorboard: bool = True):
+  """Appends to the run's sinks. A run resumed at `start_step` first drops what an interrupted
+  attempt logged after that step (it is about to be logged again)."""
+
+  def __init__(self, run_dir: Path, enabled: bool = True, tensorboard: bool = True, start_step: int = 0):
     self.enabled = enabled
     self._jsonl = None
     self._tb = None
     if not enabled:
       return
-    self._jsonl = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
+    path = Path(run_dir) / "metrics.jsonl"
+    if start_step and path.exists():
+      kept = [line for line in path.read_text().splitlines() if _step_of(line) <= start_step]
+      tmp = path.with_suffix(".jsonl.tmp")
+      tmp.write_text("".join(line + "\n" for line in kept))
+      os.replace(tmp, path)
+    self._jsonl = open(path, "a", buffering=1)
     if tensorboard:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+      self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"),
+                               purge_step=start_step + 1 if start_step else None)
 
   def write(self, step: int, metrics: dict) -> None:
     if not self.enabled:

@@ -126,7 +126,6 @@ def train(cfg: Config) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yml").write_text(dump_yaml(cfg))
   trainer.build()
-  writer = MetricsWriter(run_dir, enabled=is_main)
   m, t, d = cfg.model, cfg.train, cfg.data
   n = count_params(m)
   flops = flops_per_step(m, d.global_batch_size, d.seq_len)
@@ -139,10 +138,11 @@ def train(cfg: Config) -> int:
   from maxlm import resume
   from maxlm.config import to_dict
   from maxlm.preemption import EXIT_PREEMPTED, Preemption
-  ckpt, preemption = None, Preemption()
+  ckpt, writer, preemption = None, None, Preemption()
   try:
     ckpt = resume.start(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
     start_step = int(jax.device_get(trainer.state.step))
+    writer = MetricsWriter(run_dir, enabled=is_main, start_step=start_step)
     checked, skipped = start_step, int(jax.device_get(trainer.state.nonfinite_steps))
     tokens_per_step = d.global_batch_size * d.seq_len
     t_last, steps_since = None, 0
@@ -189,7 +189,8 @@ def train(cfg: Config) -> int:
         return EXIT_PREEMPTED
   finally:
     preemption.close()
-    writer.close()
+    if writer is not None:
+      writer.close()
     if ckpt is not None:
       ckpt.close()  # waits for the save in flight
   return 0

@@ -28,15 +28,20 @@ def _dot(x: jnp.ndarray, kernel: jnp.ndarray, n_contract: int) -> jnp.ndarray:
   return jax.lax.dot_general(x, kernel.astype(x.dtype), dims)
 
 
+def _norm(module: nn.Module, x: jnp.ndarray) -> jnp.ndarray:
+  """RMSNorm with the module's `scale` parameter [D] (TE's name and axes)."""
+  scale = module.param("scale", nn.with_logical_partitioning(nn.initializers.ones, NORM_AXES),
+                       (x.shape[-1],), module.param_dtype)
+  return _rms(x, scale, module.eps)
+
+
 class _RMSNorm(nn.Module):
   eps: float
   param_dtype: Any
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, NORM_AXES),
-                       (x.shape[-1],), self.param_dtype)
-    return _rms(x, scale, self.eps)
+    return _norm(self, x)
 
 
 class _NormDense(nn.Module):
@@ -48,12 +53,10 @@ class _NormDense(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    d = x.shape[-1]
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, NORM_AXES),
-                       (d,), self.param_dtype)
+    y = _norm(self, x)  # [..., D]
     kernel = self.param("kernel", nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
-                        (d, *self.features), self.param_dtype)  # [D, *F]
-    return _dot(_rms(x, scale, self.eps), kernel, 1)  # [..., *F]
+                        (x.shape[-1], *self.features), self.param_dtype)  # [D, *F]
+    return _dot(y, kernel, 1)  # [..., *F]
 
 
 class _Dense(nn.Module):
@@ -81,13 +84,12 @@ class _NormMLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     d = x.shape[-1]
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, NORM_AXES),
-                       (d,), self.param_dtype)
+    y = _norm(self, x)  # [..., D]
     wi = self.param("wi_kernel", nn.with_logical_partitioning(self.kernel_init, ("embed", "act", "mlp")),
                     (d, 2, self.ffn_dim), self.param_dtype)  # [D, 2, F]
     wo = self.param("wo_kernel", nn.with_logical_partitioning(self.kernel_init, ("mlp", "embed")),
                     (self.ffn_dim, d), self.param_dtype)  # [F, D]
-    h = checkpoint_name(_dot(_rms(x, scale, self.eps), wi, 1), "ffn1")  # [..., 2, F]
+    h = checkpoint_name(_dot(y, wi, 1), "ffn1")  # [..., 2, F]
     act = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]  # [..., F]
     return checkpoint_name(_dot(act, wo, 1), "ffn2")  # [..., D]
 

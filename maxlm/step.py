@@ -107,5 +107,4 @@ def jit_step(step: Callable, state_shardings, batch_shardings, scope: Callable[[
   def call(state, batch):
     with scope():
       return jitted(state, batch)
-  call.jitted = jitted
   return call

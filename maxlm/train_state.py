@@ -39,19 +39,6 @@ def init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, rng: j
                     nonfinite_steps=jnp.zeros((), jnp.int32))
 
 
-def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int,
-                       batch: int, seq_len: int):
-  """(state, shardings): the state initialized directly into its shards (no host copy)."""
-  def init(rng):
-    return init_boxed(model, optimizer, rng, batch, seq_len)
-
-  rng = jax.random.PRNGKey(seed)
-  abstract = jax.eval_shape(init, rng)
-  shardings = shardings_from_logical(abstract, mesh)
-  state = jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(rng)
-  return state, shardings
-
-
 def abstract_state(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh, batch: int,
                    seq_len: int):
   """(ShapeDtypeStructs with shardings, shardings) of the state, without allocating it."""
@@ -61,3 +48,11 @@ def abstract_state(model: nn.Module, optimizer: optax.GradientTransformation, me
   structs = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                    strip_boxes(abstract), shardings)
   return structs, shardings
+
+
+def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int,
+                       batch: int, seq_len: int):
+  """(state, shardings): the state initialized directly into its shards (no host copy)."""
+  _, shardings = abstract_state(model, optimizer, mesh, batch, seq_len)
+  init = lambda r: nn.unbox(init_boxed(model, optimizer, r, batch, seq_len))
+  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed)), shardings

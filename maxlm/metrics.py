@@ -34,7 +34,7 @@ def throughput(tokens: float, flops: float, seconds: float, n_devices: int,
                peak: float | None) -> dict[str, float | None]:
   tflops = flops / seconds / n_devices / 1e12
   return {"tokens_per_sec": tokens / seconds, "tflops_per_device": tflops,
-          "mfu": (tflops * 1e12 / peak) if peak else None, "step_time": None}
+          "mfu": (tflops * 1e12 / peak) if peak else None}
 
 
 def _step_of(line: str) -> float:

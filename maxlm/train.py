@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
@@ -32,7 +33,7 @@ def _fail(msg: str, code: int) -> int:
 
 
 class Trainer:
-  """Owns the mesh, model, state and data of one run; `run()` trains to `train.steps`."""
+  """Owns the mesh, model, state, data and jitted steps of one run; `train()` drives it."""
 
   def __init__(self, cfg: Config):
     import jax
@@ -81,7 +82,8 @@ class Trainer:
       self.state, self.state_shardings = create_train_state(
           self.model, self.optimizer, self.mesh, cfg.train.seed, micro, cfg.data.seq_len)
     self.batch_sharding = batch_sharding(self.mesh)
-    bs = {k: self.batch_sharding for k in ("inputs", "targets", "segment_ids", "positions")}
+    from maxlm.data import BATCH_KEYS
+    bs = {k: self.batch_sharding for k in BATCH_KEYS}
     step = make_train_step(self.model, self.optimizer, self.schedule, grad_accum=cfg.train.grad_accum,
                            packed=self.packed)
     self.train_step = jit_step(step, self.state_shardings, bs, self.scope,
@@ -96,7 +98,6 @@ class Trainer:
 
   def evaluate(self) -> dict:
     import jax
-    import math
     loss_sum, tokens = 0.0, 0.0
     it = self.eval_data_factory()
     if it is None:

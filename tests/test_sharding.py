@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, OptimConfig
+from maxlm.data import BATCH_KEYS as BATCH
 from maxlm.layers import precision_scope
 from maxlm.mesh import make_mesh, mesh_shape
 from maxlm.model import Transformer
@@ -56,9 +57,6 @@ def one_step(mesh_cfg, devices, backend="flax"):
     state, metrics = step(state, batch)
     losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
   return losses, state
-
-
-BATCH = ("inputs", "targets", "segment_ids", "positions")
 
 
 @pytest.mark.parametrize("backend,shapes", [

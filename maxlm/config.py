@@ -1,148 +1,183 @@
 """Typed, locked run configuration: dataclass defaults <- YAML file <- `key=value` overrides.
 
-Every section is a frozen dataclass; a component receives only its own section. Unknown keys
-and wrongly typed values raise `ConfigError` with a one-line message naming the key (and the
-closest valid key); `maxlm.train` turns that into exit code 2 before anything is written.
+Every section is a frozen dataclass; a component receives only its own section. Each key declares
+its help and its allowed range or choices next to its definition (`option`, see
+`maxlm/config_schema.py`); one validation pass checks them all. Unknown keys, wrongly typed or
+out-of-range values and unreadable files raise `ConfigError` with a one-line message naming the
+key (and the closest valid key) or the file; `maxlm.train` turns that into exit code 2 before
+anything is written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
-import typing
+import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from maxlm import config_schema as schema
+from maxlm.config_schema import CliText, ConfigError, option
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-class ConfigError(ValueError):
-  """A bad configuration key, value or file; the message is one line."""
+SEED_RANGE = "[0, 2**32-1]"  # jax.random.PRNGKey and Grain take 32-bit seeds
+MAX_BASE_DEPTH = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  name: str = "tiny"
-  vocab_size: int = 8192
-  d_model: int = 128
-  n_layers: int = 2
-  n_heads: int = 4
-  n_kv_heads: int = 2
-  head_dim: int = 32
-  ffn_dim: int = 384
-  norm_eps: float = 1e-5
-  rope_theta: float = 10000.0
-  # Llama-3.1 frequency scaling ("none" or "llama3").
-  rope_scaling: str = "none"
-  rope_factor: float = 8.0
-  rope_low_freq_factor: float = 1.0
-  rope_high_freq_factor: float = 4.0
-  rope_original_max_position: int = 8192
-  sliding_window: int = 0  # 0 = full causal attention; W > 0 = Mistral-style window of W tokens
-  tie_embeddings: bool = False
-  param_dtype: str = "float32"  # master weights
-  dtype: str = "bfloat16"  # compute dtype
-  backend: str = "auto"  # auto | te | flax
-  precision: str = "bf16"  # bf16 | fp8_delayed | fp8_current
-  fp8_amax_history_len: int = 1024
-  fp8_lm_head: bool = False  # quantize the LM head too (off: it stays in `dtype`)
-  scan_layers: bool = True
-  remat: str = "full"  # none | full | save_dots | save_attn | save_qkv_attn
-  init_std: float = 0.02
+  """The decoder: shape, RoPE, precision, layer backend and rematerialization."""
+  name: str = option("tiny", "a label for logs")
+  vocab_size: int = option(8192, "vocabulary size (embedding rows, LM-head columns); token ids are int32",
+                           within="[1, 2**31-1]")
+  d_model: int = option(128, "hidden (residual stream) width", within="[1, inf)")
+  n_layers: int = option(2, "decoder blocks", within="[1, inf)")
+  n_heads: int = option(4, "query heads", within="[1, inf)")
+  n_kv_heads: int = option(2, "key/value heads (grouped-query attention); must divide n_heads",
+                           within="[1, inf)")
+  head_dim: int = option(32, "width of one attention head; even (RoPE rotates pairs)", within="[2, inf)")
+  ffn_dim: int = option(384, "SwiGLU MLP hidden width", within="[1, inf)")
+  norm_eps: float = option(1e-5, "RMSNorm epsilon", within="(0, inf)")
+  rope_theta: float = option(10000.0, "RoPE base: wavelengths grow geometrically from 2*pi to ~2*pi*theta",
+                             within="(1, inf)")
+  rope_scaling: str = option("none", "RoPE frequency scaling: none, or llama3 (Llama 3.1 long context)",
+                             choices=("none", "llama3"))
+  rope_factor: float = option(8.0, "llama3 scaling: low frequencies are divided by this", within="(0, inf)")
+  rope_low_freq_factor: float = option(1.0, "llama3 scaling: wavelengths above original/low are fully "
+                                       "scaled; < rope_high_freq_factor", within="(0, inf)")
+  rope_high_freq_factor: float = option(4.0, "llama3 scaling: wavelengths below original/high are kept",
+                                        within="(0, inf)")
+  rope_original_max_position: int = option(8192, "llama3 scaling: context length before scaling",
+                                           within="[1, inf)")
+  sliding_window: int = option(0, "0 = full causal attention; W > 0 = Mistral-style window of W tokens",
+                               within="[0, inf)")
+  tie_embeddings: bool = option(False, "the LM head reuses the token embedding")
+  param_dtype: str = option("float32", "master weights (also their gradients and Adam moments)",
+                            choices=("float32", "bfloat16"))
+  dtype: str = option("bfloat16", "compute dtype", choices=("float32", "bfloat16"))
+  backend: str = option("auto", "layer backend; auto = Transformer Engine when installed, else flax",
+                        choices=("auto", "te", "flax"))
+  precision: str = option("bf16", "matmul precision; FP8 needs the te backend",
+                          choices=("bf16", "fp8_delayed", "fp8_current"))
+  fp8_amax_history_len: int = option(1024, "FP8 delayed scaling: amax history length", within="[1, inf)")
+  fp8_lm_head: bool = option(False, "quantize the LM head too (off: it stays in `dtype`)")
+  scan_layers: bool = option(True, "scan over layers (faster compiles); false: unrolled (faster steps)")
+  remat: str = option("full", "rematerialization policy (what the backward pass keeps vs recomputes)",
+                      choices=("none", "full", "save_dots", "save_attn", "save_qkv_attn"))
+  init_std: float = option(0.02, "standard deviation of the normal weight initializer", within="(0, inf)")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  # Checked in maxlm.data (DataError). Lists are comma-separated strings (paths may be globs/dirs).
-  type: str = "embedded"  # embedded (Austen) | synthetic | text | jsonl | parquet | arrayrecord | mixture
-  seq_len: int = 128
-  global_batch_size: int = 8
-  seed: int = 0
-  paths: str = ""  # training files; mixture: one source per entry, type from the extension
-  weights: str = ""  # mixture weights, one per path ("" = equal)
-  eval_paths: str = ""  # held-out files; "" = every round(1/eval_fraction)-th training document
-  eval_fraction: float = 0.02  # 0 = no eval split (and no eval unless eval_paths is set)
-  tokenizer: str = ""  # .model / tokenizer.json / tiktoken ranks; "" = shipped Austen 8k SentencePiece
-  tokenizer_type: str = "auto"  # auto | sentencepiece | hf | tiktoken
-  add_bos: bool = True
-  add_eos: bool = True
-  bos_id: int = -1  # -1 = the tokenizer's own BOS/EOS id
-  eos_id: int = -1
-  text_split: str = "line"  # text files: line | paragraph (blank-line separated) | file
-  field: str = "text"  # JSONL field / Parquet column holding the document text
-  shuffle: bool = True
-  num_epochs: int = 0  # 0 = repeat forever
-  max_segments_per_row: int = 64  # cap on documents (chunks) packed into one row
-  packing_bins: int = 64  # rows packed together (first-fit); >= the per-process batch
-  read_threads: int = 2  # threads reading + tokenizing documents (per process)
-  worker_count: int = 0  # Grain worker processes (0 = in this process)
-  prefetch: int = 2  # batches prepared ahead in a background thread
-  skip_bad_records: bool = False  # count and report bad records instead of stopping
+  """Training data, tokenizer and packing; also checked in maxlm.data (DataError). Lists are
+  comma-separated strings (paths may be globs or directories)."""
+  type: str = option("embedded", "embedded = the shipped Austen corpus; synthetic = random tokens",
+                     choices=("embedded", "synthetic", "text", "jsonl", "parquet", "arrayrecord", "mixture"))
+  seq_len: int = option(128, "tokens per row; positions are int32", within="[1, 2**31-1]")
+  global_batch_size: int = option(8, "rows per step over all devices", within="[1, inf)")
+  seed: int = option(0, "shuffle seed; per-source seeds add up to 7919 per mixture entry, hence < 2**31",
+                     within="[0, 2**31-1]")
+  paths: str = option("", "training files; mixture: one source per entry, type from the extension")
+  weights: str = option("", "mixture weights, one per path (\"\" = equal)")
+  eval_paths: str = option("", "held-out files; \"\" = every round(1/eval_fraction)-th training document")
+  eval_fraction: float = option(0.02, "0 = no eval split (and no eval unless eval_paths is set)",
+                                within="[0, 0.5]")
+  tokenizer: str = option("", "SentencePiece .model, tokenizer.json (or its directory) or tiktoken ranks; "
+                          "\"\" = the tokenizer recorded in the shards' maxlm_data.json when every source "
+                          "is prepared shards (arrayrecord), else the shipped Austen 8k SentencePiece")
+  tokenizer_type: str = option("auto", "auto = detected from the file's content",
+                               choices=("auto", "sentencepiece", "hf", "tiktoken"))
+  add_bos: bool = option(True, "prepend BOS to every document")
+  add_eos: bool = option(True, "append EOS to every document")
+  bos_id: int = option(-1, "-1 = the tokenizer's own BOS id", within="[-1, 2**31-1]")
+  eos_id: int = option(-1, "-1 = the tokenizer's own EOS id", within="[-1, 2**31-1]")
+  text_split: str = option("line", "text files: a document per line, per blank-line separated paragraph, "
+                           "or per file", choices=("line", "paragraph", "file"))
+  field: str = option("text", "JSONL field / Parquet column holding the document text")
+  shuffle: bool = option(True, "shuffle documents (reshuffled every epoch)")
+  num_epochs: int = option(0, "0 = repeat forever", within="[0, inf)")
+  max_segments_per_row: int = option(64, "cap on documents (chunks) packed into one row", within="[1, inf)")
+  packing_bins: int = option(64, "rows packed together (first-fit); at least the per-process batch is used",
+                             within="[1, inf)")
+  read_threads: int = option(2, "threads reading + tokenizing documents (per process)", within="[0, inf)")
+  worker_count: int = option(0, "Grain worker processes (0 = in this process)", within="[0, inf)")
+  prefetch: int = option(2, "batches prepared ahead in a background thread (0 = none)", within="[0, inf)")
+  skip_bad_records: bool = option(False, "count and report bad records instead of stopping")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  learning_rate: float = 3e-3
-  schedule: str = "cosine"  # cosine | wsd | constant
-  warmup_steps: int = 20
-  decay_steps: int = 0  # 0 = train.steps
-  min_lr_ratio: float = 0.1
-  wsd_decay_fraction: float = 0.2  # WSD: fraction of decay_steps spent decaying at the end
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  weight_decay: float = 0.1
-  decay_norms_and_embeddings: bool = False
-  clip_grad_norm: float = 1.0  # 0 disables clipping
+  """AdamW, learning-rate schedule and gradient clipping."""
+  learning_rate: float = option(3e-3, "peak learning rate", within="[0, inf)")
+  schedule: str = option("cosine", "after warmup: cosine decay, warmup-stable-decay, or constant",
+                         choices=("cosine", "wsd", "constant"))
+  warmup_steps: int = option(20, "linear warmup from 0 (0 = none)", within="[0, inf)")
+  decay_steps: int = option(0, "end of the decay (0 = train.steps)", within="[0, inf)")
+  min_lr_ratio: float = option(0.1, "final learning rate / peak", within="[0, 1]")
+  wsd_decay_fraction: float = option(0.2, "WSD: fraction of decay_steps spent decaying at the end",
+                                     within="(0, 1]")
+  b1: float = option(0.9, "Adam first-moment decay", within="[0, 1)")
+  b2: float = option(0.95, "Adam second-moment decay", within="[0, 1)")
+  eps: float = option(1e-8, "Adam epsilon", within="(0, inf)")
+  weight_decay: float = option(0.1, "decoupled weight decay", within="[0, inf)")
+  decay_norms_and_embeddings: bool = option(False, "also decay norm scales and embeddings")
+  clip_grad_norm: float = option(1.0, "clip the global gradient norm to this; 0 disables clipping",
+                                 within="[0, inf)")
+
+
+_DEGREE = "[1, inf) or -1"
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  # Intra-node (NVLink) degrees; one of all six may be -1 (filled from the device count).
-  data: int = 1
-  fsdp: int = -1
-  tensor: int = 1
-  # Inter-node (InfiniBand) degrees.
-  dcn_data: int = 1
-  dcn_fsdp: int = 1
-  dcn_tensor: int = 1
+  """Device mesh degrees: intra-node (NVLink) data/fsdp/tensor and inter-node (InfiniBand) dcn_*;
+  one degree of each kind may be -1 (filled from the device count)."""
+  data: int = option(1, "intra-node data-parallel degree", within=_DEGREE)
+  fsdp: int = option(-1, "intra-node FSDP degree (parameters sharded on `embed`)", within=_DEGREE)
+  tensor: int = option(1, "intra-node tensor-parallel degree (heads, MLP, vocabulary)", within=_DEGREE)
+  dcn_data: int = option(1, "inter-node data-parallel degree", within=_DEGREE)
+  dcn_fsdp: int = option(1, "inter-node FSDP degree", within=_DEGREE)
+  dcn_tensor: int = option(1, "inter-node tensor-parallel degree", within=_DEGREE)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  steps: int = 600
-  grad_accum: int = 1
-  seed: int = 0
-  log_every: int = 50
-  eval_every: int = 100  # 0 = no eval (also none when the data has no eval split)
-  eval_steps: int = 0  # batches per evaluation; 0 = the whole eval split
-  nonfinite: str = "skip"  # skip | stop
+  """The training loop: steps, micro-batching, seed, logging, evaluation."""
+  steps: int = option(600, "optimizer steps", within="[0, inf)")
+  grad_accum: int = option(1, "micro-batches per step; divides data.global_batch_size", within="[1, inf)")
+  seed: int = option(0, "parameter-initialization / RNG seed", within=SEED_RANGE)
+  log_every: int = option(50, "steps between progress lines and metrics rows", within="[1, inf)")
+  eval_every: int = option(100, "0 = no eval (also none when the data has no eval split)", within="[0, inf)")
+  eval_steps: int = option(0, "batches per evaluation; 0 = the whole eval split", within="[0, inf)")
+  nonfinite: str = option("skip", "a NaN/Inf loss or gradient: skip the update and count it, or stop",
+                          choices=("skip", "stop"))
+  deterministic: bool = option(False, "make GPU runs repeat bit for bit: XLA deterministic ops and "
+                               "Transformer Engine's deterministic kernels, set before the backend starts "
+                               "(costs some speed)")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  # Orbax checkpoints in <run_dir>/checkpoints (see maxlm/checkpoint.py). When enabled, a run whose
-  # directory holds checkpoints resumes from the latest usable one.
-  every: int = 0  # save every N steps (async); 0 = only at the end. Also saved at the end and on SIGTERM/SIGINT
-  enabled: bool = False
-  keep: int = 3  # keep the last K checkpoints (0 = all)
-  keep_period: int = 0  # also keep every checkpoint whose step is a multiple of M (0 = none)
-  async_save: bool = True  # false: training waits until each checkpoint is on disk
-  load_params: str = ""  # start from these parameters (a step dir, a checkpoints dir, an Orbax tree) unless resuming
-
-  def __post_init__(self):
-    for key in ("every", "keep", "keep_period"):
-      if getattr(self, key) < 0:
-        raise ConfigError(f"config key 'checkpoint.{key}' must be >= 0, got {getattr(self, key)}")
+  """Orbax checkpoints in <run_dir>/checkpoints (see maxlm/checkpoint/). When enabled, a run whose
+  directory holds checkpoints resumes from the latest usable one."""
+  every: int = option(0, "save every N steps (async); 0 = only at the end (also saved on SIGTERM/SIGINT)",
+                      within="[0, inf)")
+  enabled: bool = option(False, "write checkpoints and resume from them")
+  keep: int = option(3, "keep the last K checkpoints (0 = all)", within="[0, inf)")
+  keep_period: int = option(0, "also keep every checkpoint whose step is a multiple of M (0 = none)",
+                            within="[0, inf)")
+  async_save: bool = option(True, "false: training waits until each checkpoint is on disk")
+  load_params: str = option("", "start from these parameters (a step dir, a checkpoints dir, an Orbax tree) "
+                            "unless resuming")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  output_dir: str = "runs"
-  run_name: str = "default"
+  """A whole run."""
+  output_dir: str = option("runs", "parent of the run directory")
+  run_name: str = option("default", "the run directory <output_dir>/<run_name>: one plain name")
   model: ModelConfig = ModelConfig()
   data: DataConfig = DataConfig()
   optim: OptimConfig = OptimConfig()
@@ -155,122 +190,80 @@ class Config:
     return Path(self.output_dir) / self.run_name
 
 
-CHOICES = {
-    "model.backend": ("auto", "te", "flax"),
-    "model.precision": ("bf16", "fp8_delayed", "fp8_current"),
-    "model.remat": ("none", "full", "save_dots", "save_attn", "save_qkv_attn"),
-    "model.rope_scaling": ("none", "llama3"),
-    "model.param_dtype": ("float32", "bfloat16"),
-    "model.dtype": ("float32", "bfloat16"),
-    "optim.schedule": ("cosine", "wsd", "constant"),
-    "train.nonfinite": ("skip", "stop"),
-}
+CHOICES: dict[str, tuple[str, ...]] = schema.choices_of(Config)
 
 
-def _keys(cls, prefix="") -> list[str]:
-  out = []
-  for f in dataclasses.fields(cls):
-    if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else _hints(cls)[f.name]):
-      out += _keys(_hints(cls)[f.name], prefix + f.name + ".")
-    else:
-      out.append(prefix + f.name)
-  return out
+def help_text(section: str | None = None) -> str:
+  """Every config key (or one section's) with type, default, range or choices, and help."""
+  return schema.help_text(Config, section)
 
 
-def _hints(cls) -> dict[str, Any]:
-  return typing.get_type_hints(cls)
-
-
-def _unknown(key: str, cls) -> ConfigError:
-  close = difflib.get_close_matches(key, _keys(Config), n=1, cutoff=0.5)
+def _unknown(key: str) -> ConfigError:
+  close = difflib.get_close_matches(key, [k for k, _, _ in schema.leaf_fields(Config)], n=1, cutoff=0.5)
   hint = f" (did you mean '{close[0]}'?)" if close else ""
-  return ConfigError(f"unknown config key '{key}'{hint}")
-
-
-def _coerce(key: str, value: Any, typ: Any) -> Any:
-  if isinstance(typ, types.UnionType) or typing.get_origin(typ) is typing.Union:
-    typ = next(t for t in typing.get_args(typ) if t is not type(None))
-  if typ is bool:
-    if isinstance(value, bool):
-      return value
-  elif typ is int:
-    if isinstance(value, int) and not isinstance(value, bool):
-      return value
-    if isinstance(value, float) and value.is_integer():
-      return int(value)
-  elif typ is float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return float(value)
-    if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
-      try:
-        return float(value)
-      except ValueError:
-        pass
-  elif typ is str:
-    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-      return str(value)
-  else:
-    return value
-  raise ConfigError(f"config key '{key}' expects {typ.__name__}, got {value!r}")
+  return ConfigError(f"unknown config key {schema.show(key)}{hint}")
 
 
 def _apply(obj, updates: dict[str, Any], prefix: str = ""):
-  hints = _hints(type(obj))
+  hints = schema.hints(type(obj))
   changes = {}
   for name, value in updates.items():
-    key = prefix + name
+    key = prefix + str(name)
     if name not in hints:
       while isinstance(value, dict) and len(value) == 1:  # name the full dotted key the user typed
         sub, value = next(iter(value.items()))
-        key += "." + sub
-      raise _unknown(key, type(obj))
+        key += f".{sub}"
+      raise _unknown(key)
     typ = hints[name]
     if dataclasses.is_dataclass(typ):
+      if value is None:  # an empty section in YAML (`model:` with every key commented out)
+        continue
       if not isinstance(value, dict):
         raise ConfigError(f"config key '{key}' is a section; give its fields, e.g. {key}.<field>=...")
       changes[name] = _apply(getattr(obj, name), value, key + ".")
     else:
-      value = _coerce(key, value, typ)
-      if key in CHOICES and value not in CHOICES[key]:
-        raise ConfigError(f"config key '{key}' must be one of {', '.join(CHOICES[key])}; got {value!r}")
-      changes[name] = value
+      changes[name] = schema.coerce(key, value, typ)
   return dataclasses.replace(obj, **changes)
-
-
-def _nest(key: str, value: Any) -> dict[str, Any]:
-  out: dict[str, Any] = value
-  for part in reversed(key.split(".")):
-    out = {part: out}
-  return out
-
-
-def _merge(a: dict, b: dict) -> dict:
-  out = dict(a)
-  for k, v in b.items():
-    out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-  return out
 
 
 def resolve_config_path(name: str) -> Path:
   p = Path(name)
   for cand in (p, CONFIG_DIR / name, CONFIG_DIR / f"{name}.yml"):
-    if cand.is_file():
-      return cand
-  raise ConfigError(f"config file '{name}' not found (looked in . and {CONFIG_DIR})")
+    try:
+      if cand.is_file():
+        return cand
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+      pass
+  raise ConfigError(f"config file {schema.show(name)} not found (looked in . and {CONFIG_DIR})")
+
+
+def _yaml_layers(path: Path, chain: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
+  """[(file, its keys)] from the deepest `base:` to `path`, each applied over the one before."""
+  chain = chain + (path,)
+  data = schema.read_yaml(path)
+  if "base" not in data:
+    return [(path, data)]
+  base = data.pop("base")
+  if not isinstance(base, str) or not base.strip():
+    raise ConfigError(f"config file '{path}': 'base' must name one YAML file, got {schema.show(base)}")
+  try:
+    base_path = resolve_config_path(str(path.parent / base))
+  except ConfigError:
+    raise ConfigError(f"config file '{path}': base file {schema.show(base)} not found") from None
+  if base_path.resolve() in {p.resolve() for p in chain}:
+    loop = " -> ".join(str(p) for p in chain + (base_path,))
+    raise ConfigError(f"config file '{path}': 'base' includes a file twice: {loop}")
+  if len(chain) >= MAX_BASE_DEPTH:
+    raise ConfigError(f"config file '{path}': more than {MAX_BASE_DEPTH} nested 'base' files")
+  return _yaml_layers(base_path, chain) + [(path, data)]
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
   """Read a config YAML; `base: other.yml` includes another file first (relative to this one)."""
-  try:
-    data = yaml.safe_load(path.read_text()) or {}
-  except yaml.YAMLError as e:
-    raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
-  if not isinstance(data, dict):
-    raise ConfigError(f"config file '{path}' must hold a mapping of keys, not {type(data).__name__}")
-  base = data.pop("base", None)
-  if base:
-    data = _merge(load_yaml(resolve_config_path(str(path.parent / base))), data)
-  return data
+  out: dict[str, Any] = {}
+  for _, data in _yaml_layers(Path(path)):
+    out = schema.merge(out, data)
+  return out
 
 
 def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
@@ -278,19 +271,18 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
   config_file, updates = None, {}
   for arg in args:
     if "=" not in arg:
-      raise ConfigError(f"argument '{arg}' is not key=value (e.g. train.steps=100)")
+      raise ConfigError(f"argument {schema.show(arg)} is not key=value (e.g. train.steps=100)")
     key, raw = arg.split("=", 1)
     key = key.strip().lstrip("-")
     if key == "config":
+      if not raw.strip():
+        raise ConfigError("argument 'config=' needs a file name (e.g. config=llama8b.yml)")
+      if config_file is not None:
+        raise ConfigError(f"argument 'config=' given twice ({config_file!r}, {raw!r}); "
+                          "combine files with 'base:' in YAML")
       config_file = raw
       continue
-    try:
-      value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-      value = raw
-    if isinstance(value, (dict, list)):
-      value = raw
-    updates = _merge(updates, _nest(key, value))
+    updates = schema.merge(updates, schema.nest(key, CliText(raw)))
   return config_file, updates
 
 
@@ -298,31 +290,49 @@ def load_config(args: list[str] | None = None, base: Config | None = None) -> Co
   """Build the Config from CLI words: `config=FILE` then dotted `key=value` overrides."""
   config_file, overrides = parse_overrides(list(args or []))
   cfg = base or Config()
-  if config_file:
-    cfg = _apply(cfg, load_yaml(resolve_config_path(config_file)))
+  if config_file is not None:
+    for path, data in _yaml_layers(resolve_config_path(config_file)):
+      try:
+        cfg = _apply(cfg, data)
+      except ConfigError as e:
+        raise ConfigError(f"config file '{path}': {e}") from None
   cfg = _apply(cfg, overrides)
   validate(cfg)
   return cfg
 
 
 def validate(cfg: Config) -> None:
+  """Every key's declared range / choices, then the rules that relate several keys."""
+  schema.check_fields(cfg)
   m, d, t = cfg.model, cfg.data, cfg.train
   if m.n_heads % m.n_kv_heads:
     raise ConfigError(f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
-  for key, val in (("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model),
-                   ("model.n_layers", m.n_layers), ("model.head_dim", m.head_dim),
-                   ("model.ffn_dim", m.ffn_dim), ("data.seq_len", d.seq_len),
-                   ("data.global_batch_size", d.global_batch_size), ("train.grad_accum", t.grad_accum),
-                   ("train.log_every", t.log_every)):
-    if val <= 0:
-      raise ConfigError(f"config key '{key}' must be positive, got {val}")
-  if t.steps < 0:
-    raise ConfigError(f"config key 'train.steps' must be >= 0, got {t.steps}")
+  if m.head_dim % 2:
+    raise ConfigError(f"config key 'model.head_dim' must be even (RoPE rotates pairs), got {m.head_dim}")
+  if m.rope_low_freq_factor >= m.rope_high_freq_factor:
+    raise ConfigError(f"model.rope_low_freq_factor ({m.rope_low_freq_factor}) must be below "
+                      f"model.rope_high_freq_factor ({m.rope_high_freq_factor})")
   if d.global_batch_size % t.grad_accum:
     raise ConfigError(f"data.global_batch_size ({d.global_batch_size}) must be divisible by "
                       f"train.grad_accum ({t.grad_accum})")
-  if not cfg.run_name or "/" in cfg.run_name:
-    raise ConfigError(f"config key 'run_name' must be a plain directory name, got {cfg.run_name!r}")
+  for key, tok in (("data.bos_id", d.bos_id), ("data.eos_id", d.eos_id)):
+    if tok >= m.vocab_size:
+      raise ConfigError(f"config key '{key}' ({tok}) must be below model.vocab_size ({m.vocab_size})")
+  _check_run_name(cfg.output_dir, cfg.run_name)
+
+
+def _check_run_name(output_dir: str, name: str) -> None:
+  """run_name is one plain path component that stays inside output_dir (even through a symlink)."""
+  plain = (name not in ("", ".", "..") and not any(c in name for c in "/\\")
+           and all(c.isprintable() for c in name))
+  if not plain:
+    raise ConfigError(f"config key 'run_name' must be a single plain directory name (no '/', '\\', "
+                      f"'.', '..' or control characters), got {schema.show(name)}")
+  parent = os.path.realpath(output_dir or ".")
+  target = os.path.realpath(os.path.join(parent, name))
+  if os.path.dirname(target) != parent:
+    raise ConfigError(f"config key 'run_name' {schema.show(name)} resolves to {target!r}, outside "
+                      f"output_dir {schema.show(output_dir)}")
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

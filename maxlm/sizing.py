@@ -1,0 +1,114 @@
+"""Per-device memory of a training run, estimated from the config before anything is built.
+
+`estimate(cfg, n_devices)` gives bytes per device for each part:
+
+* params: the parameters, in `model.param_dtype`.
+* optimizer: AdamW's two moments, in the parameter dtype (optax's default; fp32 for the fp32 master
+  weights every shipped config uses).
+* gradients: one gradient per parameter, in the parameter dtype.
+* logits: one micro-batch's logits [B_micro / (data * fsdp), S, V / tensor] in fp32 (the loss) plus
+  the `model.dtype` copy the LM head produces (none when that is float32).
+* activations (rough): what `model.remat` keeps per layer, plus one layer's internals recomputed in
+  the backward pass; attention scores are not counted (fused attention does not store them).
+* lower_bound: params + optimizer + gradients + logits, memory the step certainly needs;
+  total: lower_bound + activations.
+
+Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x tensor
+degree (rounded up), the logits' batch by data x fsdp and their vocabulary by tensor (each rounded
+up). A dimension that does not divide its mesh axes is replicated in practice, so `lower_bound` stays
+a lower bound. Activations are divided by the batch degree only. Degrees are the products of the
+intra- and inter-node degrees, -1 filled from the device count as `maxlm.mesh` does.
+
+`check_fits(cfg, n_devices, bytes_per_device)` raises `ConfigError` when `lower_bound` exceeds the
+device memory (no guessed activations). All of it is arithmetic on Python ints: microseconds even
+for absurd sizes (no arrays, no loop over layers).
+"""
+
+from __future__ import annotations
+
+import math
+
+from maxlm.config import Config, ConfigError, MeshConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
+
+
+def human_bytes(n: int | float) -> str:
+  """1536 -> '1.5 KiB' (binary units, one decimal)."""
+  if n < 1024:
+    return f"{int(n)} B"
+  x = float(n)
+  for unit in UNITS[1:]:
+    x /= 1024
+    if x < 1024 or unit == UNITS[-1]:
+      return f"{x:.1f} {unit}"
+  raise AssertionError("unreachable")
+
+
+def _fill(degrees: list[int], total: int) -> list[int]:
+  """The -1 entry (at most one) gets total / product(the others); `maxlm.mesh` checks the rest."""
+  known = math.prod(d for d in degrees if d != -1)
+  return [max(1, total // known) if d == -1 else d for d in degrees]
+
+
+def mesh_degrees(mesh: MeshConfig, n_devices: int, n_nodes: int = 1) -> dict[str, int]:
+  """Total data / fsdp / tensor degrees (intra-node x inter-node) on n_devices over n_nodes."""
+  dcn = _fill([mesh.dcn_data, mesh.dcn_fsdp, mesh.dcn_tensor], n_nodes)
+  ici = _fill([mesh.data, mesh.fsdp, mesh.tensor], max(1, n_devices // n_nodes))
+  return {"data": ici[0] * dcn[0], "fsdp": ici[1] * dcn[1], "tensor": ici[2] * dcn[2]}
+
+
+def _activation_elements(cfg: Config) -> int:
+  """Rough activation elements per token: saved by the remat policy over all layers + one layer."""
+  m = cfg.model
+  d, f, qkv, ctx = m.d_model, m.ffn_dim, (m.n_heads + 2 * m.n_kv_heads) * m.head_dim, m.n_heads * m.head_dim
+  # Everything one block's backward reads without remat: norm inputs/outputs, q/k/v, context,
+  # projection outputs, gate/up/product of the MLP.
+  whole = 6 * d + qkv + ctx + 3 * f
+  kept = {"none": whole, "full": d, "save_dots": 3 * d + qkv + 2 * f, "save_attn": d + ctx,
+          "save_qkv_attn": d + qkv + ctx}[m.remat]
+  return m.n_layers * kept + (whole if m.remat != "none" else 0)
+
+
+def estimate(cfg: Config, n_devices: int, n_nodes: int = 1) -> dict[str, int]:
+  """Bytes per device: params, optimizer, gradients, logits, activations, lower_bound, total."""
+  if n_devices < 1 or n_nodes < 1:
+    raise ValueError(f"n_devices ({n_devices}) and n_nodes ({n_nodes}) must be >= 1")
+  from maxlm.model import count_params  # lazy: maxlm.model imports jax, the rest here needs none
+
+  m, d = cfg.model, cfg.data
+  deg = mesh_degrees(cfg.mesh, n_devices, n_nodes)
+  n_params = count_params(m)["total"]
+  p_bytes, c_bytes = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.dtype]
+  shards = deg["fsdp"] * deg["tensor"]
+  params = -(-n_params * p_bytes // shards)  # ceil
+  rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
+  vocab = -(-m.vocab_size // deg["tensor"])
+  logit_bytes = 4 + (c_bytes if m.dtype != "float32" else 0)
+  out = {
+      "params": params,
+      "optimizer": 2 * params,
+      "gradients": params,
+      "logits": rows * d.seq_len * vocab * logit_bytes,
+      "activations": rows * d.seq_len * _activation_elements(cfg) * c_bytes,
+  }
+  out["lower_bound"] = out["params"] + out["optimizer"] + out["gradients"] + out["logits"]
+  out["total"] = out["lower_bound"] + out["activations"]
+  return out
+
+
+def check_fits(cfg: Config, n_devices: int, bytes_per_device: int, n_nodes: int = 1) -> None:
+  """ConfigError (one line, with the numbers) if the certain part cannot fit in a device's memory."""
+  if bytes_per_device <= 0:
+    raise ValueError(f"bytes_per_device must be positive, got {bytes_per_device}")
+  est = estimate(cfg, n_devices, n_nodes)
+  if est["lower_bound"] <= bytes_per_device:
+    return
+  deg = mesh_degrees(cfg.mesh, n_devices, n_nodes)
+  parts = ", ".join(f"{k} {human_bytes(est[k])}" for k in ("params", "optimizer", "gradients", "logits"))
+  raise ConfigError(
+      f"model needs at least {human_bytes(est['lower_bound'])} per device ({parts}) on {n_devices} "
+      f"device(s) with mesh data {deg['data']} x fsdp {deg['fsdp']} x tensor {deg['tensor']}, but a device "
+      f"has {human_bytes(bytes_per_device)}; reduce model.n_layers/d_model/vocab_size or "
+      "data.global_batch_size/seq_len, or use more devices")

@@ -1,0 +1,122 @@
+"""Per-device memory estimate: every part checked against arithmetic written out here by hand."""
+
+import dataclasses
+import time
+
+import pytest
+
+from maxlm.config import ConfigError, load_config
+from maxlm.sizing import check_fits, estimate, human_bytes
+
+GiB = 2**30
+
+# Tiny (the defaults): d=128, ffn=384, 4 heads / 2 kv heads of 32, vocab 8192, 2 layers, untied.
+TINY_LAYER = 128 * (4 + 2 * 2) * 32 + 4 * 32 * 128 + 3 * 128 * 384  # qkv + out proj + SwiGLU = 196608
+TINY_PARAMS = 2 * TINY_LAYER + (2 * 2 + 1) * 128 + 2 * 8192 * 128  # + norms + embedding + head = 2491008
+# Llama 3 8B: d=4096, ffn=14336, 32 heads / 8 kv heads of 128, vocab 128256, 32 layers, untied.
+L8_LAYER = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336  # 218103808
+L8_PARAMS = 32 * L8_LAYER + 65 * 4096 + 2 * 128256 * 4096  # 8030261248 (the published 8.03B)
+L8_LOGITS_ROW = 8192 * 128256 * (4 + 2)  # one row of [S, V] in fp32 for the loss + the bf16 copy
+
+
+def with_(cfg, **sections):
+  changed = {s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in sections.items()}
+  return dataclasses.replace(cfg, **changed)
+
+
+def test_tiny_on_one_device():
+  est = estimate(load_config([]), 1)
+  assert TINY_PARAMS == 2491008
+  assert est["params"] == 4 * TINY_PARAMS and est["gradients"] == 4 * TINY_PARAMS  # fp32
+  assert est["optimizer"] == 2 * 4 * TINY_PARAMS  # Adam mu and nu in fp32
+  assert est["logits"] == 8 * 128 * 8192 * (4 + 2)  # batch 8, seq 128, vocab 8192
+  assert est["lower_bound"] == 16 * TINY_PARAMS + 8 * 128 * 8192 * 6
+  assert est["total"] == est["lower_bound"] + est["activations"] and est["activations"] > 0
+
+
+def test_llama8b_on_8_devices_fsdp():
+  cfg = load_config(["config=llama8b"])  # mesh.fsdp=-1 -> 8; batch 8 -> 1 row per device
+  est = estimate(cfg, 8)
+  assert L8_PARAMS == 8030261248
+  assert est["params"] == 4 * L8_PARAMS // 8 and est["optimizer"] == 8 * L8_PARAMS // 8
+  assert est["logits"] == 1 * L8_LOGITS_ROW
+  assert est["lower_bound"] == 16 * L8_PARAMS // 8 + L8_LOGITS_ROW  # 22364561408 B = 20.8 GiB
+  check_fits(cfg, 8, 80 * 10**9)
+  with pytest.raises(ConfigError, match="needs at least 20.8 GiB per device"):
+    check_fits(cfg, 8, 20 * GiB)
+
+
+def test_mesh_degrees_divide_the_right_parts():
+  cfg = load_config(["config=llama8b", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
+  est = estimate(cfg, 8)
+  assert est["params"] == 4 * L8_PARAMS // (2 * 2)  # fsdp x tensor
+  assert est["logits"] == (8 // (2 * 2)) * 8192 * (128256 // 2) * 6  # batch / (data x fsdp), vocab / tensor
+  cfg = load_config(["config=llama8b", "mesh.fsdp=-1", "mesh.dcn_fsdp=2"])  # 2 nodes x 4 devices: fsdp 8
+  assert estimate(cfg, 8, n_nodes=2)["params"] == 4 * L8_PARAMS // 8
+
+
+def test_dtypes_and_micro_batch():
+  cfg = load_config(["train.grad_accum=4", "model.param_dtype=bfloat16", "model.dtype=float32"])
+  est = estimate(cfg, 1)
+  assert est["params"] == 2 * TINY_PARAMS and est["optimizer"] == 2 * 2 * TINY_PARAMS  # moments in bf16
+  assert est["logits"] == (8 // 4) * 128 * 8192 * 4  # micro-batch of 2 rows; fp32 logits, no second copy
+
+
+def test_activations_follow_the_remat_policy():
+  acts = {r: estimate(load_config([f"model.remat={r}"]), 1) for r in
+          ("full", "save_attn", "save_qkv_attn", "save_dots", "none")}
+  order = [acts[r]["activations"] for r in ("full", "save_attn", "save_qkv_attn", "none")]
+  assert order == sorted(order) and len(set(order)) == 4
+  assert acts["full"]["activations"] < acts["save_dots"]["activations"]
+  assert len({a["lower_bound"] for a in acts.values()}) == 1  # the certain part has no guessed activations
+
+
+def test_llama8b_refused_on_one_80gb_device_with_its_numbers():
+  cfg = load_config(["config=llama8b"])
+  # 4 B x 8030261248 = 29.9 GiB params, 59.8 GiB moments, 29.9 GiB gradients;
+  # logits 8 rows x 8192 x 128256 x 6 B = 47.0 GiB; a device 80e9 B = 74.5 GiB.
+  with pytest.raises(ConfigError) as e:
+    check_fits(cfg, 1, 80 * 10**9)
+  msg = str(e.value)
+  assert "\n" not in msg
+  assert ("model needs at least 166.6 GiB per device (params 29.9 GiB, optimizer 59.8 GiB, "
+          "gradients 29.9 GiB, logits 47.0 GiB) on 1 device(s) with mesh data 1 x fsdp 1 x tensor 1, but a "
+          "device has 74.5 GiB; reduce model.n_layers/d_model/vocab_size") in msg
+  small = load_config(["config=llama8b", "model.n_layers=4", "data.global_batch_size=1"])
+  check_fits(small, 1, 80 * 10**9)  # 16 B x 1.92B params = 30.8 GB + one row of logits 6.3 GB
+
+
+@pytest.mark.parametrize("change,numbers", [
+    # 10**8 layers: P = 1e8 x 196608 + (2e8 + 1) x 128 + 2 x 8192 x 128 = 19686402097280 params;
+    # 4P = 71.6 TiB, 8P = 143.2 TiB, logits 8 x 128 x 8192 x 6 = 48 MiB, 16P + logits = 286.5 TiB.
+    ({"model": {"n_layers": 10**8}}, "at least 286.5 TiB per device (params 71.6 TiB, optimizer 143.2 TiB, "
+                                     "gradients 71.6 TiB, logits 48.0 MiB)"),
+    # vocab 2**40: embedding + head 2 x 2**40 x 128 x 4 B = 1.0 PiB; logits 8 x 128 x 2**40 x 6 B = 6 PiB.
+    ({"model": {"vocab_size": 2**40}}, "at least 10.0 PiB per device (params 1.0 PiB, optimizer 2.0 PiB, "
+                                       "gradients 1.0 PiB, logits 6.0 PiB)"),
+    # seq_len 2**40: logits 8 x 2**40 x 8192 x 6 B = 384 PiB; params 4 x 2491008 B = 9.5 MiB.
+    ({"data": {"seq_len": 2**40}}, "at least 384.0 PiB per device (params 9.5 MiB, optimizer 19.0 MiB, "
+                                   "gradients 9.5 MiB, logits 384.0 PiB)"),
+])
+def test_absurd_sizes_are_refused_at_once(change, numbers):
+  cfg = with_(load_config([]), **change)
+  start = time.perf_counter()
+  for _ in range(1000):
+    estimate(cfg, 1)
+  # ~10 us a call here; 1 ms a call leaves 100x for a loaded machine, while any loop over the 1e8
+  # layers or the 2**40 positions/tokens would take seconds per call.
+  assert time.perf_counter() - start < 1.0
+  with pytest.raises(ConfigError, match="model needs") as e:
+    check_fits(cfg, 1, 24 * GiB)
+  assert numbers in str(e.value) and "but a device has 24.0 GiB" in str(e.value)
+
+
+def test_config_refuses_the_absurd_vocab_and_seq_len_itself():
+  for arg in (f"model.vocab_size={2**40}", f"data.seq_len={2**40}"):
+    with pytest.raises(ConfigError, match="must be in \\[1, 2\\*\\*31-1\\]"):
+      load_config([arg])
+
+
+def test_human_bytes():
+  assert [human_bytes(n) for n in (0, 1023, 1024, 1536, 80 * 10**9, 2**60)] == \
+      ["0 B", "1023 B", "1.0 KiB", "1.5 KiB", "74.5 GiB", "1.0 EiB"]

@@ -81,8 +81,10 @@ class DataConfig:
                      within="[0, 2**31-1]")
   paths: str = option("", "training files; mixture: one source per entry, type from the extension")
   weights: str = option("", "mixture weights, one per path (\"\" = equal)")
-  eval_paths: str = option("", "held-out files; \"\" = every round(1/eval_fraction)-th training document")
-  eval_fraction: float = option(0.02, "0 = no eval split (and no eval unless eval_paths is set)",
+  eval_paths: str = option("", "held-out files (text/JSONL/Parquet or a prepared shard directory; format "
+                          "from the extension); \"\" = every round(1/eval_fraction)-th training document")
+  eval_fraction: float = option(0.02, "0 = no eval split (and no eval unless eval_paths is set); ignored when "
+                                "eval_paths is set",
                                 within="[0, 0.5]")
   tokenizer: str = option("", "SentencePiece .model, tokenizer.json (or its directory) or tiktoken ranks; "
                           "\"\" = the tokenizer recorded in the shards' maxlm_data.json when every source "

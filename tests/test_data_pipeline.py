@@ -3,12 +3,15 @@
 import dataclasses
 import hashlib
 import json
+import lzma
 
 import numpy as np
 import pytest
 
 from maxlm.config import DataConfig
 from maxlm.data import BATCH_KEYS, DataError, load_tokenizer, make_eval_iterator, make_train_iterator
+from maxlm.data.sources import EMBEDDED_CORPUS
+from maxlm.data.tokenizer import DEFAULT_TOKENIZER
 
 
 def _hash(batches) -> str:
@@ -107,6 +110,7 @@ def _pieces(batches, cap):
     for inp, tgt, seg, pos in zip(b["inputs"], b["targets"], b["segment_ids"], b["positions"]):
       used = int((seg > 0).sum())
       assert (seg[used:] == 0).all() and (inp[used:] == 0).all()  # padding only at the end
+      assert (tgt[used:] == 0).all() and (pos[used:] == 0).all()
       assert seg[0] == 1 if used else True
       assert (np.diff(seg[:used]) >= 0).all() and (np.diff(seg[:used]) <= 1).all()
       assert seg.max() <= cap
@@ -126,6 +130,43 @@ def test_packing_invariants_and_exact_content(corpus):
   assert all(b[k].shape == (4, 32) and b[k].dtype == np.int32 for b in batches for k in BATCH_KEYS)
   assert _pieces(batches, cap=3) == _expected_pieces(docs, 32)
   assert max(int(b["segment_ids"].max()) for b in batches) == 3  # the cap binds here
+
+
+def _reference_pieces(docs, seq_len, bos, eos):
+  """What packing must emit, written from the batch contract and independent of maxlm: each document is
+  [BOS] + SentencePiece ids + [EOS] (as configured), shifted by one token (input i -> target i + 1) and cut
+  into chunks of <= seq_len (input, target) pairs; a chunk is stored as its inputs plus its last target,
+  so consecutive chunks of a document share one token."""
+  import sentencepiece as spm
+  sp = spm.SentencePieceProcessor(model_file=str(DEFAULT_TOKENIZER))
+  out = []
+  for d in docs:
+    ids = [sp.bos_id()] * bos + sp.encode(d) + [sp.eos_id()] * eos
+    out += [tuple(ids[s:s + seq_len + 1]) for s in range(0, len(ids) - 1, seq_len)]
+  return sorted(out)
+
+
+@pytest.fixture(scope="module")
+def austen(tmp_path_factory):
+  """Real text: 150 Austen paragraphs (many longer than the 64-token rows used below), one per line."""
+  paras = lzma.open(EMBEDDED_CORPUS, "rt").read().splitlines()[1000:1150]
+  path = tmp_path_factory.mktemp("austen") / "austen.txt"
+  path.write_text("\n".join(paras) + "\n")
+  return path, paras
+
+
+@pytest.mark.parametrize("shuffle,bos,eos", [(False, True, True), (True, True, True), (True, False, True),
+                                             (False, True, False), (True, False, False)])
+def test_packing_against_reference(austen, shuffle, bos, eos):
+  """One epoch of packed rows holds every document's tokens exactly once, as the reference cuts them, and
+  every row keeps the packing invariants (_pieces); long documents are split; the segment cap holds."""
+  path, paras = austen
+  cfg = _cfg(path, seq_len=64, max_segments_per_row=4, shuffle=shuffle, add_bos=bos, add_eos=eos)
+  batches = list(make_train_iterator(cfg, 8192))
+  want = _reference_pieces(paras, 64, bos, eos)
+  assert sum(len(p) == 65 for p in want) > len(paras) // 2  # many full chunks: long documents split
+  assert _pieces(batches, cap=4) == want
+  assert max(int(b["segment_ids"].max()) for b in batches) == 4  # the cap binds here
 
 
 def test_sharding_disjoint_and_complete(corpus):
@@ -206,13 +247,20 @@ def test_eval_split_disjoint_and_multiprocess(corpus):
   assert make_eval_iterator(_cfg(path), 8192) is None  # no split, no eval_paths
 
 
-def test_eval_paths(corpus, tmp_path):
+def test_eval_paths_turn_off_the_split(corpus, tmp_path):
+  """With data.eval_paths, eval reads those files and training every one of its documents, whatever
+  data.eval_fraction says (here 0.1, which would otherwise hold out 6 of the 60)."""
   path, docs = corpus
   held = tmp_path / "held.txt"
   held.write_text("held out one\nheld out two\n")
-  cfg = _cfg(path, eval_paths=str(held))
+  cfg = _cfg(path, eval_paths=str(held), eval_fraction=0.1)
   assert _pieces(list(make_eval_iterator(cfg, 8192)), cap=8) == _expected_pieces(
       ["held out one", "held out two"], 32)
+  it = make_train_iterator(cfg, 8192)
+  assert it.info["documents"] == 60
+  assert _pieces(list(it), cap=8) == _expected_pieces(docs, 32)  # each document once, none held out
+  embedded = make_train_iterator(DataConfig(eval_paths=str(held)), 8192)  # the default corpus too
+  assert embedded.info["documents"] == sum(1 for line in lzma.open(EMBEDDED_CORPUS, "rt") if line.strip())
 
 
 def test_bad_config_and_skips(tmp_path):

@@ -16,6 +16,7 @@ from maxlm.data.prepare import main, prepare
 from maxlm.data.readers import META_NAME
 
 from test_data_pipeline import _check_state_restore
+from test_data_readers import _corrupt_parquet
 
 
 @pytest.fixture
@@ -82,10 +83,13 @@ def test_shard_vocab_checks(inputs):
   with pytest.raises(DataError, match="8192-token tokenizer .* model.vocab_size is 1000"):
     make_train_iterator(cfg, 1000)
   meta = json.loads((out / META_NAME).read_text())
-  meta["tokenizer"]["vocab_size"] = 100  # shards that lie about their vocabulary
+  meta["tokenizer"]["vocab_size"] = 100  # shards that lie about their vocabulary: found on opening
   (out / META_NAME).write_text(json.dumps(meta))
-  with pytest.raises(DataError, match=r"data batch 0 holds token id \d+ outside \[0, model.vocab_size=100\)"):
-    next(make_train_iterator(cfg, 100))
+  with pytest.raises(DataError, match=r"corrupt record 0 in ArrayRecord shard .*shard-00000.array_record': "
+                                      r"token id \d+ is >= the shards' vocabulary size 100"):
+    make_train_iterator(cfg, 100)
+  meta["tokenizer"]["vocab_size"] = 8192
+  (out / META_NAME).write_text(json.dumps(meta))
   other = tmp / "bytes.tiktoken"  # a byte-level tiktoken vocabulary: not the shards' tokenizer
   other.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
   with pytest.raises(DataError, match="were tokenized with"):
@@ -119,25 +123,120 @@ def test_cli_summary_and_bad_records(inputs, capsys):
 
 
 def test_cli_module_entry_point(inputs):
+  """The module runs as documented; without a terminal there is no progress bar, so stderr is empty."""
   tmp, _ = inputs
   r = subprocess.run([sys.executable, "-m", "maxlm.data.prepare", str(tmp / "a.txt"), "-o",
                       str(tmp / "cli")], capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr
-  assert "prepared 30 documents" in r.stdout and "prepare" in r.stderr  # tqdm bar on stderr
+  assert "prepared 30 documents" in r.stdout and r.stderr == ""
 
 
-def test_corrupt_shard_record(tmp_path):
-  from array_record.python.array_record_module import ArrayRecordWriter
-  src = tmp_path / "a.txt"
-  src.write_text("one document\nanother document\n")
-  out = tmp_path / "shards"
-  prepare([str(src)], str(out), progress=False)
-  w = ArrayRecordWriter(str(out / "shard-00001.array_record"), "group_size:1")
-  w.write(b"\x01\x02\x03")  # 3 bytes: not whole uint16 token ids
-  w.close()
-  cfg = DataConfig(type="arrayrecord", paths=str(out), seq_len=16, global_batch_size=2, eval_fraction=0)
-  with pytest.raises(DataError, match="corrupt record 2 in ArrayRecord shards"):
-    next(make_train_iterator(cfg, 8192))
-  (out / "shard-00001.array_record").write_bytes(b"not an array record file")
-  with pytest.raises(DataError, match="cannot open ArrayRecord shard .*shard-00001"):
-    make_train_iterator(cfg, 8192)
+def _run_all(argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
+  """Run several prepare commands at once (each pays the import time; they overlap)."""
+  procs = [subprocess.Popen([sys.executable, "-m", "maxlm.data.prepare", *a], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for a in argvs]
+  out = []
+  for a, p in zip(argvs, procs):
+    stdout, stderr = p.communicate(timeout=300)
+    out.append(subprocess.CompletedProcess(a, p.returncode, stdout, stderr))
+  return out
+
+
+def test_cli_bad_input_is_one_line_and_leaves_nothing(inputs):
+  """Each bad input: exit 2, stderr exactly one line `maxlm: error: ...` naming the culprit, nothing
+  written (no output directory, whether or not its parent existed)."""
+  tmp, _ = inputs
+  bad_json = tmp / "bad.jsonl"
+  bad_json.write_text('{"body": "good"}\n' * 600 + '{"body": \n')  # after the first batch of documents
+  bad_pq = tmp / "bad.parquet"
+  _corrupt_parquet(bad_pq, "snappy")  # a damaged data page behind an intact footer
+  outs = [tmp / f"out{i}" / "nested" for i in range(6)]
+  cases = [  # (argv, what the one line must contain)
+      ([str(tmp / "missing.txt"), "-o", str(outs[0])], f"data file '{tmp / 'missing.txt'}' not found"),
+      ([str(tmp / "a.txt"), "-o", str(tmp / "b.jsonl")], f"output '{tmp / 'b.jsonl'}' exists and is not"),
+      ([str(tmp / "a.txt"), "-o", str(outs[2]), "--tokenizer", str(tmp / "no.model")],
+       f"tokenizer file '{tmp / 'no.model'}' not found"),
+      ([str(bad_pq), "-o", str(outs[3])], f"cannot read '{bad_pq}' (Parquet, after row 0)"),
+      ([str(bad_json), "-o", str(outs[4]), "--field", "body"], f"{bad_json}:601: malformed JSON"),
+      ([str(tmp / "a.txt")], "the following arguments are required: --output/-o"),
+  ]
+  before = (tmp / "b.jsonl").read_bytes()
+  for (argv, want), r in zip(cases, _run_all([c[0] for c in cases])):
+    assert r.returncode == 2, (argv, r.stderr)
+    assert r.stderr.startswith("maxlm: error: ") and r.stderr.count("\n") == 1, (argv, r.stderr)
+    assert want in r.stderr, (want, r.stderr)
+    assert r.stdout == ""
+  assert not any(o.parent.exists() for o in outs)  # directories prepare created are gone again
+  assert (tmp / "b.jsonl").read_bytes() == before
+
+
+def test_overwrite_failure_keeps_old_data(inputs, capsys):
+  """--overwrite replaces prepared data only once the new data is complete: a failing run keeps it."""
+  tmp, _ = inputs
+  out = tmp / "shards"
+  prepare([str(tmp / "a.txt")], str(out), progress=False)
+  old = {f.name: f.read_bytes() for f in out.iterdir()}
+  (tmp / "bad.jsonl").write_text('{"text": "fine"}\n{oops\n')
+  assert main([str(tmp / "bad.jsonl"), "-o", str(out), "--overwrite", "--no-progress"]) == 2
+  assert "bad.jsonl:2: malformed JSON" in capsys.readouterr().err
+  assert {f.name: f.read_bytes() for f in out.iterdir()} == old  # no staging directory left either
+  assert main([str(tmp / "b.jsonl"), "-o", str(out), "--overwrite", "--field", "body", "--no-progress"]) == 0
+  assert json.loads((out / META_NAME).read_text())["documents"] == 30
+  assert sorted(f.name for f in out.iterdir()) == [META_NAME, "shard-00000.array_record"]
+
+
+def test_summary_and_help_tell_how_to_train_and_evaluate(inputs, capsys):
+  """The printed train command works as printed, and the eval advice (data.eval_paths=DIR) works too."""
+  tmp, docs = inputs
+  assert main([str(tmp / "a.txt"), "-o", str(tmp / "train"), "--no-progress"]) == 0
+  text = capsys.readouterr().out
+  line = next(x for x in text.splitlines() if x.startswith("train with: python -m maxlm.train "))
+  overrides = dict(kv.split("=", 1) for kv in line.split("python -m maxlm.train ")[1].split())
+  assert overrides == {"data.type": "arrayrecord", "data.paths": str(tmp / "train")}
+  assert "model.vocab_size >= 8192" in text and "data.eval_paths=EVAL_DIR" in text
+  assert "every k-th document is held out" in text and "every 50th by default" in text
+  assert main([str(tmp / "b.jsonl"), "-o", str(tmp / "held"), "--field", "body", "--no-progress"]) == 0
+  cfg = DataConfig(type=overrides["data.type"], paths=overrides["data.paths"], eval_paths=str(tmp / "held"),
+                   seq_len=32, global_batch_size=4, num_epochs=1)
+  assert make_train_iterator(cfg, 8192).info["documents"] == 30  # nothing held out of training
+  assert make_eval_iterator(cfg, 8192).info["documents"] == 30  # the separate eval set
+  with pytest.raises(SystemExit):
+    main(["--help"])
+  help_text = capsys.readouterr().out
+  for part in ("data.eval_paths=EVAL_DIR", "every k-th document", "without BOS/EOS",
+               "uint16 when the vocabulary has at most 65,536 tokens", "docs/data_format.md"):
+    assert part in help_text, part
+
+
+def _wordlevel(path):
+  """A WordLevel tokenizer.json of 70,000 tokens: specials 0-2, then word `t{i}` has id i (3..69,999)."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, 70_000)}
+  t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+  t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  t.save(str(path))
+
+
+def test_vocab_over_65535_round_trips_as_uint32(tmp_path):
+  """Ids above 65,535 survive prepare -> shards -> training batches unchanged (a uint16 store would
+  wrap them): every segment equals BOS + the ids the words name + EOS, chunked as packing does."""
+  _wordlevel(tmp_path / "tokenizer.json")
+  rng = np.random.default_rng(0)  # mostly ids above 65,535, some below
+  docs = [" ".join(f"t{i}" for i in rng.integers(60_000, 70_000, rng.integers(1, 12))) for _ in range(50)]
+  (tmp_path / "docs.txt").write_text("\n".join(docs) + "\n")
+  meta = prepare([str(tmp_path / "docs.txt")], str(tmp_path / "shards"),
+                 tokenizer=str(tmp_path / "tokenizer.json"), progress=False)
+  assert meta["dtype"] == "uint32" and meta["tokenizer"]["vocab_size"] == 70_000
+  cfg = DataConfig(type="arrayrecord", paths=str(tmp_path / "shards"), seq_len=16, global_batch_size=2,
+                   eval_fraction=0, num_epochs=1, shuffle=False, max_segments_per_row=16)
+  got = []
+  for b in make_train_iterator(cfg, 70_016):
+    for inp, tgt, seg in zip(b["inputs"], b["targets"], b["segment_ids"]):
+      for s in range(1, seg.max() + 1):
+        got.append(tuple(inp[seg == s].tolist()) + (int(tgt[seg == s][-1]),))
+  want = []
+  for d in docs:
+    ids = [1] + [int(w[1:]) for w in d.split()] + [2]
+    want += [tuple(ids[s:s + 17]) for s in range(0, len(ids) - 1, 16)]
+  assert sorted(got) == sorted(want)
+  assert max(max(p) for p in got) > 65_535

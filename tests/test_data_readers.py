@@ -1,15 +1,18 @@
 """Document readers: text splits, compression, JSONL fields, Parquet columns, every bad input."""
 
+import bz2
 import gzip
 import json
 import lzma
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from maxlm.data import DataError
-from maxlm.data.errors import Skips
+from maxlm.config import DataConfig
+from maxlm.data import DataError, make_train_iterator
+from maxlm.data.errors import Skips, first_line
 from maxlm.data.readers import file_format, read_documents, resolve_files, split_list
 
 
@@ -116,3 +119,71 @@ def test_parquet_errors(tmp_path):
 def test_split_list():
   assert split_list(" a.txt, b.txt,,") == ["a.txt", "b.txt"]
   assert split_list("") == []
+
+
+def _flip(data: bytes, pos: int, n: int = 4) -> bytes:
+  return data[:pos] + bytes(b ^ 0xFF for b in data[pos:pos + n]) + data[pos + n:]
+
+
+@pytest.mark.parametrize("suffix,compress", [(".txt.gz", gzip.compress), (".jsonl.xz", lzma.compress),
+                                             (".txt.bz2", bz2.compress)])
+def test_damaged_compressed_files(tmp_path, suffix, compress):
+  """Bytes flipped anywhere in a compressed file, or the file cut short: a one-line DataError naming it,
+  whatever the decompressor raises (gzip: zlib.error, BadGzipFile, EOFError; xz: LZMAError; bz2: OSError)."""
+  lines = [json.dumps({"text": f"doc {i}"}) if "jsonl" in suffix else f"doc {i}" for i in range(3000)]
+  data = compress(("\n".join(lines) + "\n").encode())
+  f = tmp_path / f"d{suffix}"
+  variants = [_flip(data, p) for p in range(20, len(data) - 8, len(data) // 12)] + [data[:len(data) // 2]]
+  for bad in variants:  # garbage may decode before a checksum fails: then a record is reported first
+    f.write_bytes(bad)
+    _one_line_error(re.escape(str(f)), _read, f)
+
+
+def _corrupt_parquet(path, compression, checksum=False):
+  """A Parquet file whose column chunk bytes are overwritten in the middle; the footer stays intact.
+
+  With `checksum`, one byte is changed where decoding without checksums succeeds with wrong text.
+  """
+  docs = [f"document {i} " + "word " * (i % 30) for i in range(2000)]
+  pq.write_table(pa.table({"text": docs}), path, compression=compression, use_dictionary=False,
+                 write_page_checksum=checksum)
+  col = pq.ParquetFile(path).metadata.row_group(0).column(0)
+  start, size = col.data_page_offset, col.total_compressed_size
+  data = path.read_bytes()
+  assert start + size < len(data) - 8  # the page region lies before the footer, which we keep
+  if not checksum:
+    mid = start + size // 2
+    path.write_bytes(data[:mid] + b"\xff" * 64 + data[mid + 64:])
+    return
+  for pos in range(start + size // 4, start + size, 7):
+    path.write_bytes(_flip(data, pos, 1))
+    try:
+      if pq.read_table(path).column("text").to_pylist() != docs:
+        return  # silently wrong without the checksum
+    except (pa.ArrowException, OSError):
+      continue
+  raise AssertionError("no silently corrupting byte found")
+
+
+@pytest.mark.parametrize("compression,checksum", [("snappy", False), ("none", False), ("zstd", True)])
+def test_parquet_corrupt_data_page(tmp_path, compression, checksum):
+  """A damaged data page behind a good footer is a one-line DataError naming the file (pyarrow raises
+  OSError or ArrowInvalid; zstd data without page checksums can decode silently, so that case is written
+  with checksums, which the reader verifies)."""
+  p = tmp_path / "c.parquet"
+  _corrupt_parquet(p, compression, checksum)
+  msg = _one_line_error(f"cannot read '{p}' \\(Parquet, after row 0\\)", _read, p)
+  with pytest.raises(DataError, match="cannot read"):  # a damaged page is not a record to skip
+    _read(p, skip=True)
+  with pytest.raises(DataError, match=f"cannot read '{p}'"):  # and training stops the same way
+    make_train_iterator(DataConfig(type="parquet", paths=str(p), skip_bad_records=True), 8192)
+
+
+def test_messages_are_one_line(tmp_path):
+  """Whatever a message quotes (here a JSON key with line breaks), a DataError is one line."""
+  f = tmp_path / "d.jsonl"
+  f.write_text(json.dumps({"first\nkey\r\u2028x": "v"}) + "\n")
+  msg = _one_line_error("missing field 'text'", _read, f)
+  assert len(msg.splitlines()) == 1 and "first\\nkey\\r\\u2028x" in msg
+  assert first_line(RuntimeError("")) == "RuntimeError"  # the library errors with empty messages
+  assert first_line(OSError("\n  Couldn't read\nmore")) == "Couldn't read"

@@ -63,15 +63,46 @@ def test_hf_tokenizer_json(hf_json):
   assert load_tokenizer(hf_json.parent).kind == "hf"  # a directory holding tokenizer.json
 
 
-def test_tiktoken_rank_file_llama3_layout(tiktoken_file):
+def test_tiktoken_rank_file_small(tiktoken_file):
   assert detect_kind(tiktoken_file) == "tiktoken"  # despite the .model name
   tok = load_tokenizer(tiktoken_file)
   assert tok.kind == "tiktoken"
-  assert tok.vocab_size == 263 + 256
+  assert tok.vocab_size == 263 + 2  # only BOS and EOS follow a rank file that is not Llama 3's
   assert (tok.bos_id, tok.eos_id) == (263, 264)  # <|begin_of_text|>, <|end_of_text|>
   _roundtrip(tok)
   assert 262 in tok.encode(" cat").tolist()  # the " cat" merge applies
   assert tok.encode("<|end_of_text|>").max() < 256  # special-token text stays plain text
+
+
+def _rank_file(path, n):
+  """A rank file of n ranks: the 256 bytes, then distinct 2- and 3-byte tokens."""
+  extra = [bytes([a, b]) for a in range(97, 123) for b in range(256)]
+  extra += [bytes([a, b, c]) for a in range(97, 123) for b in range(97, 123) for c in range(256)]
+  ranks = [bytes([i]) for i in range(256)] + extra[:n - 256]
+  assert len(set(ranks)) == n
+  path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
+  return path
+
+
+def test_tiktoken_8190_ranks_fit_the_default_model(tmp_path):
+  """8190 ranks + BOS + EOS = 8192 tokens: trains with the default model.vocab_size (8192)."""
+  tok = load_tokenizer(_rank_file(tmp_path / "ranks.tiktoken", 8190), "tiktoken")
+  assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (8192, 8190, 8191)
+  (tmp_path / "a.txt").write_text("the cat sat\non the mat\n")
+  cfg = DataConfig(type="text", paths=str(tmp_path / "a.txt"), tokenizer=str(tmp_path / "ranks.tiktoken"),
+                   eval_fraction=0, seq_len=16, global_batch_size=2)
+  b = next(make_train_iterator(cfg, 8192))
+  assert b["inputs"][0, 0] == 8190 and 8191 in b["targets"]  # BOS first; EOS ends each document
+
+
+def test_tiktoken_llama3_sized_rank_file_gets_llama3_specials(tmp_path):
+  """128,000 ranks: Llama 3's 256 specials at their Llama 3 ids (vocabulary 128,256)."""
+  tok = load_tokenizer(_rank_file(tmp_path / "tokenizer.model", 128_000))
+  assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (128_256, 128_000, 128_001)
+  enc = tok._enc  # the chat-template tokens Llama 3 checkpoints were trained with
+  for name, i in (("<|start_header_id|>", 128_006), ("<|end_header_id|>", 128_007), ("<|eot_id|>", 128_009)):
+    assert enc.encode(name, allowed_special="all") == [i]
+  assert len(enc.special_tokens_set) == 256
 
 
 @pytest.mark.parametrize("content,kind,match", [
@@ -119,3 +150,27 @@ def test_vocab_too_small_stops_before_training():
     check_vocab(load_tokenizer(), 4096)
   with pytest.raises(DataError, match="model.vocab_size"):
     make_train_iterator(DataConfig(), 4096)
+
+
+@pytest.mark.parametrize("tokens,need,suggest", [(300, 300, 384), (8192, 8192, 8192), (8446, 8446, 8448),
+                                                 (128_256, 128_256, 128_256), (129, 129, 256)])
+def test_vocab_message_names_the_size_to_set(tokens, need, suggest):
+  """The message gives the exact model.vocab_size to set: rounded up to a multiple of 128 (values worked
+  out by hand above), and the minimum."""
+  tok = load_tokenizer()
+  tok.vocab_size = tokens
+  with pytest.raises(DataError) as e:
+    check_vocab(tok, 128)
+  msg = str(e.value)
+  assert f"set model.vocab_size={suggest} " in msg and f"at least {need}" in msg
+
+
+def test_hf_sparse_ids_size_the_vocabulary(tmp_path):
+  """A WordLevel vocabulary with gaps: the size is the largest id + 1, not the number of entries."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  t = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 70_000, "world": 69_999}, unk_token="[UNK]"))
+  t.pre_tokenizer = pre_tokenizers.Whitespace()
+  t.save(str(tmp_path / "tokenizer.json"))
+  tok = load_tokenizer(tmp_path / "tokenizer.json")
+  assert tok.vocab_size == 70_001
+  np.testing.assert_array_equal(tok.encode("hello world"), [70_000, 69_999])

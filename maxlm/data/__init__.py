@@ -1,12 +1,22 @@
 """Grain data pipeline: tokenizers, readers, packing, deterministic per-process batches.
 
-Never imports model code; the trainer uses `make_train_iterator`, `make_eval_iterator` and
-`load_tokenizer`, and treats `DataError` (a ValueError with a one-line message) as a user error.
+Never imports model code; the trainer uses `make_train_iterator`, `make_eval_iterator`,
+`check_inputs` (every input opened and checked up front) and `load_tokenizer`, and treats
+`DataError` (a ValueError with a one-line message) as a user error.
 """
 
 from maxlm.data.errors import DataError
-from maxlm.data.pipeline import BATCH_KEYS, DataIterator, make_eval_iterator, make_train_iterator
 from maxlm.data.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["BATCH_KEYS", "DataError", "DataIterator", "Tokenizer", "load_tokenizer",
-           "make_eval_iterator", "make_train_iterator"]
+_PIPELINE = ("BATCH_KEYS", "DataIterator", "check_inputs", "make_eval_iterator", "make_train_iterator")
+
+__all__ = ["DataError", "Tokenizer", "load_tokenizer", *_PIPELINE]
+
+
+def __getattr__(name: str):
+  # Lazy on purpose: the pipeline imports Grain (and JAX, ~1-3 s); `python -m maxlm.data.prepare`
+  # and other users of readers/tokenizers only should not pay for it.
+  if name in _PIPELINE:
+    from maxlm.data import pipeline  # noqa: PLC0415
+    return getattr(pipeline, name)
+  raise AttributeError(f"module 'maxlm.data' has no attribute {name!r}")

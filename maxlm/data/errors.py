@@ -1,4 +1,4 @@
-"""`DataError` and the counter of skipped records shared by every reader."""
+"""`DataError`, `first_line` and the counter of skipped records shared by every reader."""
 
 from __future__ import annotations
 
@@ -7,9 +7,27 @@ import logging
 
 log = logging.getLogger("maxlm.data")
 
+# Every character str.splitlines() breaks at -> its Python escape (e.g. newline -> backslash n).
+_LINE_BREAKS = str.maketrans({c: ascii(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
+
 
 class DataError(ValueError):
-  """Bad data input (file, record, tokenizer or data config); the message is one line."""
+  """Bad data input (file, record, tokenizer or data config); the message is one line.
+
+  Line breaks in the message (from a file name, a JSON key, a library's error text) are escaped,
+  so whatever a message quotes, the CLI prints one line.
+  """
+
+  def __init__(self, message: str):
+    super().__init__(str(message).translate(_LINE_BREAKS))
+
+
+def first_line(e: BaseException) -> str:
+  """The first non-blank line of an exception's message, or its type name when it has none."""
+  for line in str(e).splitlines():
+    if line.strip():
+      return line.strip()
+  return type(e).__name__
 
 
 class Skips:

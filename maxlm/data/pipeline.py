@@ -10,7 +10,7 @@ import numpy as np
 
 from maxlm.config import DataConfig
 from maxlm.data import sources
-from maxlm.data.errors import DataError, Skips, log
+from maxlm.data.errors import DataError, Skips, first_line, log
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
 
@@ -62,7 +62,8 @@ class DataIterator:
       self._it.set_state(state["grain"])
       self.batches = int(state["batches"])
     except (KeyError, TypeError, ValueError, IndexError, AssertionError) as e:
-      why = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
+      why = first_line(e)
+      why = why if why == type(e).__name__ else f"{type(e).__name__}: {why}"
       raise DataError(f"data iterator state does not fit this data config ({why}); was data.* "
                       f"changed since it was saved?") from None
 
@@ -189,7 +190,7 @@ def _report(kind: str, comps, skips: Skips, vocab: sources.Vocab, docs: int, **e
 def _train_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataIterator:
   comps, weights, skips = sources.load_components(cfg, "train")
   vocab = sources.resolve_vocab(cfg, comps, vocab_size)
-  k = sources.eval_every(cfg.eval_fraction)
+  k = sources.split_every(cfg)  # 0 with data.eval_paths: nothing is held out of training
   parts, docs = [], 0
   for c, comp in enumerate(comps):
     view = sources.DocIndex(comp.source, k, "train", pi, pc)
@@ -198,7 +199,7 @@ def _train_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataItera
                       f"({len(comp.source)} documents, eval_fraction {cfg.eval_fraction})")
     docs += len(view)
     parts.append(sources.doc_blocks(
-        comp, vocab, view, shuffle_seed=cfg.seed + 7919 * c if cfg.shuffle else None,
+        comp, vocab, view, shuffle_seed=(cfg.seed + 7919 * c) % 2**31 if cfg.shuffle else None,
         epochs=cfg.num_epochs if cfg.num_epochs > 0 else None))
   ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
   ds = ds.to_iter_dataset(_read_options(cfg))
@@ -229,7 +230,7 @@ def _eval_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataIterat
   if not cfg.eval_paths and sources.eval_every(cfg.eval_fraction) == 0:
     return None
   comps, _, skips = sources.load_components(cfg, "eval")
-  vocab = sources.resolve_vocab(cfg, comps, vocab_size)
+  vocab = sources.resolve_vocab(cfg, comps, vocab_size, "eval")
   part = "all" if cfg.eval_paths else "eval"
   k = sources.eval_every(cfg.eval_fraction)
   # Every process packs the same global eval stream and keeps its slice of each global batch:
@@ -269,3 +270,31 @@ def make_eval_iterator(cfg: DataConfig, vocab_size: int, process_index: int = 0,
   if cfg.type == "synthetic":
     return None
   return _eval_text(cfg, vocab_size, process_index, process_count)
+
+
+def check_inputs(cfg: DataConfig, vocab_size: int) -> dict:
+  """Open and check every training and eval input now, without building a pipeline.
+
+  Stops (DataError) on what the iterators stop on when made: missing or unreadable files, bad
+  records (unless skipped), shards whose metadata, record counts or sampled records are wrong, a
+  tokenizer that does not load or fit `vocab_size`, eval data tokenized differently from the
+  training data. For the trainer before it creates the run directory (make_eval_iterator checks
+  the eval inputs as eagerly). Raw text is read (and cached for the iterators); shards open and
+  a few records of each are read. Returns {"train_documents": n, "eval_documents": n}.
+  """
+  if cfg.type == "synthetic":
+    return {"train_documents": 0, "eval_documents": 0}
+  comps, _, _ = sources.load_components(cfg, "train")
+  vocab = sources.resolve_vocab(cfg, comps, vocab_size)
+  k = sources.split_every(cfg)
+  out = {"train_documents": sum(len(sources.DocIndex(c.source, k, "train")) for c in comps),
+         "eval_documents": 0}
+  if cfg.eval_paths:
+    comps, _, _ = sources.load_components(cfg, "eval")
+    held = sources.resolve_vocab(cfg, comps, vocab_size, "eval")
+    if held.sha256 != vocab.sha256:  # resolve_vocab checks it; a bug there must not train on a mismatch
+      raise AssertionError(f"eval tokenizer {held.desc} != training tokenizer {vocab.desc}")
+    out["eval_documents"] = sum(len(c.source) for c in comps)
+  elif k:
+    out["eval_documents"] = sum(len(sources.DocIndex(c.source, k, "eval")) for c in comps)
+  return out

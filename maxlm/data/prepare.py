@@ -1,16 +1,24 @@
 """Tokenize text/JSONL/Parquet files into ArrayRecord shards for `data.type=arrayrecord`.
 
-  python -m maxlm.data.prepare INPUT [INPUT ...] --output DIR [--tokenizer PATH]
-      [--format auto|text|jsonl|parquet] [--field text] [--text-split line|paragraph|file]
-      [--shard-tokens 50000000] [--threads N] [--skip-bad-records] [--overwrite]
+  python -m maxlm.data.prepare INPUT [INPUT ...] -o DIR [--tokenizer PATH] [--field text] ...
 
 INPUT is a file, a glob or a directory. Documents: text files give one per non-blank line
 (`--text-split line`), per blank-line separated paragraph, or per file; JSONL one per line (the
 `--field` string); Parquet one per row (the `--field` column). Each document is stored as one
-record of raw token ids (uint16 when the vocabulary fits, else uint32) without BOS/EOS; those are
-added when training, as `data.add_bos`/`data.add_eos` say. DIR/maxlm_data.json records the
-tokenizer (path, sha256, vocab size, BOS/EOS ids), counts and skipped records. Exit code 2 on bad
-input, with a one-line message naming the file and line.
+record of raw little-endian token ids (uint16 when the vocabulary has at most 65,536 tokens, else
+uint32) without BOS/EOS; training adds those as `data.add_bos`/`data.add_eos` say.
+DIR/maxlm_data.json records the tokenizer (path, sha256, vocab size, BOS/EOS ids), the shards
+with their record counts, and skipped records (format: docs/data_format.md).
+
+Use the tokenizer of the model you will train: training refuses shards made with a different
+`data.tokenizer`, and needs model.vocab_size >= the tokenizer's vocabulary.
+  train:  python -m maxlm.train data.type=arrayrecord data.paths=DIR
+  eval:   without data.eval_paths, every k-th document of DIR is held out for eval
+          (k = round(1/data.eval_fraction), every 50th by default); to evaluate on separate data,
+          prepare it into its own directory with the same --tokenizer and add
+          data.eval_paths=EVAL_DIR (training then uses every document of DIR).
+Bad input stops with one line `maxlm: error: ...` naming the file and line, exit code 2, and
+leaves nothing behind (no shards, no directory it created).
 """
 
 from __future__ import annotations
@@ -18,25 +26,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from maxlm.data.errors import DataError, Skips
-from maxlm.data.readers import META_NAME, TEXT_SPLITS, file_format, read_documents, resolve_files
-from maxlm.data.tokenizer import KINDS, load_tokenizer
+from maxlm.data.errors import DataError, Skips, first_line
+from maxlm.data.readers import (META_NAME, TEXT_SPLITS, file_format, has_data_format,
+                                read_documents, resolve_files)
+from maxlm.data.shards import token_dtype
+from maxlm.data.tokenizer import KINDS, load_tokenizer, padded_vocab
 
 FORMAT_VERSION = "maxlm-tokens-v1"
 SHARD_PATTERN = "shard-{:05d}.array_record"
+SHARD_GLOB = "shard-*.array_record"
 WRITER_OPTIONS = "group_size:1"  # random access per record, as Grain's reader expects
 BATCH_DOCS = 512
 
 
 class ShardWriter:
-  """Writes records into numbered shards of about `shard_tokens` tokens each."""
+  """Writes records into numbered shards of about `shard_tokens` tokens each, in directory `out`."""
 
   def __init__(self, out: Path, shard_tokens: int):
     self.out, self.shard_tokens = out, shard_tokens
@@ -48,16 +61,23 @@ class ShardWriter:
     if self._writer is None or self.shards[-1]["tokens"] >= self.shard_tokens:
       self.close()
       name = SHARD_PATTERN.format(len(self.shards))
-      self._writer = ArrayRecordWriter(str(self.out / name), WRITER_OPTIONS)
       self.shards.append({"file": name, "documents": 0, "tokens": 0})
-    self._writer.write(ids.tobytes())
+      self._writer = self._call(ArrayRecordWriter, str(self.out / name), WRITER_OPTIONS)
+    self._call(self._writer.write, ids.tobytes())
     self.shards[-1]["documents"] += 1
     self.shards[-1]["tokens"] += len(ids)
 
   def close(self) -> None:
     if self._writer is not None:
-      self._writer.close()
-      self._writer = None
+      writer, self._writer = self._writer, None
+      self._call(writer.close)
+
+  def _call(self, fn, *args):
+    """The writer reports a failed open or write (disk full, permissions) as RuntimeError."""
+    try:
+      return fn(*args)
+    except (RuntimeError, OSError, ValueError) as e:
+      raise DataError(f"cannot write '{self.out / self.shards[-1]['file']}': {first_line(e)}") from None
 
 
 def _inputs(specs: list[str], fmt: str) -> list[tuple[Path, str]]:
@@ -71,31 +91,93 @@ def _inputs(specs: list[str], fmt: str) -> list[tuple[Path, str]]:
   return out
 
 
-def _clear_output(out: Path, overwrite: bool) -> None:
-  old = sorted(out.glob("shard-*.array_record")) + ([out / META_NAME] if (out / META_NAME).exists() else [])
-  if old and not overwrite:
+def _check_output(out: Path, overwrite: bool) -> None:
+  """Refuse an output that is not a directory, holds other data, or (without --overwrite) shards."""
+  if out.exists() and not out.is_dir():
+    raise DataError(f"output '{out}' exists and is not a directory; give a new or empty directory to -o")
+  if not out.is_dir():
+    return
+  if (list(out.glob(SHARD_GLOB)) or (out / META_NAME).exists()) and not overwrite:
     raise DataError(f"output directory '{out}' already holds prepared data; pass --overwrite to replace it")
-  for f in old:
-    f.unlink()
-  out.mkdir(parents=True, exist_ok=True)
+  other = sorted(f.name for f in out.iterdir() if f.is_file() and has_data_format(f)
+                 and f.name != META_NAME and not f.match(SHARD_GLOB))
+  if other:
+    raise DataError(f"output directory '{out}' holds other data files ({', '.join(other[:3])}); training "
+                    f"reads every data file of data.paths=DIR, so give a new or empty directory to -o")
+
+
+def _make_output(out: Path) -> Path | None:
+  """Create `out` (and missing parents); the topmost directory created, to remove on failure."""
+  top = None
+  for d in [out, *out.parents]:
+    if d.exists():
+      break
+    top = d
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise DataError(f"cannot create output directory '{out}': {e.strerror or first_line(e)}") from None
+  return top
+
+
+def _install(stage: Path, out: Path) -> None:
+  """Replace the prepared data in `out` by the files in `stage`; the metadata goes last."""
+  try:
+    (out / META_NAME).unlink(missing_ok=True)
+    for f in out.glob(SHARD_GLOB):
+      f.unlink()
+    for f in sorted(stage.glob(SHARD_GLOB)):
+      f.rename(out / f.name)
+    (stage / META_NAME).rename(out / META_NAME)
+  except OSError as e:
+    raise DataError(f"cannot move the prepared data into '{out}': {e.strerror or first_line(e)}") from None
 
 
 def prepare(inputs: list[str], output: str, *, tokenizer: str = "", tokenizer_type: str = "auto",
             fmt: str = "auto", field: str = "text", text_split: str = "line",
             shard_tokens: int = 50_000_000, threads: int = 0, skip_bad_records: bool = False,
             overwrite: bool = False, progress: bool = True) -> dict:
-  """Tokenize `inputs` into ArrayRecord shards under `output`; returns the metadata written."""
+  """Tokenize `inputs` into ArrayRecord shards under `output`; returns the metadata written.
+
+  Shards are written into a staging directory inside `output` and moved in at the end: on any
+  error nothing is left behind (and `output` itself is removed if this call created it).
+  """
   if fmt not in ("auto", "text", "jsonl", "parquet"):
     raise DataError(f"--format must be auto, text, jsonl or parquet; got {fmt!r}")
+  if text_split not in TEXT_SPLITS:
+    raise DataError(f"--text-split must be one of {', '.join(TEXT_SPLITS)}; got {text_split!r}")
   if shard_tokens <= 0:
     raise DataError(f"--shard-tokens must be positive, got {shard_tokens}")
   files = _inputs(inputs, fmt)
   tok = load_tokenizer(tokenizer, tokenizer_type)
-  dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+  dtype = np.dtype(token_dtype(tok.vocab_size))
   out = Path(output)
-  _clear_output(out, overwrite)
-  threads = threads or os.cpu_count() or 1
-  skips, writer, t0 = Skips(skip_bad_records), ShardWriter(out, shard_tokens), time.time()
+  _check_output(out, overwrite)
+  created = _make_output(out)
+  try:
+    stage = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
+  except OSError as e:
+    if created is not None:
+      shutil.rmtree(created, ignore_errors=True)
+    raise DataError(f"cannot write into output directory '{out}': {e.strerror or first_line(e)}") from None
+  try:
+    meta = _tokenize(files, tok, dtype, stage, field=field, text_split=text_split,
+                     shard_tokens=shard_tokens, threads=threads or os.cpu_count() or 1,
+                     skip_bad_records=skip_bad_records, progress=progress)
+    _install(stage, out)
+  except BaseException:
+    if created is not None:
+      shutil.rmtree(created, ignore_errors=True)
+    raise
+  finally:
+    shutil.rmtree(stage, ignore_errors=True)
+  return meta
+
+
+def _tokenize(files, tok, dtype: np.dtype, stage: Path, *, field: str, text_split: str,
+              shard_tokens: int, threads: int, skip_bad_records: bool, progress: bool) -> dict:
+  """Write every document of `files` as a record of token ids into shards in `stage`, then the metadata."""
+  skips, writer, t0 = Skips(skip_bad_records), ShardWriter(stage, shard_tokens), time.time()
   total_bytes = sum(f.stat().st_size for f, _ in files)
   bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", disable=not progress)
   done_bytes = 0
@@ -105,6 +187,9 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "", tokenizer_ty
       docs = read_documents(f, f_fmt, skips, field=field, text_split=text_split)
       for batch in _batched(docs, BATCH_DOCS):
         for ids in tok.encode_batch(batch, threads):
+          if len(ids) and (ids.min() < 0 or ids.max() >= tok.vocab_size):  # would wrap in `dtype`
+            raise DataError(f"tokenizer '{tok.path}' gave token id {int(ids.max())} outside its "
+                            f"vocabulary of {tok.vocab_size} for a document of '{f}'")
           writer.write(ids.astype(dtype))
         chars = sum(len(d) + 1 for d in batch)  # about the bytes read; exact at each file's end
         bar.update(max(0, min(chars, end - bar.n)))
@@ -112,18 +197,13 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "", tokenizer_ty
                         tokens=sum(s["tokens"] for s in writer.shards), refresh=False)
       done_bytes = end
       bar.update(done_bytes - bar.n)
-  except BaseException:
-    writer.close()
-    for s in writer.shards:  # no half-prepared directory is left behind
-      (out / s["file"]).unlink(missing_ok=True)
-    raise
   finally:
-    writer.close()
     bar.close()
+    writer.close()
   if not writer.shards:
     raise DataError(f"no documents in {', '.join(str(f) for f, _ in files)} ({skips.summary()})")
   meta = {
-      "format": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
+      "format": FORMAT_VERSION, "dtype": dtype.name,
       "tokenizer": {"path": str(tok.path), "kind": tok.kind, "sha256": tok.sha256,
                     "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id},
       "documents": sum(s["documents"] for s in writer.shards),
@@ -134,7 +214,7 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "", tokenizer_ty
       "skipped": dict(skips.counts), "skipped_first": skips.first,
       "seconds": round(time.time() - t0, 2),
   }
-  (out / META_NAME).write_text(json.dumps(meta, indent=1) + "\n")
+  (stage / META_NAME).write_text(json.dumps(meta, indent=1) + "\n")
   return meta
 
 
@@ -150,46 +230,73 @@ def _batched(it, n: int):
 
 
 def summary(meta: dict, output: str) -> str:
+  """What was prepared and how to train (and evaluate) on it."""
+  tok = meta["tokenizer"]
   lines = [f"prepared {meta['documents']:,} documents, {meta['tokens']:,} tokens "
            f"({meta['dtype']}) into {len(meta['shards'])} shard(s) in {output} "
            f"in {meta['seconds']:.1f} s ({meta['tokens'] / max(meta['seconds'], 1e-9):,.0f} tokens/s)",
-           f"tokenizer: {meta['tokenizer']['kind']} {meta['tokenizer']['path']} "
-           f"(vocab {meta['tokenizer']['vocab_size']})"]
+           f"tokenizer: {tok['kind']} {tok['path']} (vocab {tok['vocab_size']}, "
+           f"BOS {tok['bos_id']}, EOS {tok['eos_id']}; records hold no BOS/EOS)"]
   skipped = meta["skipped"]
   if skipped:
     lines.append(f"skipped {sum(skipped.values()):,} bad records:")
     lines += [f"  {n:,} x {why} (first at {meta['skipped_first'][why]})" for why, n in skipped.items()]
   else:
     lines.append("skipped 0 records")
-  lines.append(f"train with: data.type=arrayrecord data.paths={output}")
+  lines.append(f"train with: python -m maxlm.train data.type=arrayrecord data.paths={output}")
+  lines.append(f"  the model needs model.vocab_size >= {tok['vocab_size']} "
+               f"(e.g. model.vocab_size={padded_vocab(tok['vocab_size'])})")
+  for n in ("bos", "eos"):
+    if tok[f"{n}_id"] < 0:
+      lines.append(f"  this tokenizer has no {n.upper()} token: also set data.add_{n}=false "
+                   f"or data.{n}_id=<id>")
+  lines.append("eval: without data.eval_paths, every k-th document is held out "
+               "(k = round(1/data.eval_fraction): every 50th by default);")
+  lines.append("  to evaluate on separate data, prepare it into another directory with the same "
+               "--tokenizer and add data.eval_paths=EVAL_DIR (training then uses every document)")
   return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+  """Usage errors as one line `maxlm: error: ...` and exit code 2, like every other bad input."""
+
+  def error(self, message: str):
+    print(f"maxlm: error: {DataError(message)} (see python -m maxlm.data.prepare --help)", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m maxlm.data.prepare", description=__doc__.split("\n\n")[0],
-                               epilog=__doc__.split("\n\n", 2)[2],
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("inputs", nargs="+", help="files, globs or directories")
-  ap.add_argument("--output", "-o", required=True, help="directory for the shards")
-  ap.add_argument("--tokenizer", default="", help="tokenizer file ('' = shipped Austen 8k SentencePiece)")
-  ap.add_argument("--tokenizer-type", default="auto", choices=KINDS)
-  ap.add_argument("--format", default="auto", choices=("auto", "text", "jsonl", "parquet"))
+  ap = _Parser(prog="python -m maxlm.data.prepare", description=__doc__.split("\n\n")[0],
+               epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("inputs", nargs="+", metavar="INPUT", help="files, globs or directories")
+  ap.add_argument("--output", "-o", required=True, metavar="DIR",
+                  help="directory for the shards (new or empty; created if missing)")
+  ap.add_argument("--tokenizer", default="", metavar="PATH",
+                  help="SentencePiece .model, tokenizer.json (or its directory) or tiktoken rank file; "
+                       "default: the shipped 8k SentencePiece trained on the embedded Austen corpus")
+  ap.add_argument("--tokenizer-type", default="auto", choices=KINDS, help="auto: detected from the content")
+  ap.add_argument("--format", default="auto", choices=("auto", "text", "jsonl", "parquet"),
+                  help="auto: from each file's extension")
   ap.add_argument("--field", default="text", help="JSONL field / Parquet column with the text")
-  ap.add_argument("--text-split", default="line", choices=TEXT_SPLITS)
-  ap.add_argument("--shard-tokens", type=int, default=50_000_000)
+  ap.add_argument("--text-split", default="line", choices=TEXT_SPLITS,
+                  help="text files: a document per line, per blank-line separated paragraph, or per file")
+  ap.add_argument("--shard-tokens", type=int, default=50_000_000, metavar="N",
+                  help="start a new shard file after about N tokens (default 50,000,000)")
   ap.add_argument("--threads", type=int, default=0, help="tokenizer threads (0 = all cores)")
-  ap.add_argument("--skip-bad-records", action="store_true", help="count bad records instead of stopping")
-  ap.add_argument("--overwrite", action="store_true")
-  ap.add_argument("--no-progress", action="store_true")
+  ap.add_argument("--skip-bad-records", action="store_true",
+                  help="count bad records (listed in the summary) instead of stopping at the first")
+  ap.add_argument("--overwrite", action="store_true", help="replace prepared data already in DIR")
+  ap.add_argument("--no-progress", action="store_true",
+                  help="no progress bar (it is shown only when stderr is a terminal)")
   args = ap.parse_args(argv)
   try:
     meta = prepare(args.inputs, args.output, tokenizer=args.tokenizer, tokenizer_type=args.tokenizer_type,
                    fmt=args.format, field=args.field, text_split=args.text_split,
                    shard_tokens=args.shard_tokens, threads=args.threads,
                    skip_bad_records=args.skip_bad_records, overwrite=args.overwrite,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress and sys.stderr.isatty())
   except DataError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"maxlm: error: {e}", file=sys.stderr)
     return 2
   print(summary(meta, args.output))
   return 0

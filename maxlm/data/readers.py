@@ -1,7 +1,9 @@
-"""Reading documents from files: text, JSONL, Parquet (raw text) and prepared ArrayRecord shards.
+"""Reading documents from raw text files: text, JSONL and Parquet (prepared shards: shards.py).
 
 Every bad record is reported through `Skips.bad` with `file:line` (or `file:row N`): a one-line
 `DataError`, or a count when `skip_bad_records` is on. Text files may be .gz/.bz2/.xz compressed.
+A file that cannot be read (I/O error, corrupt compression or Parquet page) is a `DataError` naming
+it, whichever reader meets it.
 """
 
 from __future__ import annotations
@@ -11,12 +13,11 @@ import glob
 import gzip
 import json
 import lzma
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-
-from maxlm.data.errors import DataError, Skips
+from maxlm.data.errors import DataError, Skips, first_line
 
 TEXT_SPLITS = ("line", "paragraph", "file")
 FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".ndjson": "jsonl",
@@ -24,6 +25,9 @@ FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".
            ".arrayrecord": "arrayrecord"}
 OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 META_NAME = "maxlm_data.json"  # written next to prepared shards by maxlm.data.prepare
+# What reading a damaged or unreadable file raises (gzip: zlib.error, BadGzipFile; bz2: OSError;
+# xz: LZMAError; truncated streams: EOFError; pyarrow: OSError subclasses).
+READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error)
 
 
 def split_list(value: str) -> list[str]:
@@ -51,7 +55,7 @@ def resolve_files(spec: str) -> list[Path]:
       raise DataError(f"no files match '{spec}'")
     return files
   if p.is_dir():
-    files = sorted(f for f in p.iterdir() if f.is_file() and f.name != META_NAME and _known(f))
+    files = sorted(f for f in p.iterdir() if f.is_file() and f.name != META_NAME and has_data_format(f))
     if not files:
       raise DataError(f"directory '{spec}' holds no data files ({', '.join(sorted(FORMATS))})")
     return files
@@ -60,7 +64,8 @@ def resolve_files(spec: str) -> list[Path]:
   return [p]
 
 
-def _known(path: Path) -> bool:
+def has_data_format(path: Path) -> bool:
+  """Whether the name of `path` tells a data format (see FORMATS)."""
   try:
     file_format(path)
     return True
@@ -80,9 +85,12 @@ def read_documents(path: Path, fmt: str, skips: Skips, *, field: str = "text",
     raise DataError(f"config key 'data.text_split' must be one of {', '.join(TEXT_SPLITS)}; "
                     f"got {text_split!r}")
   n, before = 0, skips.total
-  for doc in reader(path, skips, field=field, text_split=text_split):
-    n += 1
-    yield doc
+  try:
+    for doc in reader(path, skips, field=field, text_split=text_split):
+      n += 1
+      yield doc
+  except READ_ERRORS as e:
+    raise DataError(f"cannot read '{path}': {first_line(e)}") from None
   if n == 0 and skips.total == before:
     skips.bad(str(path), "empty file (no documents)")
 
@@ -96,12 +104,8 @@ def _open(path: Path):
 
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
-  try:
-    with _open(path) as f:
-      yield from enumerate(f, 1)
-  except (OSError, EOFError, lzma.LZMAError) as e:
-    why = str(e).splitlines()[0] if str(e) else type(e).__name__
-    raise DataError(f"cannot read '{path}': {why}") from None
+  with _open(path) as f:  # read errors: read_documents
+    yield from enumerate(f, 1)
 
 
 def _decode(raw: bytes, where: str, skips: Skips) -> str | None:
@@ -161,9 +165,9 @@ def _parquet_docs(path: Path, skips: Skips, *, field: str, **_) -> Iterator[str]
   import pyarrow as pa  # noqa: PLC0415
   import pyarrow.parquet as pq  # noqa: PLC0415
   try:
-    pf = pq.ParquetFile(path)
+    pf = pq.ParquetFile(path, page_checksum_verification=True)  # pages written with checksums
   except (pa.ArrowException, OSError) as e:
-    raise DataError(f"'{path}' is not a readable Parquet file: {str(e).splitlines()[0]}") from None
+    raise DataError(f"'{path}' is not a readable Parquet file: {first_line(e)}") from None
   names = pf.schema_arrow.names
   if field not in names:
     skips.bad(str(path), f"missing column '{field}' (set data.field; columns: {', '.join(names[:8])})",
@@ -174,8 +178,14 @@ def _parquet_docs(path: Path, skips: Skips, *, field: str, **_) -> Iterator[str]
           or pa.types.is_large_binary(typ)):
     skips.bad(str(path), f"column '{field}' has type {typ}, not string", n=max(1, pf.metadata.num_rows))
     return
-  row = 0
-  for batch in pf.iter_batches(columns=[field], batch_size=8192):
+  row, batches = 0, pf.iter_batches(columns=[field], batch_size=8192)
+  while True:
+    try:  # pages are decoded here: a damaged one raises OSError or ArrowInvalid
+      batch = next(batches, None)
+    except (pa.ArrowException, OSError) as e:
+      raise DataError(f"cannot read '{path}' (Parquet, after row {row}): {first_line(e)}") from None
+    if batch is None:
+      return
     for value in batch.column(0).to_pylist():
       where = f"{path}:row {row}"
       row += 1
@@ -187,54 +197,3 @@ def _parquet_docs(path: Path, skips: Skips, *, field: str, **_) -> Iterator[str]
       if value is not None and value.strip():
         yield value
 
-
-class ShardSource:
-  """Random access to the records of several ArrayRecord files (prepared token shards).
-
-  `read(indices)` makes one batched read per file; readers open lazily in each process.
-  """
-
-  OPTIONS = "readahead_buffer_size:0"
-
-  def __init__(self, files: list[Path]):
-    self.files = [str(f) for f in files]
-    self._ends = np.cumsum([self._open(f, count=True) for f in self.files])  # [files]
-    self._readers: dict[int, object] = {}
-
-  def _open(self, f: str, count: bool = False):
-    """A reader for file `f` (or, with count=True, its number of records)."""
-    from array_record.python.array_record_module import ArrayRecordReader  # noqa: PLC0415
-    try:
-      reader = ArrayRecordReader(f, self.OPTIONS)
-      if not count:
-        return reader
-      n = reader.num_records()
-      reader.close()
-      return n
-    except Exception as e:  # noqa: BLE001 - the reader raises RuntimeError/ValueError/OSError
-      raise DataError(f"cannot open ArrayRecord shard '{f}': {str(e).splitlines()[0]}") from None
-
-  def __len__(self) -> int:
-    return int(self._ends[-1]) if len(self._ends) else 0
-
-  def __getitem__(self, i: int) -> bytes:
-    return self.read([i])[0]
-
-  def read(self, indices: list[int]) -> list[bytes]:
-    idx = np.asarray(indices, np.int64)  # [n]
-    if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
-      raise IndexError(f"record index out of range [0, {len(self)})")
-    which = np.searchsorted(self._ends, idx, side="right")  # [n]
-    out: list[bytes] = [b""] * len(idx)
-    for f in np.unique(which).tolist():
-      sel = np.flatnonzero(which == f)
-      local = idx[sel] - (self._ends[f - 1] if f else 0)
-      reader = self._readers.get(f)
-      if reader is None:
-        reader = self._readers[f] = self._open(self.files[f])
-      for j, rec in zip(sel.tolist(), reader.read(local.tolist())):
-        out[j] = rec
-    return out
-
-  def __getstate__(self):
-    return {**self.__dict__, "_readers": {}}

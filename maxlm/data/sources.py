@@ -3,14 +3,14 @@
 A *component* is one source of documents (the embedded corpus, a set of text/JSONL/Parquet files
 read into memory, or prepared ArrayRecord shards read lazily); `data.type=mixture` has several.
 The held-out split is by document index (every k-th document, k = round(1/eval_fraction)) and is
-taken before per-process sharding, so it does not depend on the number of hosts.
+taken before per-process sharding, so it does not depend on the number of hosts. With
+`data.eval_paths` set there is no split: eval reads those files and training every document.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import sys
 import threading
 from pathlib import Path
@@ -20,9 +20,9 @@ import numpy as np
 
 from maxlm.config import DataConfig
 from maxlm.data.errors import DataError, Skips
-from maxlm.data.readers import (META_NAME, ShardSource, file_format, read_documents, resolve_files,
-                                split_list)
-from maxlm.data.tokenizer import ASSETS, Tokenizer, check_vocab, load_tokenizer, special_ids
+from maxlm.data.readers import file_format, read_documents, resolve_files, split_list
+from maxlm.data.shards import ShardSource, load_meta, read_meta
+from maxlm.data.tokenizer import ASSETS, Tokenizer, check_vocab, load_tokenizer, special_ids, vocab_hint
 
 EMBEDDED_CORPUS = ASSETS / "austen.txt.xz"  # one paragraph per line; built by scripts/build_assets.py
 DOCS_PER_READ = 64  # documents read and tokenized per call
@@ -34,6 +34,12 @@ def eval_every(fraction: float) -> int:
   if not 0 <= fraction <= 0.5:
     raise DataError(f"config key 'data.eval_fraction' must be in [0, 0.5], got {fraction}")
   return round(1 / fraction) if fraction > 0 else 0
+
+
+def split_every(cfg: DataConfig) -> int:
+  """The held-out split's k for `cfg`: 0 (none) when data.eval_paths names separate eval files."""
+  k = eval_every(cfg.eval_fraction)  # validated either way
+  return 0 if cfg.eval_paths else k
 
 
 class DocIndex:
@@ -82,25 +88,6 @@ def _read_texts(files: tuple[tuple[str, float], ...], fmt: str, field: str, text
   return docs, skips
 
 
-def _shard_meta(files: list[Path]) -> dict:
-  metas = {}
-  for d in sorted({f.parent for f in files}):
-    mp = d / META_NAME
-    if not mp.is_file():
-      raise DataError(f"'{d}' has no {META_NAME}; make ArrayRecord shards with python -m maxlm.data.prepare")
-    try:
-      metas[d] = json.loads(mp.read_text())
-      metas[d]["dtype"], metas[d]["tokenizer"]["sha256"]  # noqa: B018 - required keys
-    except (ValueError, KeyError, TypeError) as e:
-      raise DataError(f"'{mp}' is not a valid {META_NAME} ({type(e).__name__}: {e})") from None
-  first_dir, first = next(iter(metas.items()))
-  for d, m in metas.items():
-    if (m["dtype"], m["tokenizer"]["sha256"]) != (first["dtype"], first["tokenizer"]["sha256"]):
-      raise DataError(f"shards in '{d}' and '{first_dir}' were made with different tokenizers or "
-                      f"dtypes; list them as separate data.type=mixture entries")
-  return first
-
-
 def _named_format(path: Path) -> str:
   try:
     return file_format(path)
@@ -122,7 +109,9 @@ def load_component(entry: str, fmt: str, cfg: DataConfig, skips: Skips) -> Compo
   if fmt == "arrayrecord":
     if any(_named_format(f) != "arrayrecord" for f in files):
       raise DataError(f"'{entry}' mixes ArrayRecord shards (.array_record) with other files")
-    return Component(entry, fmt, ShardSource(files), _shard_meta(files))
+    meta, expected = load_meta(files)
+    source = ShardSource(files, meta["dtype"], meta["tokenizer"]["vocab_size"], expected)
+    return Component(entry, fmt, source, meta)
   split = cfg.text_split if cfg.type != "embedded" else "line"
   stamp = tuple((str(f), f.stat().st_mtime) for f in files)
   docs, file_skips = _read_texts(stamp, fmt, cfg.field, split, cfg.skip_bad_records)
@@ -135,11 +124,13 @@ def load_components(cfg: DataConfig, part: str) -> tuple[list[Component], list[f
   if cfg.type not in TYPES:
     raise DataError(f"config key 'data.type' must be one of {', '.join(TYPES)}; got {cfg.type!r}")
   skips = Skips(cfg.skip_bad_records)
+  if part == "eval" and cfg.eval_paths:
+    try:
+      return _eval_components(cfg, skips)
+    except DataError as e:
+      raise DataError(f"data.eval_paths: {e}") from None
   if cfg.type == "embedded":
-    paths = str(EMBEDDED_CORPUS) if part == "train" or not cfg.eval_paths else cfg.eval_paths
-    entries, fmt = [paths], "text"
-  elif part == "eval" and cfg.eval_paths:
-    entries, fmt = (split_list(cfg.eval_paths), "") if cfg.type == "mixture" else ([cfg.eval_paths], cfg.type)
+    entries, fmt = [str(EMBEDDED_CORPUS)], "text"
   elif cfg.type == "mixture":
     entries, fmt = split_list(cfg.paths), ""
   else:
@@ -160,6 +151,30 @@ def load_components(cfg: DataConfig, part: str) -> tuple[list[Component], list[f
   return comps, weights, skips
 
 
+def _eval_components(cfg: DataConfig, skips: Skips) -> tuple[list[Component], list[float], Skips]:
+  """data.eval_paths: one source per entry for a mixture, else one; each file's format is the one
+  its name gives (so prepared shards serve any data.type), else data.type's."""
+  if cfg.type == "mixture":
+    comps = [load_component(e, "", cfg, skips) for e in split_list(cfg.eval_paths)]
+  else:
+    named = {_named_format(f) for e in split_list(cfg.eval_paths) for f in resolve_files(e)} - {""}
+    fmt = named.pop() if len(named) == 1 else {"embedded": "text"}.get(cfg.type, cfg.type)
+    comps = [load_component(cfg.eval_paths, fmt, cfg, skips)]
+  return comps, [1.0] * len(comps), skips
+
+
+def train_shards_tokenizer(cfg: DataConfig) -> dict | None:
+  """The tokenizer record (`maxlm_data.json`'s) of training's shards when training reads only shards;
+  None when it tokenizes raw text (with data.tokenizer). Reads metadata only."""
+  entries = split_list(cfg.paths) if cfg.type == "mixture" else [cfg.paths]
+  if cfg.type not in ("arrayrecord", "mixture") or not any(split_list(e) for e in entries):
+    return None
+  files = [f for e in entries for p in split_list(e) for f in resolve_files(p)]
+  if any(_named_format(f) != "arrayrecord" for f in files):
+    return None
+  return read_meta(files[0].parent)["tokenizer"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Vocab:
   """What every component's tokens must agree on."""
@@ -168,31 +183,50 @@ class Vocab:
   bos: int | None
   eos: int | None
   desc: str
+  sha256: str  # of the tokenizer file (loaded, or as the shards record it)
 
 
-def resolve_vocab(cfg: DataConfig, comps: list[Component], vocab_size: int) -> Vocab:
-  """Load the tokenizer (or trust the shards' record of it) and check it fits `vocab_size`."""
+def resolve_vocab(cfg: DataConfig, comps: list[Component], vocab_size: int, part: str = "train") -> Vocab:
+  """Load the tokenizer (or trust the shards' record of it) and check it fits `vocab_size`.
+
+  Shards must have been made with the tokenizer in use: data.tokenizer when set or when raw text
+  is tokenized (for part='eval': by training), else the one all (training) shards record.
+  """
   metas = [c.meta for c in comps if c.meta is not None]
+  for c in comps:  # shards record their vocabulary: check it before anything is read
+    n = c.meta["tokenizer"]["vocab_size"] if c.meta is not None else 0
+    if n > vocab_size:
+      raise DataError(f"shards '{c.name}' use a {n}-token tokenizer ({c.meta['tokenizer'].get('path')}) "
+                      f"but model.vocab_size is {vocab_size}; {vocab_hint(n)}")
+  trained = train_shards_tokenizer(cfg) if part == "eval" else None  # None: training reads raw text
   tok = None
-  if cfg.tokenizer or len(metas) < len(comps):  # raw text needs a tokenizer; else shards tell
+  if cfg.tokenizer or len(metas) < len(comps) or (part == "eval" and trained is None):
     tok = load_tokenizer(cfg.tokenizer, cfg.tokenizer_type)
     check_vocab(tok, vocab_size)
+  if tok is not None and trained is not None and trained["sha256"] != tok.sha256:
+    raise DataError(f"the training shards were tokenized with {trained.get('path')}, not with {tok.path} "
+                    f"(data.tokenizer), which would tokenize data.eval_paths; point data.tokenizer there")
   for c in comps:
-    if c.meta is not None and tok is not None and c.meta["tokenizer"]["sha256"] != tok.sha256:
-      raise DataError(f"shards '{c.name}' were tokenized with {c.meta['tokenizer'].get('path')}, not "
-                      f"with {tok.path} (data.tokenizer); re-prepare them or point data.tokenizer there")
+    m = c.meta["tokenizer"] if c.meta is not None else None
+    if m is not None and trained is not None and m["sha256"] != trained["sha256"]:
+      raise DataError(f"shards '{c.name}' were tokenized with {m.get('path')} but the training shards "
+                      f"with {trained.get('path')}; prepare both with the same --tokenizer")
+    if m is not None and tok is not None and m["sha256"] != tok.sha256:
+      raise DataError(f"shards '{c.name}' were tokenized with {m.get('path')}, not with {tok.path} "
+                      f"(data.tokenizer); re-prepare them or point data.tokenizer there")
+    if m is not None and m["sha256"] != metas[0]["tokenizer"]["sha256"]:
+      raise DataError(f"shards '{c.name}' and '{comps[0].name}' were tokenized with different tokenizers "
+                      f"({m.get('path')}, {metas[0]['tokenizer'].get('path')}); re-prepare one of them")
   if tok is not None:
     bos, eos = special_ids(tok, cfg.add_bos, cfg.add_eos, cfg.bos_id, cfg.eos_id)
-    return Vocab(tok, bos, eos, repr(tok))
+    return Vocab(tok, bos, eos, repr(tok), tok.sha256)
   m = metas[0]["tokenizer"]
   n = int(m["vocab_size"])
-  if n > vocab_size:
-    raise DataError(f"shards '{comps[0].name}' use a {n}-token tokenizer ({m.get('path')}) but "
-                    f"model.vocab_size is {vocab_size}")
   shadow = Tokenizer(Path(str(m.get("path", "?"))))
   shadow.vocab_size, shadow.bos_id, shadow.eos_id = n, int(m.get("bos_id", -1)), int(m.get("eos_id", -1))
   bos, eos = special_ids(shadow, cfg.add_bos, cfg.add_eos, cfg.bos_id, cfg.eos_id)
-  return Vocab(None, bos, eos, f"{m.get('kind', '?')} tokenizer {m.get('path')} (from the shards, vocab {n})")
+  return Vocab(None, bos, eos, f"{m.get('kind', '?')} tokenizer {m.get('path')} (from the shards, vocab {n})",
+               m["sha256"])
 
 
 class ReadDocs(grain.transforms.Map):
@@ -204,21 +238,13 @@ class ReadDocs(grain.transforms.Map):
   def __init__(self, comp: Component, view: DocIndex, vocab: Vocab):
     self.view, self.fmt = view, comp.fmt
     self.tok, self.bos, self.eos = vocab.tokenizer, vocab.bos, vocab.eos
-    self.dtype = np.dtype(comp.meta["dtype"]) if comp.meta else None
 
   def map(self, positions: np.ndarray) -> list[np.ndarray]:
     idx = [self.view.index(int(m)) for m in positions]
     src = self.view.source
-    if self.fmt != "arrayrecord":
-      return [_wrap(ids, self.bos, self.eos)
-              for ids in self.tok.encode_batch([src[i] for i in idx])]
-    out = []
-    for i, rec in zip(idx, src.read(idx)):
-      if len(rec) % self.dtype.itemsize:
-        raise DataError(f"corrupt record {i} in ArrayRecord shards: {len(rec)} bytes is not a multiple "
-                        f"of {self.dtype.itemsize} ({self.dtype})")
-      out.append(_wrap(np.frombuffer(rec, self.dtype), self.bos, self.eos))
-    return out
+    if self.fmt == "arrayrecord":  # each record checked: whole ids < vocab (else names shard + record)
+      return [_wrap(ids, self.bos, self.eos) for ids in src.tokens(idx)]
+    return [_wrap(ids, self.bos, self.eos) for ids in self.tok.encode_batch([src[i] for i in idx])]
 
 
 def _wrap(ids: np.ndarray, bos: int | None, eos: int | None) -> np.ndarray:

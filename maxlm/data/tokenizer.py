@@ -12,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
-from maxlm.data.errors import DataError
+from maxlm.data.errors import DataError, first_line
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_TOKENIZER = ASSETS / "austen_sp8k.model"  # built by scripts/build_assets.py
 KINDS = ("auto", "sentencepiece", "hf", "tiktoken")
 
-# Llama 3 pre-tokenizer split and its 256 special tokens placed after the BPE ranks.
+# Llama 3 pre-tokenizer split and its 256 special tokens placed after its 128,000 BPE ranks. Other
+# rank files get only BOS and EOS (the first two of them) right after their ranks.
+LLAMA3_RANKS = 128_000
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
@@ -87,7 +89,9 @@ class HFTokenizer(Tokenizer):
     super().__init__(path)
     import tokenizers  # noqa: PLC0415
     self._tok = tokenizers.Tokenizer.from_file(str(path))
-    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    # Ids may have gaps (a WordLevel vocab can be sparse): the embedding needs the largest id + 1.
+    ids = self._tok.get_vocab(with_added_tokens=True).values()
+    self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
     self.bos_id = _first_id(self._tok.token_to_id, HF_BOS)
     self.eos_id = _first_id(self._tok.token_to_id, HF_EOS)
 
@@ -100,7 +104,11 @@ class HFTokenizer(Tokenizer):
 
 
 class TiktokenTokenizer(Tokenizer):
-  """A tiktoken BPE rank file (`base64-token rank` per line) with Llama 3's pattern and specials."""
+  """A tiktoken BPE rank file (`base64-token rank` per line) with Llama 3's pattern.
+
+  Specials follow the ranks: Llama 3's 256 for a Llama-3-sized file (128,000 ranks: BOS 128000,
+  EOS 128001, vocabulary 128,256), else only BOS and EOS (vocabulary = ranks + 2).
+  """
 
   kind = "tiktoken"
 
@@ -112,7 +120,8 @@ class TiktokenTokenizer(Tokenizer):
     n = len(ranks)
     if sorted(ranks.values()) != list(range(n)):
       raise ValueError("ranks are not 0..N-1")
-    specials = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIALS)}
+    names = LLAMA3_SPECIALS if n == LLAMA3_RANKS else LLAMA3_SPECIALS[:2]
+    specials = {tok: n + i for i, tok in enumerate(names)}
     self._enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
                                   special_tokens=specials)
     self.vocab_size = n + len(specials)
@@ -166,13 +175,11 @@ def load_tokenizer(path: str | Path = "", kind: str = "auto") -> Tokenizer:
     p = found[0]
   if not p.is_file():
     raise DataError(f"tokenizer file '{p}' not found")
-  if kind == "auto":
-    kind = detect_kind(p)
   try:
+    kind = detect_kind(p) if kind == "auto" else kind
     tok = _CLASSES[kind](p)
   except Exception as e:  # noqa: BLE001 - the libraries raise many types; report one line
-    msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    raise DataError(f"cannot load tokenizer '{p}' as {kind}: {msg}") from None
+    raise DataError(f"cannot load tokenizer '{p}' as {kind}: {first_line(e)}") from None
   if tok.vocab_size <= 0:
     raise DataError(f"tokenizer '{p}' ({kind}) has an empty vocabulary")
   return tok
@@ -197,8 +204,18 @@ def special_ids(tok: Tokenizer, add_bos: bool, add_eos: bool, bos_id: int = -1,
   return out[0], out[1]
 
 
+def padded_vocab(n: int) -> int:
+  """`n` rounded up to a multiple of 128 (embedding and LM-head shapes that tile well)."""
+  return -(-n // 128) * 128
+
+
+def vocab_hint(n: int) -> str:
+  """What to set for a model to hold an `n`-token vocabulary."""
+  return f"set model.vocab_size={padded_vocab(n)} ({n} rounded up to a multiple of 128; at least {n})"
+
+
 def check_vocab(tok: Tokenizer, vocab_size: int) -> None:
   """Stop before training when the tokenizer can emit ids the model's embedding cannot hold."""
   if tok.vocab_size > vocab_size:
     raise DataError(f"tokenizer '{tok.path}' has {tok.vocab_size} tokens but model.vocab_size is "
-                    f"{vocab_size}; set model.vocab_size >= {tok.vocab_size}")
+                    f"{vocab_size}; {vocab_hint(tok.vocab_size)}")

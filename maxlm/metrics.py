@@ -7,10 +7,13 @@ Sinks: `metrics.jsonl` (one JSON object per logged step), TensorBoard event file
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
 from pathlib import Path
+
+from tensorboardX import SummaryWriter
 
 # Dense BF16 peak per device (FLOP/s), by `jax.Device.device_kind` substring.
 PEAK_BF16_FLOPS = (
@@ -52,8 +55,8 @@ def _clean(v):
 
 
 class MetricsWriter:
-  """Appends to the run's sinks. A run resumed at `start_step` first drops what an interrupted
-  attempt logged after that step (it is about to be logged again)."""
+  """Appends to the run's sinks. Every (re)start at `start_step` (0 included) first drops what an
+  earlier, interrupted attempt logged after that step: it is about to be logged again."""
 
   def __init__(self, run_dir: Path, enabled: bool = True, tensorboard: bool = True, start_step: int = 0):
     self.enabled = enabled
@@ -62,16 +65,18 @@ class MetricsWriter:
     if not enabled:
       return
     path = Path(run_dir) / "metrics.jsonl"
-    if start_step and path.exists():
+    if path.exists():
       kept = [line for line in path.read_text().splitlines() if _step_of(line) <= start_step]
       tmp = path.with_suffix(".jsonl.tmp")
       tmp.write_text("".join(line + "\n" for line in kept))
       os.replace(tmp, path)
     self._jsonl = open(path, "a", buffering=1)
     if tensorboard:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"),
-                               purge_step=start_step + 1 if start_step else None)
+      # Non-finite values are written as they are; maxlm reports non-finite steps itself, once per
+      # logged interval, so tensorboardX's per-value warning is dropped.
+      logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
+      # purge_step: TensorBoard discards events at or after it from earlier (dead) attempts.
+      self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
 
   def write(self, step: int, metrics: dict) -> None:
     if not self.enabled:
@@ -80,8 +85,9 @@ class MetricsWriter:
     self._jsonl.write(json.dumps(row) + "\n")
     if self._tb is not None:
       for k, v in metrics.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
           self._tb.add_scalar(k, v, step)
+      self._tb.flush()  # a killed run keeps every logged step in TensorBoard too
 
   def close(self) -> None:
     if self._jsonl:
@@ -90,18 +96,33 @@ class MetricsWriter:
       self._tb.close()
 
 
-def progress_line(step: int, total: int, m: dict) -> str:
+def duration(seconds: float) -> str:
+  """1234.5 -> '20:34', 5000 -> '1:23:20'."""
+  s = int(round(max(0.0, seconds)))
+  h, rest = divmod(s, 3600)
+  m, s = divmod(rest, 60)
+  return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def progress_line(step: int, total: int, m: dict, *, flops_known: bool = True) -> str:
+  """One line per logged step. `flops_known=False` (CPU) shows TFLOP/s and MFU as n/a."""
   parts = [f"step {step}/{total}", f"loss {m['loss']:.4f}"]
   if m.get("eval_loss") is not None:
     parts.append(f"eval {m['eval_loss']:.4f}")
   parts += [f"lr {m['learning_rate']:.2e}", f"gnorm {m['grad_norm']:.3f}"]
   if m.get("tokens_per_sec"):
     parts.append(f"{m['tokens_per_sec'] / 1e3:.1f}k tok/s")
-    parts.append(f"{m['tflops_per_device']:.1f} TFLOP/s/dev")
-  if m.get("mfu") is not None:
-    parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    parts.append(f"{m['tflops_per_device']:.1f} TFLOP/s/dev" if flops_known else "TFLOP/s n/a")
+  parts.append(f"MFU {100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "MFU n/a")
+  if m.get("peak_memory_gb") is not None:
+    parts.append(f"mem {m['peak_memory_gb']:.1f} GB")
+  if m.get("save_s"):
+    parts.append(f"save {m['save_s']:.1f} s")
   if m.get("nonfinite_steps"):
     parts.append(f"skipped {m['nonfinite_steps']}")
+  if m.get("elapsed_s") is not None:
+    eta = f", ETA {duration(m['eta_s'])}" if m.get("eta_s") is not None and step < total else ""
+    parts.append(f"{duration(m['elapsed_s'])} elapsed{eta}")
   return " | ".join(parts)
 
 

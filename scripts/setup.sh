@@ -18,7 +18,7 @@ PIP="$V/bin/python -m pip"
 $PIP install -q --upgrade pip
 # JAX pinned to the newest release that supports Python 3.11 (the H200 image brings its own).
 $PIP install -q "jax==0.10.2" "jaxlib==0.10.2" "flax==0.12.8"
-$PIP install -q -e "$ROOT[dev]"
+$PIP install -q -e "$ROOT[dev,viz]"
 if [ "${MAXLM_NO_TE:-0}" != 1 ]; then
   TE=2.20.2
   SP=$("$V/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -9,6 +9,8 @@ Environment:
                              is committed, print "SAVE-COMMITTING <step>" and sleep
   MAXLM_TEST_NAN_STEPS=3,5   make the loss of those steps NaN (chosen by batch content)
   MAXLM_TEST_FSIZE_AFTER=N   saves after step N hit a 64 KiB file-size limit (EFBIG, like a full disk)
+  MAXLM_TEST_READONLY_AFTER=N  before the first save after step N, remount the checkpoints directory
+                             read-only (run under `unshare -m` with that directory bind-mounted on itself)
   MAXLM_TEST_DISTRIBUTED=ADDR,N,I  jax.distributed with N CPU processes (this one I; Gloo collectives)
 """
 
@@ -85,7 +87,8 @@ def poisoned_losses(cfg, steps: list[int]):
 
 
 def install_hooks(argv: list[str]) -> None:
-  from maxlm import checkpoint, train
+  from maxlm import train
+  from maxlm.checkpoint import manager as checkpoint
   trace = os.environ.get("MAXLM_TEST_TRACE")
   pause = float(os.environ.get("MAXLM_TEST_STEP_SLEEP", "0"))
   build = train.Trainer.build
@@ -128,6 +131,18 @@ def install_hooks(argv: list[str]) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
       return save(self, step, *a, **kw)
     checkpoint.Checkpointer.save = limited_save
+  readonly_after = int(os.environ.get("MAXLM_TEST_READONLY_AFTER", "-1"))
+  if readonly_after >= 0:
+    import subprocess
+    save = checkpoint.Checkpointer.save
+
+    def save_then_readonly(self, step, *a, **kw):
+      if step > readonly_after and not getattr(self, "_test_readonly", False):
+        self.wait()
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(self.directory)], check=True)
+        self._test_readonly = True
+      return save(self, step, *a, **kw)
+    checkpoint.Checkpointer.save = save_then_readonly
   nan_steps = os.environ.get("MAXLM_TEST_NAN_STEPS")
   if nan_steps:
     from maxlm import step as step_lib

@@ -4,6 +4,7 @@ parameter-only loads."""
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -14,11 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm.checkpoint import CheckpointError, Checkpointer
+from maxlm.checkpoint import CheckpointError, Checkpointer, load_params, start
 from maxlm.config import CheckpointConfig, MeshConfig, load_config, to_dict
 from maxlm.mesh import make_mesh
 from maxlm.optim import make_optimizer
-from maxlm.resume import load_params, start
 from maxlm.train import Trainer
 from maxlm.train_state import abstract_state
 
@@ -146,6 +146,41 @@ def test_flipped_bits_are_caught_by_checksums(saved, tmp_path, capsys):
   assert "checkpoint step 3 is unusable (1 array(s) differ from their saved checksums (.params[" in out
 
 
+def test_same_size_edit_of_the_data_position_falls_back(saved, tmp_path, capsys):
+  """One digit of the newest checkpoint's data-iterator position changed, file size kept (so the
+  size manifest cannot see it): the sha256 in `meta` catches it and the previous checkpoint is used."""
+  root = _copy(saved, tmp_path)
+  f = root / "3" / "data" / "metadata"
+  text = f.read_text()
+  m = re.search(r'"next_index": (\d+)', text)
+  assert m, text
+  edited = text[:m.end() - 1] + str((int(text[m.end() - 1]) + 1) % 10) + text[m.end():]
+  assert len(edited) == len(text) and edited != text
+  f.write_text(edited)
+  r, _ = _restore(root, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  assert r.step == 2 and r.data == saved["data"][2] and _same(_host(r.state), saved["states"][2])
+  lines = [ln for ln in capsys.readouterr().out.splitlines() if "is unusable" in ln]
+  assert len(lines) == 1 and "checkpoint step 3" in lines[0] and f"{root / '3' / 'data'} differs" in lines[0]
+  assert not (root / "3").exists() and len(list((tmp_path / "checkpoints.corrupt").iterdir())) == 1
+
+
+def test_checkpoints_without_data_digests_still_restore(saved, tmp_path):
+  """Format 1 (before the digests): `meta` without them restores as before."""
+  root = _copy(saved, tmp_path)
+  for step in ("2", "3"):
+    f = root / step / "meta" / "metadata"
+    meta = json.loads(f.read_text())
+    del meta["digests"]
+    meta["format"] = 1
+    f.write_text(json.dumps(meta))
+    manifest = root / step / "maxlm_files.json"  # keep the size manifest true to the edited file
+    files = json.loads(manifest.read_text())
+    files["files"]["meta/metadata"] = f.stat().st_size
+    manifest.write_text(json.dumps(files))
+  r, _ = _restore(root, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  assert r.step == 3 and r.data == saved["data"][3] and _same(_host(r.state), saved["states"][3])
+
+
 def test_garbled_metadata_falls_back(saved, tmp_path):
   root = _copy(saved, tmp_path)
   (root / "3" / "meta" / "metadata").write_text("{not json")
@@ -178,7 +213,8 @@ def test_non_finite_state_is_never_saved(saved, tmp_path):
   ckpt = Checkpointer(tmp_path / "c", CheckpointConfig(enabled=True))
   ckpt.save(1, t.state, t.train_data.get_state(), to_dict(cfg))
   ckpt.wait()
-  bad = t.state.replace(params=jax.tree_util.tree_map(lambda x: x.at[(0,) * x.ndim].set(np.nan), t.state.params))
+  nan_first = lambda x: x.at[(0,) * x.ndim].set(np.nan)
+  bad = t.state.replace(params=jax.tree_util.tree_map(nan_first, t.state.params))
   with pytest.raises(CheckpointError, match=r"refusing to save checkpoint step 2: non-finite.*step 1"):
     ckpt.save(2, bad, t.train_data.get_state(), to_dict(cfg))
   ckpt.close()
@@ -191,7 +227,8 @@ def test_failed_save_reports_and_keeps_earlier(saved, tmp_path):
   ckpt.save(1, t.state, t.train_data.get_state(), to_dict(cfg))
   ckpt.wait()
   # the file-size limit makes every write past 64 KiB fail (EFBIG), like a full disk (root ignores chmod)
-  old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+  old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
   resource.setrlimit(resource.RLIMIT_FSIZE, (65536, old_limit[1]))
   try:
     with pytest.raises(CheckpointError) as e:
@@ -241,7 +278,8 @@ def test_trainer_start_loads_params_only_or_resumes(saved, tmp_path, capsys):
     assert _same(_host(t.state.params), saved["states"][2][1:1 + n]) and int(t.state.step) == 0
     assert _same(_host(t.state.opt_state), _host(live.opt_state))  # untouched
     shutil.copytree(saved["root"], tmp_path / "r" / "checkpoints")
-    cfg = load_config(TINY + mesh + ["checkpoint.enabled=true", f"checkpoint.load_params={saved['root'] / '2'}"])
+    cfg = load_config(TINY + mesh + ["checkpoint.enabled=true",
+                                     f"checkpoint.load_params={saved['root'] / '2'}"])
     start(t, cfg).close()  # resuming wins over load_params
     assert _same(_host(t.state), saved["states"][3]) and t.train_data.get_state() == saved["data"][3]
     out = capsys.readouterr().out

@@ -1,7 +1,15 @@
-"""Checkpointing inside training, in-process (8 simulated CPU devices): `maxlm.train.main` with
-train.nonfinite=skip|stop around checkpoints, and FP8 delayed-scaling state carried exactly."""
+"""Checkpointing inside training: `maxlm.train.main` in-process (8 simulated CPU devices) with
+train.nonfinite=skip|stop around checkpoints, FP8 delayed-scaling state carried exactly; and the CLI
+in a subprocess whose checkpoints directory is read-only (private mount namespace): exit 3, one line,
+within seconds."""
 
 import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -9,12 +17,13 @@ import pytest
 from resume_launcher import compile_cache, poisoned_losses
 
 from maxlm import step as step_lib
-from maxlm.checkpoint import Checkpointer, abstract_like
+from maxlm.checkpoint import Checkpointer, abstract_like, complete_steps
 from maxlm.config import load_config, to_dict
 from maxlm.optim import make_optimizer
 from maxlm.train import Trainer, main
 from maxlm.train_state import abstract_state
 
+ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
          "model.n_layers=1", "model.vocab_size=128", "model.remat=none", "data.type=synthetic",
          "data.seq_len=16", "data.global_batch_size=8", "optim.warmup_steps=0", "train.log_every=1",
@@ -110,3 +119,78 @@ def test_fp8_delayed_scaling_state_survives_a_checkpoint(tmp_path, fake_fp8_gpu)
   assert got.keys() == want.keys() and any("amax_history" in k for k in got)
   for k in want:
     assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
+
+
+# After its first progress line a run below has at most 3 steps of a 1-layer model left (milliseconds
+# each), one failing save (0.1-0.7 s measured) and its shutdown (~1 s measured): 20 s leaves room for a
+# loaded 2-core host and stays far below Orbax's 60 s thread joins and 300 s waits that made it hang.
+FAIL_WITHIN_S = 20.0
+
+
+def _readonly_mounts_reason(tmp_path) -> str | None:
+  """Why a read-only bind mount in a private mount namespace cannot be used here (None: it can)."""
+  probe = tmp_path / "probe"
+  probe.mkdir()
+  try:
+    script = 'mount --bind -o ro "$0" "$0" && ! touch "$0/x" 2>/dev/null'
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script, str(probe)], capture_output=True, text=True,
+                       timeout=60)
+  except FileNotFoundError:
+    return "unshare is not installed"
+  return None if r.returncode == 0 else f"unshare -m / mount --bind -o ro not permitted: {r.stderr.strip()}"
+
+
+def _cli_in_namespace(tmp_path, name: str, ckpt_dir: Path, readonly: bool, cmd: list[str], env: dict):
+  """Run `cmd` under `unshare -m` with `ckpt_dir` bind-mounted onto itself (read-only or not): returns
+  (exit code, stderr lines, seconds from its first progress line to its exit; None if it hung)."""
+  out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+  mount = f'mount --bind {"-o ro " if readonly else ""}"$0" "$0" && exec "$@"'
+  with open(out, "w") as o, open(err, "w") as e:
+    proc = subprocess.Popen(["unshare", "-m", "sh", "-c", mount, str(ckpt_dir), *cmd], cwd=ROOT, env=env,
+                            stdout=o, stderr=e)
+  try:
+    end = time.monotonic() + 300
+    while not re.search(r"^step \d+/", out.read_text(), re.M):
+      assert proc.poll() is None, f"exited ({proc.returncode}):\n{out.read_text()}{err.read_text()}"
+      assert time.monotonic() < end, out.read_text()
+      time.sleep(0.05)
+    t0 = time.monotonic()
+    try:
+      rc = proc.wait(timeout=FAIL_WITHIN_S)
+      took = time.monotonic() - t0
+    except subprocess.TimeoutExpired:
+      rc, took = None, None
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  return rc, err.read_text().splitlines(), took
+
+
+def test_readonly_checkpoints_fail_fast_in_one_line(tmp_path, tmp_path_factory):
+  """A save into a read-only checkpoints directory ends the run with exit 3 and one line naming the
+  directory within seconds: (1) the directory turns read-only mid-run (the save after step 2);
+  (2) a resumed run whose checkpoints directory is read-only from the start."""
+  why = _readonly_mounts_reason(tmp_path)
+  if why:
+    pytest.skip(why)
+  run_dir, ckpt_dir = tmp_path / "r", tmp_path / "r" / "checkpoints"
+  ckpt_dir.mkdir(parents=True)
+  cache = tmp_path_factory.mktemp("xla-cache-cli")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  env.pop("XLA_FLAGS", None)  # one device
+  args = _args(tmp_path, "train.steps=6", "checkpoint.every=2")
+  cases = [("mid-run", False, [sys.executable, str(ROOT / "tests" / "resume_launcher.py"), *args,
+                               "checkpoint.async_save=false"], {"MAXLM_TEST_READONLY_AFTER": "2"}),
+           ("from-start", True, [sys.executable, "-m", "maxlm.train", *args], {})]
+  for name, readonly, cmd, extra in cases:
+    rc, err, took = _cli_in_namespace(tmp_path, name, ckpt_dir, readonly, cmd, {**env, **extra})
+    assert took is not None, f"{name}: still running {FAIL_WITHIN_S} s after its first step: {err}"
+    assert rc == 3, (name, rc, err)
+    assert len(err) == 1 and err[0].startswith("maxlm: error: saving checkpoint step 4 "), (name, err)
+    assert f"to {ckpt_dir} failed: " in err[0] and "Read-only file system" in err[0], (name, err)
+    assert f"earlier checkpoints are intact (latest: step 2 in {ckpt_dir})" in err[0], (name, err)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["2"], name
+  assert "resumed from checkpoint step 2" in (tmp_path / "from-start.out").read_text()
+  assert complete_steps(ckpt_dir) == [2] and (run_dir / "metrics.jsonl").exists()

@@ -14,18 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from maxlm.checkpoint import complete_steps
-from maxlm.preemption import EXIT_PREEMPTED
+from maxlm.checkpoint import EXIT_PREEMPTED, complete_steps
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = ROOT / "tests" / "resume_launcher.py"
 STEPS = 20
-ARGS = ["model.backend=flax", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
-        "model.ffn_dim=64", "model.n_layers=1", "model.remat=none", "data.seq_len=32", "data.global_batch_size=4",
-        f"train.steps={STEPS}", "train.log_every=1", "checkpoint.enabled=true", "checkpoint.every=4",
-        "checkpoint.keep=2", "run_name=r"]
+ARGS = ["model.backend=flax", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
+        "model.head_dim=16", "model.ffn_dim=64", "model.n_layers=1", "model.remat=none", "data.seq_len=32",
+        "data.global_batch_size=4", f"train.steps={STEPS}", "train.log_every=1", "checkpoint.enabled=true",
+        "checkpoint.every=4", "checkpoint.keep=2", "run_name=r"]
 
 
 class Run:

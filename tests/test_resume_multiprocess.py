@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from maxlm.preemption import EXIT_PREEMPTED
+from maxlm.checkpoint import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-ARGS = ["model.backend=flax", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
-        "model.ffn_dim=64", "model.n_layers=1", "model.remat=none", "data.type=synthetic", "data.seq_len=32",
-        "data.global_batch_size=4", "mesh.dcn_data=2", "train.steps=200", "train.log_every=1",
-        "checkpoint.enabled=true", "checkpoint.every=100", "run_name=r"]
+ARGS = ["model.backend=flax", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
+        "model.head_dim=16", "model.ffn_dim=64", "model.n_layers=1", "model.remat=none",
+        "data.type=synthetic", "data.seq_len=32", "data.global_batch_size=4", "mesh.dcn_data=2",
+        "train.steps=200", "train.log_every=1", "checkpoint.enabled=true", "checkpoint.every=100",
+        "run_name=r"]
 
 
 def _free_port() -> int:

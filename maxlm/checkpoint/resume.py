@@ -1,0 +1,98 @@
+"""Starting a run from checkpoints: resume the run's latest usable checkpoint (state and data
+position), or initialize parameters from `checkpoint.load_params=<path>` (fine-tuning, converted
+weights: a checkpoint step directory, a checkpoints directory, or a bare Orbax parameter tree)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import orbax.checkpoint as ocp
+
+from maxlm.checkpoint.manager import (CheckpointError, Checkpointer, abstract_like, complete_steps,
+                                      config_changes)
+from maxlm.checkpoint.verify import mismatches, quiet, reason, wrong_checksums
+from maxlm.config import to_dict
+from maxlm.metrics import echo
+
+
+def _params_dirs(path: Path) -> tuple[Path, Path | None]:
+  """(params item dir, meta item dir or None) of a checkpoint step, checkpoints dir or bare params."""
+  if (path / "params").is_dir():
+    return path / "params", (path / "meta") if (path / "meta").is_dir() else None
+  steps = complete_steps(path)
+  if steps:
+    return _params_dirs(path / str(steps[-1]))
+  if (path / "_METADATA").is_file():
+    return path, None
+  raise CheckpointError(f"checkpoint.load_params={path}: not a checkpoint (expected a step directory "
+                        f"with params/, a checkpoints directory, or an Orbax parameter tree)")
+
+
+def load_params(path: str, target):
+  """Parameters restored from `path` onto `target` (ShapeDtypeStructs of the params, with shardings)."""
+  root = Path(path).absolute()
+  if not root.exists():
+    raise CheckpointError(f"checkpoint.load_params={path}: no such file or directory")
+  params_dir, meta_dir = _params_dirs(root)
+  arrays = None
+  if meta_dir is not None:
+    try:
+      with quiet():
+        meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(meta_dir, args=ocp.args.JsonRestore())
+      arrays = meta["arrays"]
+    except Exception as e:
+      raise CheckpointError(f"checkpoint.load_params={path}: unreadable {meta_dir}: {reason(e)}") from None
+    wrong = mismatches(arrays, target, prefix=".params")
+    if wrong:
+      raise CheckpointError(f"checkpoint.load_params={path} does not fit this model: {'; '.join(wrong[:3])}"
+                            f"{' ...' if len(wrong) > 3 else ''}")
+  try:
+    with quiet():
+      params = ocp.StandardCheckpointer().restore(params_dir, target)
+  except Exception as e:
+    raise CheckpointError(f"checkpoint.load_params={path}: cannot restore {params_dir}: "
+                          f"{reason(e)}") from None
+  if arrays is not None:
+    bad = wrong_checksums(arrays, params, prefix=".params")
+    if bad:
+      raise CheckpointError(f"checkpoint.load_params={path}: {len(bad)} array(s) differ from their saved "
+                            f"checksums ({', '.join(bad[:3])}) in {params_dir}")
+  return params
+
+
+def start(trainer, cfg) -> Checkpointer | None:
+  """Resume `trainer` (state and data position) from its run's latest usable checkpoint, or load
+  `checkpoint.load_params` into a fresh state. Returns the Checkpointer (None when disabled)."""
+  c = cfg.checkpoint
+  ckpt = Checkpointer(cfg.run_dir / "checkpoints", c) if c.enabled else None
+  try:
+    _start(trainer, cfg, ckpt)
+  except BaseException:
+    if ckpt is not None:
+      ckpt.close()
+    raise
+  return ckpt
+
+
+def _start(trainer, cfg, ckpt: Checkpointer | None) -> None:
+  c = cfg.checkpoint
+  target = abstract_like(trainer.state, trainer.state_shardings)
+  t0 = time.perf_counter()
+  restored = ckpt.restore_latest(target, to_dict(cfg)) if ckpt else None
+  if restored is not None:
+    trainer.state = restored.state
+    try:
+      trainer.train_data.set_state(restored.data)
+    except Exception as e:
+      raise CheckpointError(f"checkpoint step {restored.step}: the data-iterator state does not fit "
+                            f"this data config: {reason(e)}") from None
+    changes = config_changes(restored.config or {}, to_dict(cfg))
+    echo(f"maxlm: resumed from checkpoint step {restored.step} ({restored.path}, "
+         f"{time.perf_counter() - t0:.1f} s)"
+         + (f"; config changes: {', '.join(changes)}" if changes else ""))
+    if c.load_params:
+      echo(f"maxlm: ignoring checkpoint.load_params={c.load_params} (resuming this run)")
+  elif c.load_params:
+    trainer.state = trainer.state.replace(params=load_params(c.load_params, target.params))
+    echo(f"maxlm: loaded parameters from {c.load_params}")

@@ -1,0 +1,275 @@
+"""The training run: `Trainer` owns the mesh, model, state, data and jitted steps; `train()` drives it.
+
+Order of a run, so that bad input stops before anything is written: check everything that can be
+checked (backend and precision, mesh and batch split, a memory lower bound, every data input, the
+output directory), then create the run directory, build the state, resume from checkpoints, train.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from pathlib import Path
+
+import jax
+
+from maxlm import data as data_lib
+from maxlm import sizing
+from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
+from maxlm.checkpoint import start as start_checkpoints
+from maxlm.config import Config, ConfigError, dump_yaml, to_dict
+from maxlm.layers import check_precision, precision_scope, resolve_backend
+from maxlm.mesh import make_mesh
+from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line, throughput
+from maxlm.model import Transformer, count_params, flops_per_step
+from maxlm.optim import make_optimizer
+from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
+from maxlm.step import jit_step, make_eval_step, make_train_step
+from maxlm.train_state import create_train_state
+
+
+class RunError(RuntimeError):
+  """A run-time failure with a one-line message (e.g. non-finite loss with train.nonfinite=stop)."""
+
+
+def device_memory_bytes() -> int | None:
+  """Memory of one local device: the allocator's limit on GPUs, host RAM shared by CPU devices."""
+  dev = jax.local_devices()[0]
+  stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  if dev.platform == "cpu":
+    try:
+      return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
+    except (ValueError, OSError):
+      return None
+  return None
+
+
+def peak_memory_gb() -> float | None:
+  """Peak device memory in use so far (GB, max over local devices), where the backend reports it."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+  peaks = [p for p in peaks if p]
+  return max(peaks) / 1e9 if peaks else None
+
+
+def _check_writable(run_dir: Path) -> None:
+  """Stop with one line when the run directory cannot be created or written (read-only output_dir)."""
+  probe = run_dir if run_dir.exists() else next(p for p in run_dir.parents if p.exists())
+  try:
+    probe_file = probe / f".maxlm-write-test-{os.getpid()}"
+    probe_file.write_bytes(b"")
+    probe_file.unlink()
+  except OSError as e:
+    raise ConfigError(f"output_dir: cannot write the run directory {run_dir} ({e.strerror or e} in "
+                      f"{probe}); set output_dir to a writable place") from None
+
+
+class Trainer:
+  """Owns the mesh, model, state, data and jitted steps of one run; `train()` drives it."""
+
+  def __init__(self, cfg: Config):
+    self.cfg = cfg
+    self.backend = resolve_backend(cfg.model.backend)
+    check_precision(cfg.model.precision, self.backend)
+    self.mesh = make_mesh(cfg.mesh)
+    self._check_batch_split()
+    mem = device_memory_bytes()
+    if mem:
+      sizing.check_fits(cfg, jax.device_count(), mem, n_nodes=jax.process_count())
+    self.packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
+    self.model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row)
+    pi, pc = jax.process_index(), jax.process_count()
+    self.train_data = data_lib.make_train_iterator(cfg.data, cfg.model.vocab_size, pi, pc)
+    self.eval_data_factory = None
+    if cfg.train.eval_every > 0:
+      self.eval_data_factory = lambda: data_lib.make_eval_iterator(cfg.data, cfg.model.vocab_size, pi, pc)
+      probe = self.eval_data_factory()  # opens and checks every eval input now, not at the first eval
+      if probe is None:
+        self.eval_data_factory = None
+      else:
+        probe.close()
+
+  def _check_batch_split(self) -> None:
+    d, t = self.cfg.data, self.cfg.train
+    dp = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    micro = d.global_batch_size // t.grad_accum
+    if micro % dp:
+      raise ConfigError(f"data.global_batch_size={d.global_batch_size} gives micro-batches of {micro} rows "
+                        f"(train.grad_accum={t.grad_accum}), not divisible by the {dp} data-parallel devices "
+                        f"(mesh data={self.mesh.shape['data']} x fsdp={self.mesh.shape['fsdp']}); use a "
+                        f"multiple of {dp * t.grad_accum}")
+
+  @contextlib.contextmanager
+  def scope(self):
+    """Mesh + logical axis rules + TE autocast: entered for init and for every trace."""
+    with jax.set_mesh(self.mesh), axis_rules(), precision_scope(self.cfg.model.precision, self.backend,
+                                                                self.cfg.model.fp8_amax_history_len,
+                                                                TE_MESH_AXES):
+      yield
+
+  def build(self):
+    cfg = self.cfg
+    self.optimizer, self.schedule = make_optimizer(cfg.optim, cfg.train.steps)
+    micro = cfg.data.global_batch_size // cfg.train.grad_accum
+    with self.scope():
+      self.state, self.state_shardings = create_train_state(
+          self.model, self.optimizer, self.mesh, cfg.train.seed, micro, cfg.data.seq_len)
+    self.batch_sharding = batch_sharding(self.mesh)
+    bs = {k: self.batch_sharding for k in data_lib.BATCH_KEYS}
+    step = make_train_step(self.model, self.optimizer, self.schedule, grad_accum=cfg.train.grad_accum,
+                           packed=self.packed)
+    self.train_step = jit_step(step, self.state_shardings, bs, self.scope,
+                               metrics_sharding=replicated(self.mesh))
+    self.eval_step = jit_step(make_eval_step(self.model, packed=self.packed), self.state_shardings, bs,
+                              self.scope, donate=False, metrics_sharding=replicated(self.mesh))
+    self.n_devices = jax.device_count()
+
+  def to_device(self, batch):
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+
+  def evaluate(self) -> dict:
+    """Loss over the held-out data, weighted by tokens (sum of token losses / number of tokens)."""
+    loss_sum, tokens = 0.0, 0.0
+    it = self.eval_data_factory()
+    if it is None:
+      return {}
+    try:
+      for i, batch in enumerate(it):
+        if self.cfg.train.eval_steps and i >= self.cfg.train.eval_steps:
+          break
+        out = jax.device_get(self.eval_step(self.state, self.to_device(batch)))
+        loss_sum += float(out["loss_sum"])
+        tokens += float(out["tokens"])
+    finally:
+      it.close()
+    if tokens == 0:
+      return {}
+    loss = loss_sum / tokens
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+
+
+def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> int:
+  """Run `cfg` to train.steps; returns the exit code (0 done, 75 preempted)."""
+  t_start = time.perf_counter() if t_start is None else t_start
+  trainer = Trainer(cfg)
+  run_dir = cfg.run_dir
+  is_main = jax.process_index() == 0
+  if cfg.checkpoint.load_params and not Path(cfg.checkpoint.load_params).exists():
+    raise CheckpointError(f"checkpoint.load_params={cfg.checkpoint.load_params}: no such file or directory")
+  if is_main:
+    _check_writable(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yml").write_text(dump_yaml(cfg))
+  trainer.build()
+  m, t, d = cfg.model, cfg.train, cfg.data
+  n = count_params(m)
+  flops = flops_per_step(m, d.global_batch_size, d.seq_len)
+  kind = jax.devices()[0].device_kind
+  peak = device_peak_flops(kind)
+  flops_known = jax.devices()[0].platform != "cpu"
+  echo(f"maxlm: {m.name} ({n['total'] / 1e6:.1f}M params, backend={trainer.backend}, "
+       f"precision={m.precision}) on {jax.device_count()} x {kind}, mesh "
+       f"{dict(trainer.mesh.shape)}, run dir {run_dir}")
+
+  ckpt, writer = None, None
+  try:
+    ckpt = start_checkpoints(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
+    start_step = int(jax.device_get(trainer.state.step))
+    writer = MetricsWriter(run_dir, enabled=is_main, start_step=start_step)
+    checked, skipped = start_step, int(jax.device_get(trainer.state.nonfinite_steps))
+    logged_skips = skipped
+    tokens_per_step = d.global_batch_size * d.seq_len
+    t_last, steps_since, paused, first_step_s = None, 0, 0.0, None
+    t_train0, steps_timed = None, 0
+    for step in range(start_step, t.steps):
+      batch = trainer.to_device(next(trainer.train_data))
+      trainer.state, metrics = trainer.train_step(trainer.state, batch)
+      steps_since += 1
+      done = step + 1
+      if t_last is None:  # the first step traces and compiles: report it, time from its end
+        jax.block_until_ready(metrics)
+        t_last = t_train0 = time.perf_counter()
+        steps_since = 0
+        first_step_s = t_last - t_start
+        preemption.step_started(checkpointing=ckpt is not None)
+        mem = peak_memory_gb()
+        echo(f"maxlm: first step {done} done {first_step_s:.1f} s after start (trace, compile and run)"
+             + (f", peak device memory {mem:.1f} GB" if mem is not None else ""))
+      stop = preemption.reached(done)
+      save_s = 0.0
+      if ckpt is not None and (stop or done == t.steps or ckpt.due(done)):
+        if t.nonfinite == "stop":  # never checkpoint past a skipped update
+          checked = _check_finite(jax.device_get(metrics), checked, skipped, done, ckpt)
+        jax.block_until_ready(trainer.state)  # the step's own time stays training time
+        t0 = time.perf_counter()
+        ckpt.save(done, trainer.state, trainer.train_data.get_state(), to_dict(cfg))
+        save_s = time.perf_counter() - t0
+        paused += save_s
+      elif ckpt is not None:
+        ckpt.poll()
+      if done % t.log_every and done != t.steps and not stop:
+        continue
+      metrics = jax.device_get(metrics)
+      now = time.perf_counter()
+      row = {k: float(v) for k, v in metrics.items() if k not in ("finite", "tokens")}
+      row["nonfinite_steps"] = int(metrics["nonfinite_steps"])
+      if steps_since:
+        dt = now - t_last - paused  # training only: checkpoint saves are reported as save_s
+        row.update(throughput(tokens_per_step * steps_since, flops * steps_since, dt, trainer.n_devices, peak))
+        row["step_time"] = dt / steps_since
+        steps_timed += steps_since
+      else:
+        row.update({"tokens_per_sec": None, "tflops_per_device": None, "mfu": None, "step_time": None})
+      if paused:
+        row["save_s"] = paused
+      if first_step_s is not None:
+        row["first_step_s"], first_step_s = first_step_s, None  # once, in the first row
+      row["peak_memory_gb"] = peak_memory_gb()
+      if t.nonfinite == "stop":
+        checked = _check_finite(metrics, checked, skipped, done, ckpt)
+      elif row["nonfinite_steps"] > logged_skips:
+        echo(f"maxlm: warning: {row['nonfinite_steps'] - logged_skips} update(s) skipped for a non-finite "
+             f"loss or gradient up to step {done} ({row['nonfinite_steps']} in all; last loss "
+             f"{row['loss']}, grad norm {row['grad_norm']})")
+        logged_skips = row["nonfinite_steps"]
+      if trainer.eval_data_factory and t.eval_every and (done % t.eval_every == 0 or done == t.steps):
+        row.update(trainer.evaluate())
+      now = time.perf_counter()
+      row["elapsed_s"] = now - t_start
+      if steps_timed:
+        row["eta_s"] = (t.steps - done) * (now - t_train0) / steps_timed
+      writer.write(done, row)
+      echo(progress_line(done, t.steps, row, flops_known=flops_known))
+      t_last, steps_since, paused = time.perf_counter(), 0, 0.0
+      if stop:
+        if ckpt is not None:
+          ckpt.wait()
+          echo(f"maxlm: {preemption.signal} at step {done}: checkpoint step {done} saved in "
+               f"{ckpt.directory}; exiting with code {EXIT_PREEMPTED} (rerun the same command to resume)")
+        else:
+          echo(f"maxlm: {preemption.signal} at step {done}: nothing was saved (checkpoint.enabled=false), "
+               f"so a rerun starts again from step 0; exiting with code {EXIT_PREEMPTED}")
+        return EXIT_PREEMPTED
+  finally:
+    if writer is not None:
+      writer.close()
+    if ckpt is not None:
+      ckpt.close()  # waits for the save in flight
+  return 0
+
+
+def _check_finite(metrics: dict, checked: int, skipped: int, done: int, ckpt) -> int:
+  """train.nonfinite=stop: raise RunError if an update after step `checked` was skipped; else `done`."""
+  if int(metrics["nonfinite_steps"]) == skipped:
+    return done
+  if bool(metrics["finite"]):
+    where = f"between steps {checked + 1} and {done}"
+  else:
+    where = f"at step {done} (loss={float(metrics['loss'])}, grad_norm={float(metrics['grad_norm'])})"
+  kept = "no checkpoint was written"
+  if ckpt is not None and ckpt.latest is not None:
+    kept = f"the last good checkpoint is step {ckpt.latest} in {ckpt.directory}"
+  raise RunError(f"non-finite loss or gradient {where}; the update was not applied; {kept}")

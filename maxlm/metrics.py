@@ -76,7 +76,9 @@ class MetricsWriter:
       # logged interval, so tensorboardX's per-value warning is dropped.
       logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
       # purge_step: TensorBoard discards events at or after it from earlier (dead) attempts.
-      self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+      # flush_secs=1: tensorboardX's writer thread puts every event on disk within a second (its default,
+      # 120 s, lost the steps a killed run had logged).
+      self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1, flush_secs=1)
 
   def write(self, step: int, metrics: dict) -> None:
     if not self.enabled:
@@ -87,7 +89,6 @@ class MetricsWriter:
       for k, v in metrics.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
           self._tb.add_scalar(k, v, step)
-      self._tb.flush()  # a killed run keeps every logged step in TensorBoard too
 
   def close(self) -> None:
     if self._jsonl:

@@ -37,3 +37,45 @@ def test_progress_line():
                                "tflops_per_device": 1.5, "mfu": 0.25, "eval_loss": 2.5})
   assert line == "step 5/10 | loss 2.0000 | eval 2.5000 | lr 1.00e-03 | gnorm 0.500 | 2.0k tok/s | " \
                  "1.5 TFLOP/s/dev | MFU 25.0%"
+
+
+def test_a_restart_from_step_0_drops_the_dead_attempts_rows_in_both_sinks(tmp_path):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  w = MetricsWriter(tmp_path)  # an attempt killed before its first checkpoint
+  for step in (1, 2, 3, 4):
+    w.write(step, {"loss": 10.0 + step})
+  w.close()
+  w = MetricsWriter(tmp_path, start_step=0)  # the rerun starts again from step 0
+  for step in (1, 2):
+    w.write(step, {"loss": 1.0 * step})
+  w.close()
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert rows == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}]
+  acc = EventAccumulator(str(tmp_path / "tensorboard"))
+  acc.Reload()
+  assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0)]
+
+
+def test_every_logged_step_reaches_tensorboard_within_seconds(tmp_path):
+  """A killed run (never closed) keeps what it logged: events are on disk within a few seconds."""
+  import time
+
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  w = MetricsWriter(tmp_path)
+  w.write(5, {"loss": 3.0, "mfu": None})
+  deadline, got = time.monotonic() + 5.0, []
+  while not got and time.monotonic() < deadline:
+    time.sleep(0.2)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    got = [(e.step, e.value) for e in acc.Scalars("loss")] if "loss" in acc.Tags()["scalars"] else []
+  w.close()
+  assert got == [(5, 3.0)]
+
+
+def test_progress_line_with_time_memory_and_saves():
+  line = progress_line(50, 600, {"loss": 5.75, "learning_rate": 3e-3, "grad_norm": 0.4, "tokens_per_sec": 6100.0,
+                                 "tflops_per_device": 0.01, "mfu": None, "peak_memory_gb": 48.9, "save_s": 1.25,
+                                 "elapsed_s": 83.0, "eta_s": 1000.0, "nonfinite_steps": 2}, flops_known=False)
+  assert line == ("step 50/600 | loss 5.7500 | lr 3.00e-03 | gnorm 0.400 | 6.1k tok/s | TFLOP/s n/a | MFU n/a | "
+                  "mem 48.9 GB | save 1.2 s | skipped 2 | 1:23 elapsed, ETA 16:40")

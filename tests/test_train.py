@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head
 def cli(args, tmp_path, env=None):
   e = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
        **(env or {})}
+  e = {k: v for k, v in e.items() if v is not None}  # env={"X": None} unsets X
   return subprocess.run([sys.executable, "-m", "maxlm.train", f"output_dir={tmp_path}", *args], cwd=ROOT,
                         env=e, capture_output=True, text=True, timeout=600)
 
@@ -41,10 +44,141 @@ def test_cli_trains_and_writes_the_run_directory(tmp_path):
     (["model.d_model=big"], "config key 'model.d_model' expects int"),
     (["model.precision=fp8_delayed", "model.backend=flax"], "needs model.backend=te"),
     (["mesh.data=3"], "mesh:"),
+    (["run_name=.."], "run_name"),
+    (["config="], "config="),
+    (["model.n_kv_heads=0"], "model.n_kv_heads"),
+    (["model.rope_theta=0"], "model.rope_theta"),
+    (["train.seed=1e30"], "train.seed"),
+    (["data.seed=-1"], "data.seed"),
+    (["optim.learning_rate=nan"], "optim.learning_rate"),
+    # checked by the trainer before the run directory exists
+    (["data.global_batch_size=3"], "not divisible by the 2 data-parallel devices"),
+    (["model.n_layers=100000000"], "per device"),
+    (["model.vocab_size=2147483647"], "per device"),
+    (["data.type=text", "data.paths=/nonexistent/train.txt", "model.vocab_size=8192"], "/nonexistent/train.txt"),
+    (["data.type=embedded", "data.eval_paths=/nonexistent/eval.txt", "model.vocab_size=8192"],
+     "/nonexistent/eval.txt"),
+    (["checkpoint.load_params=/nonexistent/ckpt"], "/nonexistent/ckpt"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, message):
   r = cli([*TINY, "run_name=bad", *args], tmp_path)
-  assert r.returncode == 2
+  code = 3 if any(a.startswith("checkpoint.") for a in args) else 2
+  assert r.returncode == code, r.stderr[-2000:]
   lines = r.stderr.strip().splitlines()
-  assert len(lines) == 1 and message in lines[0], r.stderr
-  assert not (tmp_path / "bad").exists()
+  assert len(lines) == 1 and lines[0].startswith("maxlm: error: ") and message in lines[0], r.stderr
+  assert list(tmp_path.iterdir()) == []  # nothing created, not even the run directory
+
+
+def test_first_step_line_elapsed_eta_and_na_flops_on_cpu(tmp_path):
+  r = cli([*TINY, "run_name=r", "train.steps=4", "train.log_every=2", "model.backend=flax"], tmp_path)
+  assert r.returncode == 0, r.stderr
+  out = r.stdout.splitlines()
+  first = next(i for i, line in enumerate(out) if line.startswith("maxlm: first step 1 done"))
+  assert first < next(i for i, line in enumerate(out) if line.startswith("step 2/4"))
+  step2 = next(line for line in out if line.startswith("step 2/4"))
+  assert "TFLOP/s n/a | MFU n/a" in step2 and " elapsed, ETA " in step2
+  assert "ETA" not in next(line for line in out if line.startswith("step 4/4"))
+  rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+  assert rows[0]["first_step_s"] > 0 and rows[1]["elapsed_s"] > rows[0]["elapsed_s"]
+  assert rows[0]["eta_s"] > 0 and "eta_s" not in rows[1] or rows[1]["eta_s"] == 0
+
+
+def _readonly_reason(tmp_path):
+  probe = tmp_path / "probe"
+  probe.mkdir()
+  try:
+    r = subprocess.run(["unshare", "-m", "sh", "-c", 'mount --bind -o ro "$0" "$0" && ! touch "$0/x"',
+                        str(probe)], capture_output=True, text=True, timeout=30)
+  except FileNotFoundError:
+    return "unshare is not installed"
+  probe.rmdir()
+  return None if r.returncode == 0 else f"unshare -m / mount --bind -o ro not permitted: {r.stderr.strip()}"
+
+
+def test_readonly_output_dir_at_start_and_on_resume(tmp_path):
+  reason = _readonly_reason(tmp_path)
+  if reason:
+    pytest.skip(reason)
+  out = tmp_path / "out"
+  out.mkdir()
+  args = [*TINY, "model.backend=flax", "train.steps=2", "run_name=r"]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+  mount = 'mount --bind -o ro "$0" "$0" && shift 0 && exec "$@"'
+  cmd = [sys.executable, "-m", "maxlm.train", f"output_dir={out}", *args]
+
+  def readonly_run():
+    return subprocess.run(["unshare", "-m", "sh", "-c", mount, str(out), *cmd], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+  r = readonly_run()  # a fresh run under a read-only output_dir
+  assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+  assert r.stderr.startswith("maxlm: error: output_dir: cannot write the run directory") and str(out) in r.stderr
+  assert list(out.iterdir()) == []
+  r = cli(args, out)  # an existing run, then resumed with output_dir read-only
+  assert r.returncode == 0, r.stderr
+  before = sorted(p.name for p in (out / "r").iterdir())
+  r = readonly_run()
+  assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Read-only file system" in r.stderr, r.stderr
+  assert sorted(p.name for p in (out / "r").iterdir()) == before
+
+
+def _launch(tmp_path, args, env=None):
+  e = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+       "PYTHONUNBUFFERED": "1", **(env or {})}
+  return subprocess.Popen([sys.executable, str(ROOT / "tests" / "resume_launcher.py"), f"output_dir={tmp_path}",
+                           *args], cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(proc, prefix):
+  lines = []
+  for line in proc.stdout:
+    lines.append(line)
+    if line.startswith(prefix):
+      return lines
+  raise AssertionError(f"no line starting with {prefix!r}: {''.join(lines)}")
+
+
+def test_sigterm_without_checkpoints_says_nothing_was_saved(tmp_path):
+  proc = _launch(tmp_path, [*TINY, "model.backend=flax", "train.steps=1000", "train.log_every=1000"],
+                 {"MAXLM_TEST_STEP_SLEEP": "0.2"})
+  _wait_for(proc, "maxlm: first step")
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 75, err
+  assert "nothing was saved (checkpoint.enabled=false)" in out and "rerun the same command to resume" not in out
+  assert not (tmp_path / "default" / "checkpoints").exists()
+
+
+def test_sigterm_while_compiling_exits_at_once(tmp_path):
+  # 16 unrolled layers take many seconds to compile on a CPU; TERM arrives during that compile.
+  proc = _launch(tmp_path, [*TINY, "model.backend=flax", "model.scan_layers=false", "model.n_layers=16",
+                            "model.remat=full", "train.steps=5"])
+  _wait_for(proc, "maxlm: tiny")  # the model is built; the first step is being traced and compiled
+  t0 = time.monotonic()
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 75 and time.monotonic() - t0 < 10, (proc.returncode, err)
+  assert "before the first training step: nothing to save" in err and "first step" not in out
+
+
+def test_nonfinite_steps_are_reported_once_per_interval(tmp_path):
+  proc = _launch(tmp_path, [*TINY, "model.backend=flax", "train.steps=8", "train.log_every=4", "run_name=nan"],
+                 {"MAXLM_TEST_NAN_STEPS": "2,3,4,6"})  # step 4 is logged with a NaN loss
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err
+  warnings = [line for line in out.splitlines() if line.startswith("maxlm: warning:")]
+  assert len(warnings) == 2, out
+  assert "3 update(s) skipped" in warnings[0] and "up to step 4 (3 in all" in warnings[0]
+  assert "1 update(s) skipped" in warnings[1] and "(4 in all" in warnings[1]
+  assert "NaN or Inf" not in err and "NaN or Inf" not in out
+
+
+def test_deterministic_sets_the_flags_before_the_backend_starts(tmp_path):
+  r = cli([*TINY, "model.backend=flax", "train.steps=1", "train.deterministic=true"], tmp_path,
+          env={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": None})
+  assert r.returncode == 0, r.stderr
+  assert "train.deterministic=true: XLA_FLAGS += --xla_gpu_deterministic_ops=true" in r.stdout
+  assert "train.deterministic=true: NVTE_ALLOW_NONDETERMINISTIC_ALGO=0" in r.stdout
+  r = cli([*TINY, "train.steps=1", "train.deterministic=true", "run_name=x"], tmp_path / "no",
+          env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_gpu_deterministic_ops=false"})
+  assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--xla_gpu_deterministic_ops=false" in r.stderr

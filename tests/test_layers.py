@@ -13,6 +13,10 @@ from maxlm.layers import get_backend, precision_scope
 from maxlm.layers.rope import apply_rope, rope_frequencies
 
 BACKENDS = [pytest.param("flax"), pytest.param("te", marks=pytest.mark.te)]
+U32 = 2.0 ** -24  # float32 unit roundoff
+F64_RTOL = 16 * 2.0 ** -53  # float64 frequencies: a power, a division and the llama3 blend, a few roundings
+# Tolerances below are float32 rounding bounds (Higham): a dot product of length n, inputs exact, is
+# within n * U32 * sum|a_i b_i| of the exact value; a sum of n positive terms within n * U32 of it.
 
 
 class Wrap(nn.Module):
@@ -68,7 +72,7 @@ def ref_rope(x, pos, inv_freq):
   return x * cos + rot * sin
 
 
-def ref_attention(q, k, v, window=0, seg=None):
+def ref_attention(q, k, v, window=0, seg=None, probs=False):
   q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
   b, t, h, d = q.shape
   rep = h // k.shape[2]
@@ -84,7 +88,8 @@ def ref_attention(q, k, v, window=0, seg=None):
   logits = np.where(keep, logits, -1e30)
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
-  return np.einsum("bhqk,bkhd->bqhd", p, v)
+  out = np.einsum("bhqk,bkhd->bqhd", p, v)
+  return (out, p, logits, keep) if probs else out
 
 
 def ref_swiglu(x, scale, wi, wo, eps):
@@ -94,24 +99,79 @@ def ref_swiglu(x, scale, wi, wo, eps):
   return (g / (1 + np.exp(-g)) * u) @ np.asarray(wo, np.float64)
 
 
+# ---- float32 error bounds --------------------------------------------------------------------------
+
+def rms_rtol(d):
+  """RMSNorm in float32: mean of d squares (positive: d ulps, halved by the root), rsqrt, 2 products."""
+  return (d / 2 + 8) * U32
+
+
+def swiglu_tol(x, scale, wi, wo, eps):
+  """Elementwise bound for the float32 SwiGLU MLP, each stage's error carried forward in absolute value."""
+  wi, wo = np.asarray(wi, np.float64), np.asarray(wo, np.float64)
+  d, f = wi.shape[0], wi.shape[2]
+  y = ref_rms(x, scale, eps)  # [B, T, D]
+  g, u = y @ wi[:, 0], y @ wi[:, 1]  # [B, T, F]
+  e_g = (d + rms_rtol(d) / U32) * U32 * (np.abs(y) @ np.abs(wi[:, 0]))  # norm + dot of length D
+  e_u = (d + rms_rtol(d) / U32) * U32 * (np.abs(y) @ np.abs(wi[:, 1]))
+  silu = g / (1 + np.exp(-g))
+  act = silu * u  # [B, T, F]; |silu'| <= 1.1, silu and the product: 4 ulps
+  e_act = 1.1 * e_g * (np.abs(u) + e_u) + np.abs(silu) * e_u + 4 * U32 * np.abs(act)
+  return e_act @ np.abs(wo) + f * U32 * (np.abs(act) @ np.abs(wo))  # [B, T, D]
+
+
+def attention_tol(q, k, v, window, seg):
+  """Elementwise bound for float32 softmax(q k^T / sqrt(Dh)) v: logits within Dh ulps of sum|q k|;
+  a probability moves by at most 2 max|d logit| relative (plus the T-term normalization); the
+  output by that times sum_j p_j |v_j|, plus T ulps of it for the weighted sum."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  b, t, h, dh = q.shape
+  rep = h // k.shape[2]
+  _, p, logits, keep = ref_attention(q, k, v, window, seg, probs=True)  # p, logits [B, H, T, T]
+  ak = np.repeat(np.abs(k), rep, axis=2)
+  e_logit = dh * U32 * np.einsum("bqhd,bkhd->bhqk", np.abs(q), ak) / np.sqrt(dh) + 2 * U32 * np.abs(logits)
+  e_logit = np.where(keep, e_logit, 0).max(-1)  # [B, H, T]
+  rel_p = 2 * e_logit + (t + 8) * U32
+  pv = np.einsum("bhqk,bkhd->bqhd", p, np.repeat(np.abs(v), rep, axis=2))  # [B, T, H, Dh]
+  return (np.transpose(rel_p, (0, 2, 1))[..., None] + t * U32) * pv
+
+
+def rope_tol(x, pos, inv_freq):
+  """float32 RoPE: the angle pos * f is off by <= 2 |pos f| ulps (f and the product rounded), sin/cos
+  by that plus 2 ulps, then x1 cos - x2 sin rounds 3 times."""
+  x = np.abs(np.asarray(x, np.float64))
+  ang = np.abs(np.asarray(pos, np.float64))[..., None] * inv_freq  # [B, T, Dh/2]
+  e = ((2 * ang + 2) * U32)[:, :, None, :]  # [B, T, 1, Dh/2]
+  half = x.shape[-1] // 2
+  pair = x[..., :half] + x[..., half:]  # [B, T, N, Dh/2]
+  return np.concatenate([(e + 3 * U32) * pair] * 2, -1)
+
+
+def assert_within(actual, expected, tol, what=""):
+  off = np.abs(np.asarray(actual, np.float64) - np.asarray(expected, np.float64)) - tol
+  assert (off <= 0).all(), f"{what}: {(off > 0).sum()} elements beyond the float32 bound, by {off.max():.3g}"
+
+
 # ---- tests -----------------------------------------------------------------------------------------
 
 def test_rope_matches_reference_with_and_without_llama3_scaling():
   x = rand((2, 7, 3, 16))
   pos = jnp.array([[0, 1, 2, 0, 1, 2, 3], [5, 6, 7, 8, 9, 10, 11]])
   plain = rope_frequencies(16, 10000.0)
-  np.testing.assert_allclose(plain, 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16), rtol=1e-12)
-  np.testing.assert_allclose(apply_rope(x, pos, plain), ref_rope(x, pos, plain), atol=1e-5)
+  np.testing.assert_allclose(plain, 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16), rtol=F64_RTOL)
+  assert_within(apply_rope(x, pos, plain), ref_rope(x, pos, plain), rope_tol(x, pos, plain), "rope")
   scaled = rope_frequencies(128, 500000.0, "llama3", 8.0, 1.0, 4.0, 8192)
-  np.testing.assert_allclose(scaled, ref_llama3_inv_freq(128, 500000.0, 8.0, 1.0, 4.0, 8192), rtol=1e-12)
+  np.testing.assert_allclose(scaled, ref_llama3_inv_freq(128, 500000.0, 8.0, 1.0, 4.0, 8192), rtol=F64_RTOL)
   assert not np.allclose(scaled, rope_frequencies(128, 500000.0))  # scaling changes low frequencies
 
 
 def test_rope_positions_restart_per_document():
   x = rand((1, 6, 2, 8))
   inv = rope_frequencies(8, 10000.0)
+  pos = jnp.array([[0, 1, 2]])
   packed = apply_rope(x, jnp.array([[0, 1, 2, 0, 1, 2]]), inv)
-  np.testing.assert_allclose(packed[:, 3:], apply_rope(x[:, 3:], jnp.array([[0, 1, 2]]), inv), atol=1e-6)
+  # Two float32 evaluations of the same rotation, each within rope_tol of the exact one.
+  assert_within(packed[:, 3:], apply_rope(x[:, 3:], pos, inv), 2 * rope_tol(x[:, 3:], pos, inv), "restart")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -120,20 +180,25 @@ def test_rms_norm(backend):
   x = rand((2, 5, 32))
   y, p = run(backend, functools.partial(be.rms_norm, eps=1e-5, param_dtype=jnp.float32, name="n"), x)
   scale = np.asarray(p["params"]["n"]["scale"])
-  np.testing.assert_allclose(y, ref_rms(x, scale, 1e-5), atol=1e-5)
+  ref = ref_rms(x, scale, 1e-5)
+  assert_within(y, ref, rms_rtol(32) * np.abs(ref), "rms_norm")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_norm_dense_multi_dim_features(backend):
   be = get_backend(backend)
   x = rand((2, 5, 32))
-  fn = functools.partial(be.norm_dense, features=(2, 3, 8), kernel_axes=("embed", "kv_heads", "qkv", "head_dim"),
-                         eps=1e-5, param_dtype=jnp.float32, kernel_init=nn.initializers.normal(0.1), name="qkv")
+  fn = functools.partial(be.norm_dense, features=(2, 3, 8),
+                         kernel_axes=("embed", "kv_heads", "qkv", "head_dim"), eps=1e-5,
+                         param_dtype=jnp.float32, kernel_init=nn.initializers.normal(0.1), name="qkv")
   y, p = run(backend, fn, x)
   w = np.asarray(p["params"]["qkv"]["kernel"])
   assert w.shape == (32, 2, 3, 8) and y.shape == (2, 5, 2, 3, 8)
-  ref = np.einsum("btd,dkgh->btkgh", ref_rms(x, p["params"]["qkv"]["scale"], 1e-5), w)
-  np.testing.assert_allclose(y, ref, atol=1e-5)
+  normed = ref_rms(x, p["params"]["qkv"]["scale"], 1e-5)  # [B, T, D]
+  ref = np.einsum("btd,dkgh->btkgh", normed, w)
+  # the norm's relative error, then a dot of length D
+  tol = (32 + rms_rtol(32) / U32) * U32 * np.einsum("btd,dkgh->btkgh", np.abs(normed), np.abs(w))
+  assert_within(y, ref, tol, "norm_dense")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -143,7 +208,9 @@ def test_dense_contracts_heads(backend):
   fn = functools.partial(be.dense, features=(32,), axis=(-2, -1), kernel_axes=("heads", "head_dim", "embed"),
                          param_dtype=jnp.float32, kernel_init=nn.initializers.normal(0.1), name="out")
   y, p = run(backend, fn, x)
-  np.testing.assert_allclose(y, np.einsum("bthd,hde->bte", x, p["params"]["out"]["kernel"]), atol=1e-5)
+  w = np.asarray(p["params"]["out"]["kernel"], np.float64)
+  tol = 4 * 8 * U32 * np.einsum("bthd,hde->bte", np.abs(np.asarray(x, np.float64)), np.abs(w))  # length H*Dh
+  assert_within(y, np.einsum("bthd,hde->bte", np.asarray(x, np.float64), w), tol, "dense")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -155,7 +222,8 @@ def test_swiglu_mlp(backend):
   y, p = run(backend, fn, x)
   mp = p["params"]["mlp"]
   assert mp["wi_kernel"].shape == (32, 2, 48) and mp["wo_kernel"].shape == (48, 32)
-  np.testing.assert_allclose(y, ref_swiglu(x, mp["scale"], mp["wi_kernel"], mp["wo_kernel"], 1e-5), atol=1e-5)
+  args = (x, mp["scale"], mp["wi_kernel"], mp["wo_kernel"], 1e-5)
+  assert_within(y, ref_swiglu(*args), swiglu_tol(*args), "swiglu")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -165,11 +233,13 @@ def test_gqa_attention(backend, window, packed):
   q, k, v = rand((2, 9, 4, 8), 1), rand((2, 9, 2, 8), 2), rand((2, 9, 2, 8), 3)
   seg = jnp.array([[1, 1, 1, 2, 2, 2, 2, 3, 0], [1, 1, 1, 1, 1, 1, 2, 2, 2]]) if packed else None
   pos = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0, 0], [0, 1, 2, 3, 4, 5, 0, 1, 2]]) if packed else None
-  fn = functools.partial(be.attention, segment_ids=seg, positions=pos, window=window, max_segments=4, name="a")
+  fn = functools.partial(be.attention, segment_ids=seg, positions=pos, window=window, max_segments=4,
+                         name="a")
   y, _ = run(backend, fn, q, k, v)
   ref = ref_attention(q, k, v, window, seg)
   valid = np.asarray(seg > 0)[..., None, None] if packed else np.ones((1, 1, 1, 1), bool)
-  np.testing.assert_allclose(np.where(valid, y, 0), np.where(valid, ref, 0), atol=1e-5)
+  tol = attention_tol(q, k, v, window, seg)
+  assert_within(np.where(valid, y, 0), np.where(valid, ref, 0), tol, "attention")
 
 
 @pytest.mark.te
@@ -195,7 +265,21 @@ def test_te_equals_flax_on_the_same_parameters(dtype):
   assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(run("flax", block(fx), x)[1])
   assert y_te.dtype == y_fx.dtype == dtype
   a, b = np.asarray(y_te, np.float32), np.asarray(y_fx, np.float32)
-  if dtype == jnp.float32:
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-  else:  # bf16 (8-bit mantissa): compare as relative L2 error, as one would for any bf16 kernel
+  if dtype == jnp.float32:  # each against the float64 composition of the references above
+    pp = jax.tree_util.tree_map(lambda w: np.asarray(w, np.float64), params["params"])
+    x64 = np.asarray(x, np.float64)
+    h = np.einsum("btd,dkgh->btkgh", ref_rms(x64, pp["qkv"]["scale"], 1e-5), pp["qkv"]["kernel"])
+    ctx = ref_attention(h[:, :, :, :2].reshape(2, 6, 4, 8), h[:, :, :, 2], h[:, :, :, 3])
+    x1 = x64 + np.einsum("bthd,hde->bte", ctx, pp["out"]["kernel"])
+    ref = ref_swiglu(x1, pp["mlp"]["scale"], pp["mlp"]["wi_kernel"], pp["mlp"]["wo_kernel"], 1e-5)
+    # 5 contraction stages (qkv, scores, context, out, MLP x2), each <= 64 ulps of the output scale
+    # (lengths <= 64: ~sqrt(64) = 8 ulps with rounding of random sign, 8x margin).
+    tol = 6 * 64 * U32 * np.abs(ref).max()
+    assert_within(a, ref, tol, "te")
+    assert_within(b, ref, tol, "flax")
+  else:
+    # bf16 keeps 8 bits: each of ~7 activation roundings (norm, qkv, probabilities, context, out,
+    # MLP hidden, output) is <= 2^-9 relative, of random sign (RMS 2^-9 / sqrt(3)); two
+    # implementations then differ by ~sqrt(2 * 7) * 2^-9 / sqrt(3) = 4.2e-3 in relative L2; 1e-2
+    # leaves ~2x for the norm and softmax amplifying it.
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2

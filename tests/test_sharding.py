@@ -1,10 +1,12 @@
-"""Mesh construction and sharding: one train step gives the same loss on every mesh layout."""
+"""Mesh construction and sharding: train steps give the same loss and gradients on every mesh layout."""
 
 import contextlib
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, OptimConfig
@@ -23,7 +25,8 @@ MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_head
 
 def test_mesh_shape_fills_minus_one():
   assert mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=2), 8) == ([2, 2, 2], [1, 1, 1])
-  assert mesh_shape(MeshConfig(data=1, fsdp=-1, tensor=1, dcn_data=-1), 16, n_nodes=2) == ([1, 8, 1], [2, 1, 1])
+  assert (mesh_shape(MeshConfig(data=1, fsdp=-1, tensor=1, dcn_data=-1), 16, n_nodes=2)
+          == ([1, 8, 1], [2, 1, 1]))
   with pytest.raises(ConfigError, match="multiply to"):
     mesh_shape(MeshConfig(data=2, fsdp=2, tensor=1), 8)
   with pytest.raises(ConfigError, match="at most one"):
@@ -32,10 +35,24 @@ def test_mesh_shape_fills_minus_one():
     mesh_shape(MeshConfig(data=3, fsdp=-1), 8)
 
 
-def one_step(mesh_cfg, devices, backend="flax"):
+U32 = 2.0 ** -24  # float32 unit roundoff
+
+
+def gradient_recorder() -> optax.GradientTransformation:
+  """A test optimizer that leaves the params as they are and keeps the step's gradient as its state:
+  what a mesh can change is compared before any optimizer (Adam) amplifies rounding noise."""
+  return optax.GradientTransformation(lambda params: jax.tree_util.tree_map(jnp.zeros_like, params),
+                                      lambda grads, state, params=None: (
+                                          jax.tree_util.tree_map(jnp.zeros_like, grads), grads))
+
+
+def one_step(mesh_cfg, devices, backend="flax", optimizer=None):
+  """Two real (jitted, sharded, donating) train steps on `mesh_cfg`: ([(loss, grad_norm)], [gradients
+  on the host], final state) per step. The default optimizer records the gradients."""
   mesh = make_mesh(mesh_cfg, devices)
   model = Transformer(dataclasses.replace(MODEL, backend=backend))
-  optimizer, schedule = make_optimizer(OptimConfig(warmup_steps=0, learning_rate=1e-2), 10)
+  _, schedule = make_optimizer(OptimConfig(warmup_steps=0, learning_rate=1e-2), 10)
+  optimizer = optimizer or gradient_recorder()
 
   @contextlib.contextmanager
   def scope():
@@ -47,7 +64,7 @@ def one_step(mesh_cfg, devices, backend="flax"):
   bs = batch_sharding(mesh)
   step = jit_step(make_train_step(model, optimizer, schedule), shardings, {k: bs for k in BATCH},
                   scope, metrics_sharding=replicated(mesh))
-  losses = []
+  losses, grads = [], []
   for i in range(2):
     rng = np.random.default_rng(i)
     toks = rng.integers(0, 256, (8, 17), dtype=np.int32)
@@ -56,7 +73,21 @@ def one_step(mesh_cfg, devices, backend="flax"):
     batch = {k: jax.device_put(v, bs) for k, v in batch.items()}
     state, metrics = step(state, batch)
     losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
-  return losses, state
+    grads.append(jax.tree_util.tree_map(np.asarray, state.opt_state))  # host copy: the state is donated
+  return losses, grads, state
+
+
+# A mesh changes only the order of float32 sums: over the batch (8 x 16 tokens, split over data x fsdp)
+# and inside contractions split over `tensor` (heads, MLP, vocab <= 256). Each float32 result then
+# carries rounding of random sign ~ sqrt(n) * U32 per contraction of length n (<= 16 ulps for
+# n <= 256); along the backward chain (~11 contractions: LM head, and per block wo, wi, out,
+# attention, qkv) they add in quadrature (~53 ulps), plus ~11 for the sum over 128 tokens: <= 64
+# ulps of a leaf's largest gradient per run, so two runs differ by <= 128 ulps. The loss (a mean
+# over 128 tokens of logsumexp over V=256, sums of positive terms) gets the worst-case (V + tokens)
+# ulps; the gradient norm the gradient bound plus sqrt(n) ulps for summing n squares (random-sign
+# rounding, halved by the square root, two runs).
+GRAD_DIFF = 128 * U32
+LOSS_DIFF = (256 + 128) * U32
 
 
 @pytest.mark.parametrize("backend,shapes", [
@@ -64,23 +95,42 @@ def one_step(mesh_cfg, devices, backend="flax"):
     pytest.param("te", [(2, 2, 2)], marks=pytest.mark.te),  # TE through its MeshResource
 ])
 def test_same_loss_on_every_mesh(backend, shapes):
+  """Loss, gradient norm and every gradient of two train steps on each mesh equal one device's."""
   devices = jax.devices()
   assert len(devices) == 8, "tests run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
-  ref, ref_state = one_step(MeshConfig(data=1, fsdp=1, tensor=1), devices[:1], backend)
+  ref, ref_grads, ref_state = one_step(MeshConfig(data=1, fsdp=1, tensor=1), devices[:1], backend)
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ref_state.params)[0]]
+  norm_diff = GRAD_DIFF + np.sqrt(sum(x.size for x in jax.tree_util.tree_leaves(ref_state.params))) * U32
   for shape in shapes:
-    losses, state = one_step(MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]), devices, backend)
-    np.testing.assert_allclose(losses, ref, rtol=2e-5, err_msg=f"mesh {shape}")
-    # Adam turns fp32 reduction-order noise on near-zero gradients into up to one step (lr=1e-2)
-    # of difference, so parameters agree to 1% of a step rather than bitwise.
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4),
-                           state.params, ref_state.params)
+    losses, grads, state = one_step(MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]), devices,
+                                    backend)
+    for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(losses, ref)):
+      np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_DIFF, err_msg=f"mesh {shape} step {i}")
+      np.testing.assert_allclose(norm, ref_norm, rtol=norm_diff, err_msg=f"mesh {shape} step {i}")
+      for name, g, r in zip(names, *map(jax.tree_util.tree_leaves, (grads[i], ref_grads[i]))):
+        np.testing.assert_allclose(g, r, rtol=0, atol=GRAD_DIFF * np.abs(r).max(),
+                                   err_msg=f"mesh {shape} step {i} gradient {name}")
+    # The recorder never moves the params: both steps saw the same (initial) parameters.
+    jax.tree_util.tree_map(np.testing.assert_array_equal, state.params, ref_state.params)
+
+
+def moment_trees(opt_state, params):
+  """The subtrees of an optimizer state shaped like the params (Adam's moments), wherever the chain
+  keeps them."""
+  target = jax.tree_util.tree_structure(params)
+  like = lambda x: jax.tree_util.tree_structure(x) == target
+  return [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=like) if like(x)]
 
 
 def test_params_are_actually_sharded():
-  _, state = one_step(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices())
+  optimizer, _ = make_optimizer(OptimConfig(warmup_steps=0, learning_rate=1e-2), 10)
+  _, _, state = one_step(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices(), optimizer=optimizer)
   qkv = state.params["layers"]["qkv"]["kernel"]  # [L, D, KV, G+2, Dh]
   spec = qkv.sharding.spec
   assert spec[1] == "fsdp" and spec[2] == "tensor"
   assert qkv.addressable_shards[0].data.shape == (2, 32, 2, 4, 8)
-  mu = state.opt_state[1][0].mu["layers"]["qkv"]["kernel"]  # AdamW moments follow the params
-  assert mu.sharding.spec == spec
+  moments = moment_trees(state.opt_state, state.params)
+  assert len(moments) == 2  # AdamW's first and second moments follow the params' shardings
+  for tree in moments:
+    for m, p in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(state.params)):
+      assert m.sharding.is_equivalent_to(p.sharding, p.ndim), (m.sharding, p.sharding)

@@ -1,6 +1,6 @@
 """Checkpointer unit tests (in-process, 8 simulated CPU devices from conftest): round trip onto other
-meshes, data position, corruption detection and fallback, NaN refusal, failed saves, retention,
-parameter-only loads."""
+meshes, data position (per stream, from another process count, from before streams), corruption detection
+and fallback, NaN refusal, failed saves, retention, parameter-only loads."""
 
 import json
 import os
@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from maxlm.checkpoint import CheckpointError, Checkpointer, load_params, start
-from maxlm.config import CheckpointConfig, MeshConfig, load_config, to_dict
+from maxlm.checkpoint.verify import json_digest
+from maxlm.config import CheckpointConfig, DataConfig, MeshConfig, load_config, to_dict
+from maxlm.data import make_train_iterator, merge_states
 from maxlm.mesh import make_mesh
 from maxlm.optim import make_optimizer
 from maxlm.train import Trainer
@@ -286,3 +288,70 @@ def test_trainer_start_loads_params_only_or_resumes(saved, tmp_path, capsys):
     assert "resumed from checkpoint step 3" in out and "ignoring checkpoint.load_params" in out
   finally:
     t.state = live
+
+
+# --- the data position: one state per stream (global batch row), any process count ------------------------
+
+
+def _rewrite_data(root: Path, step: int, data: dict) -> None:
+  """Replace checkpoint `step`'s data item by `data`, keeping its sha256 in `meta` and the size manifest
+  true (as a run that saved `data` would have written them)."""
+  d = root / str(step)
+  (d / "data" / "metadata").write_text(json.dumps(data))
+  meta = json.loads((d / "meta" / "metadata").read_text())
+  meta["digests"]["data"] = json_digest(data)
+  (d / "meta" / "metadata").write_text(json.dumps(meta))
+  manifest = json.loads((d / "maxlm_files.json").read_text())
+  for f in ("data/metadata", "meta/metadata"):
+    manifest["files"][f] = (d / f).stat().st_size
+  (d / "maxlm_files.json").write_text(json.dumps(manifest))
+
+
+def test_data_item_holds_every_stream(saved):
+  """The saved data item is keyed by stream (row of the global batch of 8), not by process."""
+  data = json.loads((saved["root"] / "3" / "data" / "metadata").read_text())
+  assert data == {"process_count": 1, **saved["data"][3]}
+  assert data["streams"] == 8 and data["batches"] == 3
+  assert sorted(data["rows"], key=int) == [str(r) for r in range(8)]
+  assert all(s == {"next_index": 3} for s in data["rows"].values())  # synthetic rows: the step
+
+
+def test_position_of_two_processes_restores_in_one(saved, tmp_path):
+  """A checkpoint whose data item a 2-process run saved (both processes' stream states merged) restores its
+  data position into this 1-process run: the batches continue those of an uninterrupted 1-process run."""
+  cfg = DataConfig(seq_len=32, global_batch_size=8, packing_bins=4)  # the embedded corpus
+  whole = [next(it) for it in [make_train_iterator(cfg, 8192)] for _ in range(9)]
+  two = [make_train_iterator(cfg, 8192, p, 2) for p in range(2)]
+  for _ in range(6):
+    for it in two:
+      next(it)
+  root = _copy(saved, tmp_path)
+  _rewrite_data(root, 3, {"process_count": 2, **merge_states([it.get_state() for it in two])})
+  r, _ = _restore(root, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  assert r.step == 3 and _same(_host(r.state), saved["states"][3])
+  one = make_train_iterator(cfg, 8192)
+  one.set_state(r.data)
+  for want in whole[6:]:
+    got = next(one)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_pre_stream_data_item_restores_on_the_same_process_count_only(saved, tmp_path):
+  """Checkpoints saved before streams hold one Grain state per process: with the same process count the
+  data position restores (and continues the old synthetic batches, seeded (seed, process, step)); with
+  another the restore stops with one line naming both counts."""
+  root = _copy(saved, tmp_path)
+  old = {"grain": {"next_index": 3}, "batches": 3}
+  _rewrite_data(root, 3, {"process_count": 1, "processes": [old]})
+  r, _ = _restore(root, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  assert r.step == 3 and r.data == old
+  it = Trainer(saved["cfg"]).train_data
+  it.set_state(r.data)
+  toks = np.random.default_rng((0, 0, 3)).integers(0, 512, (8, 17), dtype=np.int32)  # data.seed 0, process 0
+  np.testing.assert_array_equal(next(it)["inputs"], toks[:, :-1])
+  _rewrite_data(root, 3, {"process_count": 2, "processes": [old, old]})
+  with pytest.raises(CheckpointError) as e:
+    _restore(root, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  msg = str(e.value)
+  assert "\n" not in msg and "checkpoint step 3 holds one data position per process for 2 process(es)" in msg
+  assert "this run has 1" in msg

@@ -1,9 +1,11 @@
 """docs/checkpoint_format.md is true. Its Python blocks, run as written against a checkpoint of a tiny
 training run (saved on 8 simulated CPU devices), restore the parameters onto 8, 2 and 1 devices exactly
 as the trainer holds them, reproduce the saved checksums and digests, and compute the model's logits
-from the documented weight layout; its parameter and FP8 tables match the model's trees."""
+from the documented weight layout; its parameter and FP8 tables match the model's trees, and the data item
+holds the keys the Files table names."""
 
 import itertools
+import json
 import re
 from pathlib import Path
 
@@ -217,3 +219,12 @@ def test_documented_fp8_table_matches_the_trees(fake_fp8_gpu):
     assert _paths(state.model_state) == want, extra
   _, state = _abstract(*te, "model.precision=fp8_current")
   assert jax.tree_util.tree_leaves(state.model_state) == []
+
+
+def test_data_item_is_documented(run):
+  """The data item holds the keys its row of the Files table names, one state per row of the batch."""
+  data = json.loads((run["step_dir"] / "data" / "metadata").read_text())
+  row = next(line for line in DOC.read_text().splitlines() if line.startswith("| `data/metadata`"))
+  assert all(f'"{k}"' in row for k in data), (sorted(data), row)
+  assert sorted(data["rows"], key=int) == [str(r) for r in range(data["streams"])]
+  assert data["streams"] == run["cfg"].data.global_batch_size and data["batches"] == 2

@@ -3,7 +3,8 @@
 `<run_dir>/checkpoints/<step>/` holds five items:
   params/  the parameters (also what `checkpoint.load_params=<path>` reads)
   state/   the rest of the TrainState: step, opt_state, model_state (TE `fp8_metas`), rng, nonfinite_steps
-  data/    every process's data-iterator (Grain) state, JSON
+  data/    the data-iterator position of every stream (global batch row), JSON; it restores onto any
+           process count that divides the batch (older checkpoints: one state per process)
   config/  the resolved run configuration, JSON
   meta/    shape, dtype and a sharding-independent checksum of every array, and a sha256 of the
            data and config items, JSON
@@ -31,10 +32,13 @@ import orbax.checkpoint as ocp
 from maxlm.checkpoint.verify import (Corrupt, OrbaxNoise, check_files, describe, fingerprint, json_digest,
                                      mismatches, quiet, reason, write_manifest, wrong_checksums)
 from maxlm.config import CheckpointConfig
+from maxlm.data import merge_states
 from maxlm.metrics import echo
 
 ITEMS = ("params", "state", "data", "config", "meta")
-FORMAT = 2  # 2: `meta` holds sha256 digests of the data and config items (1: arrays only)
+# 3: the `data` item holds one state per stream (global batch row); 2: one per process; 1: neither data nor
+# config digests in `meta` either.
+FORMAT = 3
 
 
 class CheckpointError(RuntimeError):
@@ -45,7 +49,7 @@ class CheckpointError(RuntimeError):
 class Restored:
   step: int
   state: Any  # TrainState
-  data: Any  # this process's data-iterator state
+  data: Any  # the data-iterator state to restore (DataIterator.set_state picks this process's rows)
   config: dict
   path: Path
 
@@ -91,6 +95,26 @@ def _gather(obj) -> list:
   buf[:raw.size] = raw
   rows = multihost_utils.process_allgather(buf)  # [P, n]
   return [json.loads(bytes(r).rstrip(b"\0").decode()) for r in rows]
+
+
+def _data_item(states: list) -> dict:
+  """The `data` item from every process's data-iterator state (in process order): one state per stream,
+  merged, or (a run continuing a checkpoint from before streams) one per process."""
+  if all("rows" in s for s in states):
+    return {"process_count": len(states), **merge_states(states)}
+  return {"process_count": len(states), "processes": states}
+
+
+def _data_state(data: dict, step: int):
+  """The data-iterator state this process restores from a `data` item."""
+  if "processes" not in data:
+    return {k: data[k] for k in ("streams", "batches", "rows")}
+  n = data["process_count"]
+  if n != jax.process_count():
+    raise CheckpointError(f"checkpoint step {step} holds one data position per process for {n} process(es) "
+                          f"(saved before data streams); this run has {jax.process_count()}: resume it with "
+                          f"{n} process(es)")
+  return data["processes"][jax.process_index()]
 
 
 def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -181,7 +205,7 @@ class Checkpointer:
       bad = [p for p, ok in zip(paths, finite) if not ok]
       raise CheckpointError(f"refusing to save checkpoint step {step}: non-finite values in {len(bad)} "
                             f"array(s) ({', '.join(bad[:3])}); {self._kept()}")
-    data = {"process_count": jax.process_count(), "processes": _gather(_encode(data_state))}
+    data = _data_item(_gather(_encode(data_state)))
     meta = {"format": FORMAT, "step": step, "time": time.time(), "process_count": jax.process_count(),
             "arrays": describe(state, sums, paths),
             "digests": {"data": json_digest(data), "config": json_digest(config)}}
@@ -309,11 +333,7 @@ class Checkpointer:
     if bad:
       raise Corrupt(f"{len(bad)} array(s) differ from their saved checksums ({', '.join(bad[:3])}) "
                     f"in {path}/params or {path}/state")
-    data = head["data"]
-    if data["process_count"] != jax.process_count():
-      raise CheckpointError(f"checkpoint step {step} holds the data state of {data['process_count']} "
-                            f"process(es); this run has {jax.process_count()}")
-    return Restored(step, state, _decode(data["processes"][jax.process_index()]), head["config"], path)
+    return Restored(step, state, _decode(_data_state(head["data"], step)), head["config"], path)
 
   def _quarantine(self, steps: list[int]) -> None:
     if _primary():

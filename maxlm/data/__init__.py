@@ -1,4 +1,4 @@
-"""Grain data pipeline: tokenizers, readers, packing, deterministic per-process batches.
+"""Grain data pipeline: tokenizers, readers, packing, global batches independent of the process count.
 
 Never imports model code; the trainer uses `make_train_iterator`, `make_eval_iterator`,
 `check_inputs` (every input opened and checked up front) and `load_tokenizer`, and treats
@@ -8,7 +8,8 @@ Never imports model code; the trainer uses `make_train_iterator`, `make_eval_ite
 from maxlm.data.errors import DataError
 from maxlm.data.tokenizer import Tokenizer, load_tokenizer
 
-_PIPELINE = ("BATCH_KEYS", "DataIterator", "check_inputs", "make_eval_iterator", "make_train_iterator")
+_PIPELINE = ("BATCH_KEYS", "DataIterator", "check_inputs", "make_eval_iterator", "make_train_iterator",
+             "merge_states")
 
 __all__ = ["DataError", "Tokenizer", "load_tokenizer", *_PIPELINE]
 

@@ -1,32 +1,53 @@
-"""Train/eval iterators: Grain pipelines from documents to packed [B, T] int32 batches."""
+"""Train/eval iterators: Grain pipelines from documents to packed [B, T] int32 batches.
+
+Training batches are built per global batch row ("stream", see streams.py): the same global batches
+for every process count that divides data.global_batch_size, and a position saved under one process
+count restores under another. Eval is one global stream that every process packs and slices.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import grain
 import numpy as np
 
 from maxlm.config import DataConfig
-from maxlm.data import sources
+from maxlm.data import legacy, sources, streams
 from maxlm.data.errors import DataError, Skips, first_line, log
+from maxlm.data.packing import BATCH_KEYS, PadRows, finish, pack, read_options
 
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
+__all__ = ["BATCH_KEYS", "DataIterator", "check_inputs", "make_eval_iterator", "make_train_iterator",
+           "merge_states"]
 
 
 class DataIterator:
-  """Iterator of batches (dicts of np.int32 [B_local, T]) with checkpointable Grain state.
+  """Iterator of batches (dicts of np.int32 [B_local, T]) with a checkpointable position.
 
-  Every batch is checked against `vocab_size` so a bad token id stops before the step runs.
-  `info` describes the data (documents, skipped records, tokenizer) for logs.
+  A training position is kept per global batch row (stream): `get_state()` gives
+  {"streams": B, "batches": n, "rows": {"<row>": state}} for this process's rows; `merge_states` joins
+  every process's into one holding all B rows, and `set_state` takes a state holding (at least) this
+  process's rows, whatever process count saved it. A state of the per-process pipelines before streams
+  ({"grain": ..., "batches": n}) restores onto the same process count and continues those pipelines.
+  Every batch is checked against `vocab_size` so a bad token id stops before the step runs. `info`
+  describes the data (documents, skipped records, tokenizer) for logs.
   """
 
-  def __init__(self, it, vocab_size: int, info: dict | None = None):
-    self._box = [it]  # emptied on close, so Grain's iterators die before interpreter teardown
+  def __init__(self, start, vocab_size: int, info: dict | None = None, *, rows: range, seq_len: int,
+               streams: int, legacy=None, checkpointable: bool = True):
+    """start(states) -> iterator of (batch, {"<row>": state}) from `states` (None: the beginning);
+    legacy(grain_state) -> the same for a pre-stream state (None: no such pipeline)."""
+    self._start, self._legacy = start, legacy
+    self.rows, self.seq_len, self.streams = rows, seq_len, streams
+    self.checkpointable = checkpointable
     self.vocab_size = vocab_size
     self.info = dict(info or {})
     self.batches = 0
+    self.ended = False  # a finite run's streams of this process have all ended
+    self._states = {str(r): None for r in rows}  # None: from the start
+    self._box = [start(None)]  # emptied on close, so Grain's iterators die before interpreter teardown
     self._finalizer = weakref.finalize(self, _close, self._box)
 
   @property
@@ -42,7 +63,13 @@ class DataIterator:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    batch = next(self._it)
+    if self.ended:
+      raise StopIteration
+    try:
+      batch, states = next(self._it)
+    except StopIteration:
+      self.ended = True
+      raise
     hi = max(int(batch["inputs"].max()), int(batch["targets"].max()))
     lo = min(int(batch["inputs"].min()), int(batch["targets"].min()))
     if hi >= self.vocab_size or lo < 0:
@@ -50,22 +77,77 @@ class DataIterator:
       raise DataError(f"data batch {self.batches} holds token id {bad} outside [0, model.vocab_size="
                       f"{self.vocab_size}) (tokenizer: {self.info.get('tokenizer', '?')}); use a tokenizer "
                       f"that fits the model's vocabulary or raise model.vocab_size")
+    self._states = states
     self.batches += 1
     return batch
 
+  def empty_batch(self) -> dict[str, np.ndarray]:
+    """This process's part of a global batch once its own streams have ended (next() raised
+    StopIteration) in a finite run while another process's have not: empty rows (all 0; segment_ids 0
+    is padding). It counts as a batch, so that every process's position stays at the same step."""
+    self.batches += 1
+    return {k: np.zeros((len(self.rows), self.seq_len), np.int32) for k in BATCH_KEYS}  # [B_local, T]
+
   def get_state(self) -> dict:
-    return {"grain": self._it.get_state(), "batches": self.batches}
+    if not self.checkpointable:
+      raise DataError("an eval data iterator has no checkpointable position")
+    if "grain" in self._states:  # continuing a pre-stream checkpoint: its per-process format
+      return {"grain": self._states["grain"], "batches": self.batches}
+    return {"streams": self.streams, "batches": self.batches, "rows": dict(self._states)}
 
   def set_state(self, state: dict) -> None:
-    """Restore a `get_state()` of an iterator made from the same data config (worker_count too)."""
+    """Continue from `state`: this process's rows of a (merged) stream state saved by any process count
+    that divides the batch, or a pre-stream per-process state of this process (same process count)."""
+    if not self.checkpointable:
+      raise DataError("an eval data iterator has no checkpointable position")
     try:
-      self._it.set_state(state["grain"])
-      self.batches = int(state["batches"])
+      batches = int(state["batches"])
+      if "grain" in state:
+        if self._legacy is None:
+          raise DataError("a per-process (pre-stream) data state does not fit this iterator")
+        states = {"grain": state["grain"]}
+        it = self._legacy(state["grain"])
+      else:
+        states = self._own_rows(state)
+        it = self._start(states)
+    except DataError:
+      raise
     except (KeyError, TypeError, ValueError, IndexError, AssertionError) as e:
       why = first_line(e)
       why = why if why == type(e).__name__ else f"{type(e).__name__}: {why}"
       raise DataError(f"data iterator state does not fit this data config ({why}); was data.* "
                       f"changed since it was saved?") from None
+    old, self._box[0] = self._box[0], it
+    _close([old])
+    self._states, self.batches, self.ended = states, batches, False
+
+  def _own_rows(self, state: dict) -> dict:
+    if state["streams"] != self.streams:
+      raise DataError(f"data iterator state holds {state['streams']} streams (one per row of "
+                      f"data.global_batch_size={state['streams']}); this run has {self.streams}: "
+                      f"data.global_batch_size cannot change on resume")
+    rows = state["rows"]
+    missing = [r for r in self.rows if str(r) not in rows]
+    if missing:
+      raise DataError(f"data iterator state lacks rows {missing[0]}..{missing[-1]} of this process")
+    return {str(r): rows[str(r)] for r in self.rows}
+
+
+def merge_states(states: list[dict]) -> dict:
+  """Every process's `get_state()` -> one state holding every stream (restores onto any process count
+  that divides the batch). Raises ValueError when they are not one consistent position."""
+  if not states or any("rows" not in s for s in states):
+    raise ValueError("merge_states needs stream states (get_state of stream iterators)")
+  n = states[0]["streams"]
+  rows = {}
+  for s in states:
+    if s["streams"] != n or s["batches"] != states[0]["batches"] or set(rows) & set(s["rows"]):
+      where = [(s["streams"], s["batches"]) for s in states]
+      raise ValueError(f"data states of different positions (streams, batches): {where}")
+    rows.update(s["rows"])
+  if set(rows) != {str(r) for r in range(n)}:
+    raise ValueError(f"data states hold {len(rows)} of {n} rows")
+  return {"streams": n, "batches": states[0]["batches"], "rows": {str(r): rows[str(r)] for r in range(n)}}
 
 
 def _close(box: list) -> None:
@@ -87,94 +169,51 @@ def _check_process(process_index: int, process_count: int) -> None:
     raise DataError(f"process_index {process_index} is outside [0, process_count={process_count})")
 
 
+def _rows(cfg: DataConfig, pi: int, pc: int) -> range:
+  b = local_batch_size(cfg, pc)
+  return range(pi * b, (pi + 1) * b)
+
+
 # --- synthetic -----------------------------------------------------------------------------------
 
 
-class _SyntheticBatch(grain.transforms.Map):
-  """Step index -> one random batch; depends only on (seed, process_index, step)."""
+class _SyntheticRows(grain.transforms.Map):
+  """Step -> (rows `rows` of random global batch `step`, their states); row r depends only on
+  (seed, step, r)."""
 
-  def __init__(self, seed: int, process_index: int, batch: int, seq_len: int, vocab_size: int):
-    self.key = (seed, process_index)
-    self.shape = (batch, seq_len + 1)
-    self.vocab_size = vocab_size
+  def __init__(self, seed: int, rows: range, seq_len: int, vocab_size: int):
+    self.seed, self.rows, self.seq_len, self.vocab_size = seed, rows, seq_len, vocab_size
 
-  def map(self, step: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng((*self.key, step))
-    toks = rng.integers(0, self.vocab_size, self.shape, dtype=np.int32)  # [B, T + 1]
-    b, t = self.shape[0], self.shape[1] - 1
-    return {
-        "inputs": toks[:, :-1].copy(),  # [B, T]
-        "targets": toks[:, 1:].copy(),  # [B, T]
-        "segment_ids": np.ones((b, t), np.int32),  # [B, T]
-        "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),  # [B, T]
+  def map(self, step: int) -> tuple[dict[str, np.ndarray], dict]:
+    toks = np.stack([np.random.default_rng((self.seed, step, r)).integers(
+        0, self.vocab_size, self.seq_len + 1, dtype=np.int32) for r in self.rows])  # [B_local, T + 1]
+    b, t = len(self.rows), self.seq_len
+    batch = {
+        "inputs": toks[:, :-1].copy(),  # [B_local, T]
+        "targets": toks[:, 1:].copy(),  # [B_local, T]
+        "segment_ids": np.ones((b, t), np.int32),  # [B_local, T]
+        "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),  # [B_local, T]
     }
+    return batch, {str(r): {"next_index": step + 1} for r in self.rows}
 
 
-def _synthetic(cfg: DataConfig, vocab_size: int, process_index: int, process_count: int):
-  ds = grain.MapDataset.range(2**62).map(
-      _SyntheticBatch(cfg.seed, process_index, local_batch_size(cfg, process_count), cfg.seq_len,
-                      vocab_size))
-  it = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
-  return DataIterator(it, vocab_size, {"type": "synthetic", "tokenizer": "none (random tokens)"})
+def _synthetic(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataIterator:
+  rows = _rows(cfg, pi, pc)
+
+  def start(states: dict | None):
+    steps = {0} if states is None else {0 if s is None else int(s["next_index"]) for s in states.values()}
+    if len(steps) != 1:
+      raise ValueError(f"synthetic rows at different steps {sorted(steps)}")
+    ds = grain.MapDataset.range(steps.pop(), 2**62)
+    ds = ds.map(_SyntheticRows(cfg.seed, rows, cfg.seq_len, vocab_size))
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
+
+  info = {"type": "synthetic", "tokenizer": "none (random tokens)"}
+  return DataIterator(start, vocab_size, info, rows=rows, seq_len=cfg.seq_len, streams=cfg.global_batch_size,
+                      legacy=functools.partial(legacy.synthetic, cfg, vocab_size, pi, pc))
 
 
 # --- documents -> packed rows ------------------------------------------------------------------
-
-
-class _Chunk(grain.experimental.FlatMapTransform):
-  """A block of documents' ids -> shifted (inputs, targets) pieces of <= seq_len tokens.
-
-  Shifting happens per document before packing, so every kept position has its next token
-  as target within the same document. A document longer than seq_len + 1 tokens becomes several
-  pieces, each its own segment with positions from 0 (no attention across pieces).
-  """
-
-  def __init__(self, seq_len: int):
-    self.seq_len = seq_len
-    self.max_fan_out = 1 << 20
-
-  def flat_map(self, docs: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
-    t, out = self.seq_len, []
-    for ids in docs:
-      pairs = np.stack([ids[:-1], ids[1:]], axis=-1)  # [n - 1, 2]: (input, target)
-      out += [{"io": pairs[s:s + t]} for s in range(0, len(pairs), t)]
-    return out
-
-
-class _Split(grain.transforms.Map):
-  """Packed row {io [T, 2], io_segment_ids [T], io_positions [T]} -> the four batch keys."""
-
-  def map(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {"inputs": row["io"][:, 0], "targets": row["io"][:, 1],
-            "segment_ids": row["io_segment_ids"], "positions": row["io_positions"]}
-
-
-def _pack(ds: grain.IterDataset, cfg: DataConfig, bins: int, shuffle: bool) -> grain.IterDataset:
-  """Documents -> rows of exactly seq_len tokens (first-fit over `bins` rows, capped segments)."""
-  if cfg.max_segments_per_row < 1:
-    raise DataError(f"config key 'data.max_segments_per_row' must be >= 1, got {cfg.max_segments_per_row}")
-  ds = grain.experimental.FlatMapIterDataset(ds, _Chunk(cfg.seq_len))
-  ds = grain.experimental.FirstFitPackIterDataset(
-      ds, length_struct={"io": cfg.seq_len}, num_packing_bins=bins, seed=cfg.seed,
-      shuffle_bins=shuffle, max_sequences_per_bin=cfg.max_segments_per_row)
-  return ds.map(_Split())
-
-
-def _read_options(cfg: DataConfig) -> grain.ReadOptions:
-  if cfg.read_threads < 0 or cfg.worker_count < 0 or cfg.prefetch < 0:
-    raise DataError("config keys data.read_threads, data.worker_count and data.prefetch must be >= 0")
-  return grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=max(4, 4 * cfg.read_threads))
-
-
-def _finish(ds: grain.IterDataset, cfg: DataConfig) -> grain.IterDataset:
-  if cfg.worker_count:
-    from absl import flags  # noqa: PLC0415 - Grain's workers read absl flags; maxlm defines none
-    if not flags.FLAGS.is_parsed():
-      flags.FLAGS.mark_as_parsed()
-    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
-  if cfg.prefetch:
-    ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch)
-  return ds
 
 
 def _report(kind: str, comps, skips: Skips, vocab: sources.Vocab, docs: int, **extra) -> dict:
@@ -191,39 +230,22 @@ def _train_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataItera
   comps, weights, skips = sources.load_components(cfg, "train")
   vocab = sources.resolve_vocab(cfg, comps, vocab_size)
   k = sources.split_every(cfg)  # 0 with data.eval_paths: nothing is held out of training
-  parts, docs = [], 0
-  for c, comp in enumerate(comps):
-    view = sources.DocIndex(comp.source, k, "train", pi, pc)
+  views = [sources.DocIndex(c.source, k, "train") for c in comps]
+  for comp, view in zip(comps, views):
     if len(view) == 0:
-      raise DataError(f"data source '{comp.name}' has no training documents for process {pi} of {pc} "
-                      f"({len(comp.source)} documents, eval_fraction {cfg.eval_fraction})")
-    docs += len(view)
-    parts.append(sources.doc_blocks(
-        comp, vocab, view, shuffle_seed=(cfg.seed + 7919 * c) % 2**31 if cfg.shuffle else None,
-        epochs=cfg.num_epochs if cfg.num_epochs > 0 else None))
-  ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
-  ds = ds.to_iter_dataset(_read_options(cfg))
-  b = local_batch_size(cfg, pc)
-  ds = _pack(ds, cfg, max(cfg.packing_bins, b), shuffle=cfg.shuffle)
-  # A finite run's last partial batch is padded with empty rows (segment_ids 0), not dropped.
-  ds = _finish(ds.batch(b).map(_ProcessRows(0, b, b)), cfg)
-  info = _report("train", comps, skips, vocab, docs, weights=weights, process=f"{pi}/{pc}")
-  return DataIterator(iter(ds), vocab_size, info)
+      raise DataError(f"data source '{comp.name}' has no training documents ({len(comp.source)} documents, "
+                      f"eval_fraction {cfg.eval_fraction})")
+  rows = _rows(cfg, pi, pc)
+  info = _report("train", comps, skips, vocab, sum(len(v) for v in views), weights=weights,
+                 process=f"{pi}/{pc}", rows=f"{rows.start}..{rows.stop - 1} of {cfg.global_batch_size}")
+  return DataIterator(functools.partial(streams.train_pipeline, cfg, comps, views, vocab, weights, rows),
+                      vocab_size, info, rows=rows, seq_len=cfg.seq_len, streams=cfg.global_batch_size,
+                      legacy=functools.partial(legacy.train_text, cfg, comps, vocab, weights, pi, pc))
 
 
-class _ProcessRows(grain.transforms.Map):
-  """A global eval batch (maybe short) -> this process's rows, padded with empty rows."""
-
-  def __init__(self, start: int, rows: int, global_rows: int):
-    self.start, self.rows, self.global_rows = start, rows, global_rows
-
-  def map(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    out = {}
-    for k, v in batch.items():
-      full = np.zeros((self.global_rows, v.shape[1]), np.int32)  # [global B, T]
-      full[:len(v)] = v
-      out[k] = full[self.start:self.start + self.rows]  # [B_local, T]
-    return out
+class _NoState(grain.transforms.Map):
+  def map(self, batch):
+    return batch, None
 
 
 def _eval_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataIterator | None:
@@ -242,13 +264,15 @@ def _eval_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataIterat
   if docs == 0:
     log.warning("data (eval): no held-out documents in %s", ", ".join(c.name for c in comps))
     return None
-  b = local_batch_size(cfg, pc)
-  ds = _pack(ds.to_iter_dataset(_read_options(cfg)), cfg, max(cfg.packing_bins, cfg.global_batch_size),
-             shuffle=False)
+  rows = _rows(cfg, pi, pc)
+  ds = pack(ds.to_iter_dataset(read_options(cfg)), cfg, max(cfg.packing_bins, cfg.global_batch_size),
+            shuffle=False, seed=cfg.seed)
   ds = ds.batch(cfg.global_batch_size, drop_remainder=False).map(
-      _ProcessRows(pi * b, b, cfg.global_batch_size))
+      PadRows(rows.start, len(rows), cfg.global_batch_size))
+  ds = finish(ds, dataclasses.replace(cfg, worker_count=0)).map(_NoState())
   info = _report("eval", comps, skips, vocab, docs, process=f"{pi}/{pc}")
-  return DataIterator(iter(_finish(ds, dataclasses.replace(cfg, worker_count=0))), vocab_size, info)
+  return DataIterator(lambda _: iter(ds), vocab_size, info, rows=rows, seq_len=cfg.seq_len,
+                      streams=cfg.global_batch_size, checkpointable=False)
 
 
 # --- public entry points ---------------------------------------------------------------------------

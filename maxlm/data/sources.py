@@ -1,9 +1,9 @@
-"""From `DataConfig` to Grain MapDatasets of token arrays: sources, held-out split, host shards.
+"""From `DataConfig` to Grain MapDatasets of token arrays: sources, held-out split, epoch orders.
 
 A *component* is one source of documents (the embedded corpus, a set of text/JSONL/Parquet files
 read into memory, or prepared ArrayRecord shards read lazily); `data.type=mixture` has several.
-The held-out split is by document index (every k-th document, k = round(1/eval_fraction)) and is
-taken before per-process sharding, so it does not depend on the number of hosts. With
+The held-out split is by document index (every k-th document, k = round(1/eval_fraction)), so it
+does not depend on the number of hosts; training streams (streams.py) divide the rest. With
 `data.eval_paths` set there is no split: eval reads those files and training every document.
 """
 
@@ -43,7 +43,8 @@ def split_every(cfg: DataConfig) -> int:
 
 
 class DocIndex:
-  """Random-access view: the train or eval part of `source`, then one process's strided shard."""
+  """Random-access view: the train or eval part of `source` (and, for the pre-stream pipelines of
+  legacy.py only, one process's strided shard of it)."""
 
   def __init__(self, source, k: int, part: str, process_index: int = 0, process_count: int = 1):
     n = len(source)
@@ -260,11 +261,13 @@ def _wrap(ids: np.ndarray, bos: int | None, eos: int | None) -> np.ndarray:
 class EpochShuffle(grain.MapDataset):
   """Positions 0..n-1 in a new seeded order each epoch, for `epochs` epochs (None: forever).
 
-  Holds one numpy permutation per epoch (4 bytes a document): Grain's index_shuffle costs
-  10-100 us per element (10 ms for tiny n); beyond MAX_DOCS documents it is used instead.
+  Holds numpy permutations (4 bytes a document) of the epochs in use: Grain's index_shuffle costs
+  10-100 us per element (10 ms for tiny n); beyond MAX_DOCS documents it is used instead. Streams
+  read one order at slightly different places, so a few recent epochs are kept (up to KEEP_BYTES).
   """
 
   MAX_DOCS = 1 << 26
+  KEEP_BYTES = 1 << 26
 
   def __init__(self, n: int, seed: int, epochs: int | None):
     super().__init__([])
@@ -285,7 +288,8 @@ class EpochShuffle(grain.MapDataset):
     with self._lock:
       if epoch not in self._perms:
         perm = np.random.default_rng((self.seed, epoch)).permutation(self.n).astype(np.int32)  # [n]
-        self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1} | {epoch: perm}
+        keep = max(2, self.KEEP_BYTES // (4 * self.n))
+        self._perms = {e: self._perms[e] for e in sorted(self._perms)[-(keep - 1):]} | {epoch: perm}
       return self._perms[epoch]
 
   def __getstate__(self):

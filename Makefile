@@ -1,15 +1,22 @@
 # The two commands a new user needs (each sets up .venv first, Transformer Engine included):
 #   make train [ARGS="key=value ..."]   train the default tiny model on the embedded corpus (CPU is fine)
 #   make test                           run the test suite (CPU)
+#   make mutation                       mutation testing of the core (slow, not in `make test`; docs/mutation.md)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test
+.PHONY: setup train test mutation
 setup:
 	@bash scripts/setup.sh $(VENV)
 
 train: setup
 	$(PY) -m maxlm.train $(ARGS)
 
+# --dist loadgroup: tests marked xdist_group(name) run on one worker (tests/test_launch.py shares its runs)
 test: setup
-	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+# Mutation score per module and the surviving mutants (mutmut; ~1 h on 2 cores). MUTANTS='maxlm.optim*' runs
+# only those mutants (reusing mutants/); MUTATION_CHILDREN=2 by default.
+mutation: setup
+	VENV=$(VENV) bash scripts/mutation.sh $(MUTANTS)

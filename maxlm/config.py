@@ -101,10 +101,12 @@ class DataConfig:
   shuffle: bool = option(True, "shuffle documents (reshuffled every epoch)")
   num_epochs: int = option(0, "0 = repeat forever", within="[0, inf)")
   max_segments_per_row: int = option(64, "cap on documents (chunks) packed into one row", within="[1, inf)")
-  packing_bins: int = option(64, "rows packed together (first-fit); at least the per-process batch is used",
-                             within="[1, inf)")
-  read_threads: int = option(2, "threads reading + tokenizing documents (per process)", within="[0, inf)")
-  worker_count: int = option(0, "Grain worker processes (0 = in this process)", within="[0, inf)")
+  packing_bins: int = option(64, "rows each batch row's stream packs together (first-fit); memory and the wait "
+                             "for the first batch grow with it x rows per process x seq_len", within="[1, inf)")
+  read_threads: int = option(2, "threads reading + tokenizing documents, per batch row (stream) of this "
+                             "process", within="[0, inf)")
+  worker_count: int = option(0, "Grain worker processes (0 = in this process); each takes whole batch rows, "
+                             "so at most the rows of this process are used", within="[0, inf)")
   prefetch: int = option(2, "batches prepared ahead in a background thread (0 = none)", within="[0, inf)")
   skip_bad_records: bool = option(False, "count and report bad records instead of stopping")
 
@@ -176,6 +178,25 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """Several processes (jax.distributed; see maxlm/distributed.py and launch/README.md): found from
+  the launcher (SLURM srun, OpenMPI 4 mpirun) or set explicitly (any other launcher)."""
+  mode: str = option("auto", "auto = initialize when launched by srun or mpirun (or when coordinator_address "
+                     "is set); off = one process; slurm / mpi / explicit = insist on that source",
+                     choices=("auto", "off", "slurm", "mpi", "explicit"))
+  coordinator_address: str = option("", "host:port of process 0's coordinator; \"\" = from the launcher "
+                                    "(first node of the SLURM step / the mpirun host)")
+  num_processes: int = option(0, "processes in the run; 0 = from the launcher", within="[0, 2**31-1]")
+  process_id: int = option(-1, "this process's index; -1 = from the launcher (differs per process)",
+                           within="[0, 2**31-1] or -1")
+  local_device_ids: str = option("", "GPUs this process drives: \"\" = all when it is the node's only "
+                                 "process, else the one numbered by its local rank; all; or e.g. 0,1")
+  initialization_timeout_s: int = option(300, "seconds to wait for every process to reach the coordinator "
+                                         "and to agree on the config, before stopping with an error",
+                                         within="[1, 86400]")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   """A whole run."""
   output_dir: str = option("runs", "parent of the run directory")
@@ -186,6 +207,7 @@ class Config:
   mesh: MeshConfig = MeshConfig()
   train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+  distributed: DistributedConfig = DistributedConfig()
 
   @property
   def run_dir(self) -> Path:
@@ -321,6 +343,7 @@ def validate(cfg: Config) -> None:
     if tok >= m.vocab_size:
       raise ConfigError(f"config key '{key}' ({tok}) must be below model.vocab_size ({m.vocab_size})")
   _check_run_name(cfg.output_dir, cfg.run_name)
+  _check_distributed(cfg.distributed)
 
 
 def _check_run_name(output_dir: str, name: str) -> None:
@@ -335,6 +358,32 @@ def _check_run_name(output_dir: str, name: str) -> None:
   if os.path.dirname(target) != parent:
     raise ConfigError(f"config key 'run_name' {schema.show(name)} resolves to {target!r}, outside "
                       f"output_dir {schema.show(output_dir)}")
+
+
+def local_device_ids(text: str) -> tuple[int, ...] | None:
+  """`distributed.local_device_ids` as ids; None for "" (chosen from the launcher) and "all"."""
+  if text.strip() in ("", "all"):
+    return None
+  try:
+    ids = tuple(int(p) for p in text.split(","))
+  except ValueError:
+    ids = ()
+  if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+    raise ConfigError(f"config key 'distributed.local_device_ids' must be \"\", all, or distinct device "
+                      f"numbers like 0,1; got {schema.show(text)}")
+  return ids
+
+
+def _check_distributed(d: DistributedConfig) -> None:
+  if d.coordinator_address:
+    host, _, port = d.coordinator_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in host):
+      raise ConfigError(f"config key 'distributed.coordinator_address' must be host:port (port 1-65535), "
+                        f"got {schema.show(d.coordinator_address)}")
+  if d.num_processes and d.process_id >= d.num_processes:
+    raise ConfigError(f"config key 'distributed.process_id' ({d.process_id}) must be below "
+                      f"distributed.num_processes ({d.num_processes})")
+  local_device_ids(d.local_device_ids)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

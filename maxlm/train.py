@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from maxlm import runtime
+from maxlm import distributed, runtime
 from maxlm.checkpoint import CheckpointError, Preemption
 from maxlm.config import Config, ConfigError, help_text, load_config
 from maxlm.data import DataError
@@ -35,6 +35,11 @@ def _fail(msg: str, code: int) -> int:
   return code
 
 
+def _exit_distributed_timeout(msg: str) -> None:
+  """`distributed.initialize`'s watchdog: the processes did not all meet in time; end this one now."""
+  os._exit(_fail(msg, EXIT_BAD_INPUT))
+
+
 def run(cfg: Config, t_start: float | None = None) -> int:
   """Train `cfg`, mapping the one-line error types to their exit codes."""
   t_start = time.perf_counter() if t_start is None else t_start
@@ -43,6 +48,9 @@ def run(cfg: Config, t_start: float | None = None) -> int:
     try:
       for line in runtime.configure(deterministic=cfg.train.deterministic):
         echo(f"maxlm: train.deterministic=true: {line}")
+      # Before anything asks JAX about devices. From here on (for the rest of the process: tracebacks
+      # too) every output line of a multi-process run carries `[process i/N host]`.
+      distributed.initialize(cfg, on_timeout=_exit_distributed_timeout)
     except ConfigError as e:
       return _fail(str(e), EXIT_BAD_INPUT)
     try:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from maxlm import data as data_lib
 from maxlm import sizing
@@ -53,6 +54,65 @@ def peak_memory_gb() -> float | None:
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
   peaks = [p for p in peaks if p]
   return max(peaks) / 1e9 if peaks else None
+
+
+def mesh_placement(mesh) -> str:
+  """How the mesh axes lie over the processes, e.g. 'mesh over 2 processes (processes along each axis:
+  data 2, fsdp 1, tensor 1); process of each device by mesh position: [[[0], [0]], [[1], [1]]]' (the
+  array only up to 64 devices)."""
+  procs = np.vectorize(lambda d: d.process_index)(mesh.devices)  # [data, fsdp, tensor]
+  along = []
+  for i, name in enumerate(mesh.axis_names):
+    lines = np.moveaxis(procs, i, -1).reshape(-1, procs.shape[i])  # every line of devices along this axis
+    along.append(f"{name} {max(len(set(line.tolist())) for line in lines)}")
+  text = f"mesh over {len(np.unique(procs))} processes (processes along each axis: {', '.join(along)})"
+  if procs.size <= 64:
+    text += f"; process of each device by mesh position: {procs.tolist()}"
+  return text
+
+
+def _any_process(mine: bool) -> bool:
+  """Whether this or any other process says yes (a collective when there are several)."""
+  if jax.process_count() == 1:
+    return mine
+  from jax.experimental import multihost_utils  # noqa: PLC0415 - only multi-process runs need it
+  return bool(np.asarray(multihost_utils.process_allgather(np.array([mine]))).any())
+
+
+class Batches:
+  """The training batches of a run, in order. With finite data (`data.num_epochs` > 0) it looks one batch
+  ahead, so the step that takes the last batch is known to be the last one (saved and logged like the
+  step at train.steps), and the data position it reports stays that of the batches handed out. A process
+  whose rows ran out while others still have data takes empty rows (no tokens)."""
+
+  def __init__(self, data, finite: bool):
+    self.data, self.finite = data, finite
+    self._ahead = self._fetch() if finite else None  # (batch, position after it) or None
+
+  def _fetch(self):
+    local = next(self.data, None)
+    if not _any_process(local is not None):
+      return None
+    batch = local if local is not None else self.data.empty_batch()
+    return batch, self.data.get_state()
+
+  def take(self):
+    """The next batch (this process's rows, numpy), or None when every process's data has ended."""
+    if not self.finite:
+      return next(self.data)
+    if self._ahead is None:
+      return None
+    (batch, self._position), self._ahead = self._ahead, self._fetch()
+    return batch
+
+  @property
+  def ended(self) -> bool:
+    """True once the batch last taken was the last one there is."""
+    return self.finite and self._ahead is None
+
+  def position(self):
+    """The data position after the batch last taken (what a checkpoint stores)."""
+    return self._position if self.finite else self.data.get_state()
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -170,9 +230,12 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
   kind = jax.devices()[0].device_kind
   peak = device_peak_flops(kind)
   flops_known = jax.devices()[0].platform != "cpu"
-  echo(f"maxlm: {m.name} ({n['total'] / 1e6:.1f}M params, backend={trainer.backend}, "
-       f"precision={m.precision}) on {jax.device_count()} x {kind}, mesh "
-       f"{dict(trainer.mesh.shape)}, run dir {run_dir}")
+  if is_main:  # progress and run lines come from process 0 only; warnings and errors from any process
+    echo(f"maxlm: {m.name} ({n['total'] / 1e6:.1f}M params, backend={trainer.backend}, "
+         f"precision={m.precision}) on {jax.device_count()} x {kind}, mesh "
+         f"{dict(trainer.mesh.shape)}, run dir {run_dir}")
+    if jax.process_count() > 1:
+      echo(f"maxlm: {mesh_placement(trainer.mesh)}")
 
   ckpt, writer = None, None
   try:
@@ -184,11 +247,17 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
     tokens_per_step = d.global_batch_size * d.seq_len
     t_last, steps_since, paused, first_step_s = None, 0, 0.0, None
     t_train0, steps_timed = None, 0
+    batches = Batches(trainer.train_data, finite=d.num_epochs > 0)
     for step in range(start_step, t.steps):
-      batch = trainer.to_device(next(trainer.train_data))
-      trainer.state, metrics = trainer.train_step(trainer.state, batch)
+      local = batches.take()
+      if local is None:  # finite data that had ended before this (resumed) run
+        if is_main:
+          echo(f"maxlm: the training data ended (data.num_epochs={d.num_epochs}) before step {step + 1}")
+        break
+      trainer.state, metrics = trainer.train_step(trainer.state, trainer.to_device(local))
       steps_since += 1
       done = step + 1
+      last = done == t.steps or batches.ended
       if t_last is None:  # the first step traces and compiles: report it, time from its end
         jax.block_until_ready(metrics)
         t_last = t_train0 = time.perf_counter()
@@ -196,21 +265,22 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
         first_step_s = t_last - t_start
         preemption.step_started(checkpointing=ckpt is not None)
         mem = peak_memory_gb()
-        echo(f"maxlm: first step {done} done {first_step_s:.1f} s after start (trace, compile and run)"
-             + (f", peak device memory {mem:.1f} GB" if mem is not None else ""))
+        if is_main:
+          echo(f"maxlm: first step {done} done {first_step_s:.1f} s after start (trace, compile and run)"
+               + (f", peak device memory {mem:.1f} GB" if mem is not None else ""))
       stop = preemption.reached(done)
       save_s = 0.0
-      if ckpt is not None and (stop or done == t.steps or ckpt.due(done)):
+      if ckpt is not None and (stop or last or ckpt.due(done)):
         if t.nonfinite == "stop":  # never checkpoint past a skipped update
           checked = _check_finite(jax.device_get(metrics), checked, skipped, done, ckpt)
         jax.block_until_ready(trainer.state)  # the step's own time stays training time
         t0 = time.perf_counter()
-        ckpt.save(done, trainer.state, trainer.train_data.get_state(), to_dict(cfg))
+        ckpt.save(done, trainer.state, batches.position(), to_dict(cfg))
         save_s = time.perf_counter() - t0
         paused += save_s
       elif ckpt is not None:
         ckpt.poll()
-      if done % t.log_every and done != t.steps and not stop:
+      if done % t.log_every and not last and not stop:
         continue
       metrics = jax.device_get(metrics)
       now = time.perf_counter()
@@ -230,19 +300,20 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
       row["peak_memory_gb"] = peak_memory_gb()
       if t.nonfinite == "stop":
         checked = _check_finite(metrics, checked, skipped, done, ckpt)
-      elif row["nonfinite_steps"] > logged_skips:
+      elif row["nonfinite_steps"] > logged_skips and is_main:  # the same count on every process
         echo(f"maxlm: warning: {row['nonfinite_steps'] - logged_skips} update(s) skipped for a non-finite "
              f"loss or gradient up to step {done} ({row['nonfinite_steps']} in all; last loss "
              f"{row['loss']}, grad norm {row['grad_norm']})")
         logged_skips = row["nonfinite_steps"]
-      if trainer.eval_data_factory and t.eval_every and (done % t.eval_every == 0 or done == t.steps):
+      if trainer.eval_data_factory and t.eval_every and (done % t.eval_every == 0 or last):
         row.update(trainer.evaluate())
       now = time.perf_counter()
       row["elapsed_s"] = now - t_start
       if steps_timed:
         row["eta_s"] = (t.steps - done) * (now - t_train0) / steps_timed
       writer.write(done, row)
-      echo(progress_line(done, t.steps, row, flops_known=flops_known))
+      if is_main:
+        echo(progress_line(done, t.steps, row, flops_known=flops_known))
       t_last, steps_since, paused = time.perf_counter(), 0, 0.0
       if stop:
         if ckpt is not None:
@@ -253,6 +324,10 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
           echo(f"maxlm: {preemption.signal} at step {done}: nothing was saved (checkpoint.enabled=false), "
                f"so a rerun starts again from step 0; exiting with code {EXIT_PREEMPTED}")
         return EXIT_PREEMPTED
+      if batches.ended and done < t.steps:
+        if is_main:
+          echo(f"maxlm: the training data ended after step {done} (data.num_epochs={d.num_epochs})")
+        break
   finally:
     if writer is not None:
       writer.close()

@@ -143,3 +143,23 @@ def test_batch_that_does_not_split_over_the_devices_is_refused_up_front(tmp_path
                             train=dataclasses.replace(cfg.train, grad_accum=4))
   with pytest.raises(ConfigError, match="micro-batches of 4 rows"):
     Trainer(cfg)
+
+
+def test_finite_data_ends_the_run_with_a_last_save_and_log(tmp_path, capsys):
+  docs = tmp_path / "docs.txt"
+  words = "the of and to a in that it was her she not be his as for had you with".split()
+  docs.write_text("\n".join(" ".join(words[(i + j) % len(words)] for j in range(20)) for i in range(40)) + "\n")
+  args = [*SMALL, "model.backend=flax", f"output_dir={tmp_path}", "run_name=r", "data.type=text",
+          f"data.paths={docs}", "data.eval_fraction=0", "data.num_epochs=1", "train.steps=1000",
+          "train.log_every=1000", "checkpoint.enabled=true", "data.seq_len=32"]
+  assert run(load_config(args)) == 0
+  out = capsys.readouterr().out
+  rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+  last = rows[-1]["step"]
+  assert len(rows) == 1 and 1 < last < 1000  # logged once: at the step that took the last batch
+  assert f"the training data ended after step {last} (data.num_epochs=1)" in out
+  assert sorted(int(p.name) for p in (tmp_path / "r" / "checkpoints").iterdir()) == [last]
+  # About one epoch of tokens went through: ~40 docs x 22 tokens (+BOS/EOS) in rows of 8 x 32.
+  assert last == pytest.approx(40 * 22 / (8 * 32), abs=3)
+  assert run(load_config(args)) == 0  # resumed after the end: nothing left to train
+  assert "the training data ended (data.num_epochs=1) before step" in capsys.readouterr().out

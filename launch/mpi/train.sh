@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# maxlm with OpenMPI 4 (mpirun): one process per host, driving all of its GPUs (launch/README.md).
+#
+#   MAXLM_NP=2 MAXLM_HOSTFILE=hosts.txt launch/mpi/train.sh config=llama8b.yml mesh.dcn_data=2 ...
+#
+# hosts.txt lists one line per host, `node1 slots=1`. Every argument goes to `python -m maxlm.train`.
+# MAXLM_NP: processes (default 1); MAXLM_HOSTFILE: mpirun --hostfile (default: all on this host);
+# MAXLM_PYTHON: the Python (default `python` on PATH); MAXLM_MPIRUN_ARGS: more mpirun options (as root:
+# --allow-run-as-root). maxlm finds rank, size and the coordinator (mpirun's host) from OpenMPI 4's
+# environment; OpenMPI 5 also needs distributed.coordinator_address=<first host>:<free port>.
+set -euo pipefail
+PY=${MAXLM_PYTHON:-python}
+args=(-np "${MAXLM_NP:-1}" --bind-to none)
+[ -n "${MAXLM_HOSTFILE:-}" ] && args+=(--hostfile "$MAXLM_HOSTFILE" --map-by ppr:1:node)
+# Remote ranks get only the variables named with -x: pass the ones maxlm, JAX, XLA and NCCL read.
+for v in $(compgen -e); do
+  case "$v" in
+    PATH|LD_LIBRARY_PATH|PYTHONPATH|VIRTUAL_ENV|CUDA_VISIBLE_DEVICES|XLA_FLAGS|JAX_*|NCCL_*|MAXLM_*|TF_CPP_*)
+      args+=(-x "$v") ;;
+  esac
+done
+# shellcheck disable=SC2086  # MAXLM_MPIRUN_ARGS is a list of options
+exec mpirun "${args[@]}" ${MAXLM_MPIRUN_ARGS:-} "$PY" -m maxlm.train "$@"

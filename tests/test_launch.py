@@ -1,0 +1,315 @@
+"""The launch/ templates against a real one-node SLURM and OpenMPI on this machine (CPU, tiny model):
+
+1   `sbatch` of launch/slurm/train.sbatch with 2 tasks gives the losses of a one-process run on 2 devices,
+    in exactly one metrics.jsonl;
+1b  2 tasks x 2 devices with mesh.dcn_data=2: the dcn axis spans the processes, the ici axes stay inside
+    one, and the losses are those of a one-process run on 4 devices;
+2   `scancel --signal=TERM` mid-run: both tasks save at the same step and exit 75, the template requeues,
+    the job resumes and ends with the loss and parameters of the uninterrupted run of test 1, bit for bit;
+3   launch/mpi/train.sh (mpirun -np 2) gives the numbers of test 1;
+4   python started in the batch shell of a 2-task job (no srun) stops with one line.
+(The other fail-fast cases need no launcher: tests/test_distributed.py.)
+
+`scripts/ci_services.sh start` installs and starts SLURM and OpenMPI (CI runs it, see .ci/run); without
+them these tests skip saying so. All runs of one program share JAX's persistent compilation cache (it
+holds compiled executables, so numbers do not change), which keeps the time these tests add down.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"
+MPI = ROOT / "launch" / "mpi" / "train.sh"
+STEPS = 20
+TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
+        "model.n_layers=1", "model.remat=none", "model.backend=flax", "model.vocab_size=128",
+        "data.type=synthetic", "data.seq_len=16", "data.global_batch_size=4", f"train.steps={STEPS}",
+        "train.log_every=1", "train.eval_every=0", "run_name=r"]
+TWO_PROCESSES = ["mesh.dcn_fsdp=2"]  # 2 processes x 1 device: fsdp over both, as the 2-device run has it
+SAVED = ["checkpoint.enabled=true"]  # test 2 compares the final parameters with those of test 1's run
+ON_2 = ["mesh.fsdp=2"]
+TWO_BY_TWO = ["mesh.dcn_data=2", "mesh.fsdp=2"]  # 2 processes x 2 devices: data across, fsdp inside
+ON_4 = ["mesh.data=2", "mesh.fsdp=2"]
+START = "run scripts/ci_services.sh start"
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("launch")]  # one worker: the runs are shared
+
+
+def _slurm_missing() -> str | None:
+  if not shutil.which("sbatch"):
+    return f"SLURM is not installed here ({START})"
+  sinfo = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+  state = sinfo.stdout.split()
+  if not {"idle", "mixed", "allocated"} & set(state):
+    return f"no SLURM node is up here (sinfo: {state or 'no answer'}; {START})"
+  return None
+
+
+slurm = pytest.mark.slurm
+mpi = pytest.mark.mpi
+
+
+# XLA's CPU backend at optimization level 0 compiles this model in half the time (measured: 8.5 s instead
+# of 15.9 s CPU per process); every run here uses it, so each comparison is between the same programs
+# (the 20-step loss of this setup was 4.8785 at both levels).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def _env(devices: int, cache: Path, **extra) -> dict:
+  env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}  # JAX warns about proxies at start
+  flags = f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
+  env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags,
+              "MAXLM_PYTHON": sys.executable, "JAX_COMPILATION_CACHE_DIR": str(cache),
+              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **extra})
+  return env
+
+
+def _rows(run_dir: Path) -> list[dict]:
+  return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _params(step_dir: Path) -> dict:
+  """The saved parameters as numpy arrays, restored with plain Orbax onto one device (as
+  docs/checkpoint_format.md describes), keyed by their path."""
+  import jax
+  import orbax.checkpoint as ocp
+  from jax.sharding import SingleDeviceSharding
+  meta = json.loads((step_dir / "meta" / "metadata").read_text())
+  one = SingleDeviceSharding(jax.devices()[0])
+  target = {}
+  for path, (shape, dtype, _) in meta["arrays"].items():
+    if path.startswith(".params["):
+      node = target
+      keys = re.findall(r"\['([^']*)'\]", path)
+      for k in keys[:-1]:
+        node = node.setdefault(k, {})
+      node[keys[-1]] = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=one)
+  restored = ocp.StandardCheckpointer().restore(step_dir / "params", target)
+  return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(restored)}
+
+
+class Job:
+  """A batch job: its id and output file; `wait()` for a state. `Job.of_template` submits the real
+  template (run directory `out_dir/r`)."""
+
+  def __init__(self, cmd: list[str], env: dict, log: Path):
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    self.id, self.log = r.stdout.strip().split(";")[0], log
+
+  @classmethod
+  def of_template(cls, out_dir: Path, args: list[str], env: dict, tasks: int = 2) -> "Job":
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # The CPU cluster has no GPUs and one node: ask for none, put both tasks on it, let jobs share it.
+    log = out_dir / "job.out"
+    job = cls(["sbatch", "--parsable", "--oversubscribe", "--gpus-per-node=0", "--nodes=1",
+               f"--ntasks-per-node={tasks}", f"--output={log}", "--job-name=maxlm-test", f"--chdir={ROOT}",
+               str(SBATCH), f"output_dir={out_dir}", *TINY, *args], env, log)
+    job.out_dir, job.run_dir = out_dir, out_dir / "r"
+    return job
+
+  def info(self) -> dict:
+    r = subprocess.run(["scontrol", "-o", "show", "job", self.id], capture_output=True, text=True, timeout=30)
+    return dict(re.findall(r"(\w+)=(\S*)", r.stdout))
+
+  def wait(self, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
+           timeout=240) -> dict:
+    end = time.monotonic() + timeout
+    while True:
+      info = self.info()
+      if info.get("JobState") in states:
+        return info
+      if time.monotonic() > end:
+        subprocess.run(["scancel", self.id], timeout=30)
+        pytest.fail(f"job {self.id} still {info.get('JobState')} after {timeout} s:\n{self.output()[-3000:]}")
+      time.sleep(0.3)
+
+  def output(self) -> str:
+    return self.log.read_text() if self.log.exists() else ""
+
+
+def _one_process(out_dir: Path, args: list[str], devices: int, cache: Path) -> Path:
+  r = subprocess.run([sys.executable, "-m", "maxlm.train", f"output_dir={out_dir}", *TINY, *args], cwd=ROOT,
+                     env=_env(devices, cache), capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return out_dir / "r"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Runs shared by the tests, made on first use: `runs.get(name)`."""
+  root = tmp_path_factory.mktemp("launch")
+  cache = root / "jax-cache"
+  made = {}
+
+  def slurm_job(name, args, devices=1):
+    job = Job.of_template(root / name, args, _env(devices, cache))
+    info = job.wait()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, job.output()[-3000:])
+    return job
+
+  def mpi_run():
+    out = root / "mpi"
+    env = _env(1, cache, MAXLM_NP="2", MAXLM_MPIRUN_ARGS="--allow-run-as-root --oversubscribe")
+    r = subprocess.run([str(MPI), f"output_dir={out}", *TINY, *TWO_PROCESSES], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    return out / "r", r.stdout
+
+  recipes = {
+      "on_2": lambda: _one_process(root / "on_2", ON_2, 2, cache),
+      "on_4": lambda: _one_process(root / "on_4", ON_4, 4, cache),
+      "sbatch_2": lambda: slurm_job("sbatch_2", [*TWO_PROCESSES, *SAVED]),
+      "sbatch_2x2": lambda: slurm_job("sbatch_2x2", TWO_BY_TWO, devices=2),
+      "mpi_2": mpi_run,
+  }
+
+  class Runs:
+    root_dir = root
+    cache_dir = cache
+
+    @staticmethod
+    def get(name):
+      if name not in made:
+        made[name] = recipes[name]()
+      return made[name]
+
+  return Runs
+
+
+# Reduction order. Both runs compute the same global batches on the same mesh shape; what can differ is
+# only the order in which cross-device sums are added. With 2 devices every such sum has two terms and
+# a + b == b + a exactly in IEEE arithmetic: there is no order to differ, so the losses must be equal
+# bit for bit (tolerance 0). With 4 devices a sum of 4 partial results can be grouped differently,
+# ((a+b)+(c+d)) vs (((a+b)+c)+d): 3 float32 roundings of at most 2**-24 relative each, so the same
+# parameters give losses at most 6 * 2**-24 apart; the gradients are regrouped too and the parameters
+# drift apart over the steps, for which 4x that is allowed: rtol = 24 * 2**-24 = 1.4e-6. Seen here
+# over 20 steps: at most 2.0e-7 (two float32 ulps of the loss), while the losses of different batches
+# (successive steps) differ by 1e-2 here.
+EXACT = 0.0
+FOUR_WAY_RTOL = 24 * 2**-24
+
+
+def _same_losses(got_dir: Path, want_dir: Path, rtol: float) -> None:
+  got, want = _rows(got_dir), _rows(want_dir)
+  assert [r["step"] for r in got] == list(range(1, STEPS + 1)), "one row per step, none duplicated or missing"
+  assert [r["step"] for r in want] == list(range(1, STEPS + 1))
+  g, w = np.array([r["loss"] for r in got]), np.array([r["loss"] for r in want])
+  if rtol == EXACT:
+    assert g.tolist() == w.tolist(), np.abs(g - w).max()
+  else:
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=0)
+
+
+@slurm
+def test_sbatch_two_tasks_give_the_losses_of_one_process(runs):
+  if (why := _slurm_missing()):
+    pytest.skip(why)
+  job = runs.get("sbatch_2")
+  out = job.output()
+  assert out.count("maxlm-launch: job") == 2 and "start 1 (restart count 0)" in out
+  assert "finished with exit code 0" in out
+  # process 0 alone writes the metrics and TensorBoard events (into the shared output_dir)
+  assert len(list(job.out_dir.rglob("metrics.jsonl"))) == 1
+  assert len(list((job.run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+  _same_losses(job.run_dir, runs.get("on_2"), EXACT)
+  progress = [line for line in out.splitlines() if re.search(r"\bstep \d+/\d+ \|", line)]
+  assert len(progress) == STEPS and all(line.startswith("[process 0/2 ") for line in progress)
+
+
+@slurm
+def test_sbatch_two_by_two_devices_dcn_across_processes_ici_inside(runs):
+  if (why := _slurm_missing()):
+    pytest.skip(why)
+  job = runs.get("sbatch_2x2")
+  line = next(x for x in job.output().splitlines() if "mesh over 2 processes" in x)
+  # mesh axes (data, fsdp, tensor) = (2, 2, 1): data is the dcn axis (one process per data index),
+  # fsdp and tensor stay inside a process
+  assert "processes along each axis: data 2, fsdp 1, tensor 1" in line, line
+  placement = json.loads(line.split("process of each device by mesh position: ")[1])
+  assert placement == [[[0], [0]], [[1], [1]]], line
+  _same_losses(job.run_dir, runs.get("on_4"), FOUR_WAY_RTOL)
+
+
+@slurm
+def test_sbatch_preempted_requeued_resumed_bit_identical(runs, tmp_path):
+  if (why := _slurm_missing()):
+    pytest.skip(why)
+  # A Python for the template that runs the trainer through tests/resume_launcher.py, which sleeps
+  # after each step (MAXLM_TEST_STEP_SLEEP) so that the signal lands mid-run.
+  shim = tmp_path / "python-slow-steps"
+  shim.write_text(f"#!/bin/sh\n# called as: $0 -m maxlm.train ARGS\nshift 2\n"
+                  f"exec {sys.executable} {ROOT / 'tests' / 'resume_launcher.py'} \"$@\"\n")
+  shim.chmod(0o755)
+  env = _env(1, runs.cache_dir, MAXLM_PYTHON=str(shim), MAXLM_TEST_STEP_SLEEP="0.25")
+  job = Job.of_template(tmp_path / "job", [*TWO_PROCESSES, *SAVED], env)
+  end = time.monotonic() + 180
+  while not re.search(r"step [3-9]/20 \|", job.output()):
+    alive = job.info().get("JobState") in ("PENDING", "RUNNING")
+    assert time.monotonic() < end and alive, job.output()[-3000:]
+    time.sleep(0.2)
+  subprocess.run(["scancel", "--signal=TERM", job.id], check=True, timeout=30)  # every task, not the shell
+  # The template requeues: the job waits (Reason=BeginTime, about 120 s) unless told to start now.
+  info = job.wait(states=("PENDING", "COMPLETED", "FAILED", "CANCELLED"), timeout=120)
+  assert info["JobState"] == "PENDING" and info["Restarts"] == "1", (info, job.output()[-3000:])
+  # slurmd refuses to start a job again within the second its previous run was killed in (credential
+  # times have 1 s resolution: "Killing non-startable batch JobId=N: Job credential revoked" was seen here)
+  time.sleep(2)
+  subprocess.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now"], check=True, timeout=30)
+  info = job.wait()
+  out = job.output()
+  assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out[-3000:])
+
+  stops = re.findall(r"\[process (\d)/2 [^\]]+\] maxlm: SIGTERM at step (\d+): checkpoint step \2 saved", out)
+  assert sorted(p for p, _ in stops) == ["0", "1"] and stops[0][1] == stops[1][1], out[-3000:]
+  stopped = int(stops[0][1])
+  assert 3 <= stopped < STEPS
+  assert "preempted (exit 75)" in out and "start 2 (restart count 1)" in out
+  assert f"maxlm: resumed from checkpoint step {stopped}" in out
+  assert out.rstrip().splitlines()[-1].startswith(f"maxlm-launch: job {job.id} finished with exit code 0")
+
+  straight = runs.get("sbatch_2")  # the same 2-task run, never interrupted
+  assert len(list(job.out_dir.rglob("metrics.jsonl"))) == 1
+  _same_losses(job.run_dir, straight.run_dir, EXACT)
+  got = _params(job.run_dir / "checkpoints" / str(STEPS))
+  want = _params(straight.run_dir / "checkpoints" / str(STEPS))
+  assert got.keys() == want.keys() and got
+  for k in want:
+    assert got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes(), k
+
+
+@mpi
+def test_mpirun_two_processes_give_the_losses_of_one_process(runs):
+  if not shutil.which("mpirun"):
+    pytest.skip(f"OpenMPI is not installed here ({START})")
+  run_dir, stdout = runs.get("mpi_2")
+  assert len(list(run_dir.parent.rglob("metrics.jsonl"))) == 1
+  _same_losses(run_dir, runs.get("on_2"), EXACT)
+  assert "mesh over 2 processes" in stdout
+
+
+@slurm
+def test_python_in_the_batch_shell_without_srun_stops_with_one_line(runs, tmp_path):
+  if (why := _slurm_missing()):
+    pytest.skip(why)
+  err = tmp_path / "job.err"
+  train = f"{sys.executable} -m maxlm.train output_dir={tmp_path / 'runs'} {' '.join(TINY)}"
+  out = tmp_path / "job.out"
+  job = Job(["sbatch", "--parsable", "--oversubscribe", "--ntasks=2", f"--output={out}", f"--error={err}",
+             f"--chdir={ROOT}", "--wrap", train], _env(1, runs.cache_dir), out)
+  info = job.wait(timeout=60)  # fails the test if the job has not ended within 60 s
+  lines = err.read_text().splitlines()
+  assert info["ExitCode"] == "2:0" and len(lines) == 1, (info, lines)
+  assert lines[0].startswith(f"maxlm: error: distributed: started in the batch shell of SLURM job {job.id} "
+                             "(2 tasks) without srun"), lines
+  assert not (tmp_path / "runs").exists()

@@ -1,4 +1,4 @@
-"""`python -m maxlm.train [config=FILE] [key=value ...]`: the training entry point.
+"""Train a model: `maxlm train [config=FILE] [key=value ...]` (= `python -m maxlm.train`).
 
 Exit codes: 0 done, 1 run-time failure (e.g. non-finite loss with train.nonfinite=stop), 2 bad
 configuration or input (one-line message, nothing written), 3 checkpoint error (none usable, or a

@@ -1,9 +1,9 @@
 """Profile the trainer's step on a GPU: where do the milliseconds go?
 
   python benchmarks/profile_step.py config=llama8b.yml model.n_layers=4 data.seq_len=4096 \
-      data.global_batch_size=4 model.remat=none [profile.steps=3] [profile.dir=/tmp/maxlm-prof]
+      data.global_batch_size=4 model.remat=none [--steps=3] [--dir=/tmp/maxlm-prof]
 
-Builds the same Trainer as `python -m maxlm.train`, warms up, traces a few steps with
+Builds the same Trainer as `python -m maxlm.train` (same runtime flags, same distributed start), warms up, traces a few steps with
 `jax.profiler` (Perfetto JSON) and prints the GPU kernels that take the most time per step.
 """
 
@@ -12,14 +12,16 @@ from __future__ import annotations
 import collections
 import gzip
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 
 def _split(argv):
-  ours = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith("profile.")}
-  return [a for a in argv if not a.startswith("profile.")], ours
+  """This script's own `--steps=N --dir=PATH`, apart from the config's key=value words."""
+  ours = {a[2:].split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith("--") and "=" in a}
+  return [a for a in argv if not a.startswith("--")], ours
 
 
 def kernel_table(trace_file: Path, steps: int, top: int = 30) -> str:
@@ -39,16 +41,26 @@ def kernel_table(trace_file: Path, steps: int, top: int = 30) -> str:
   return "\n".join(lines)
 
 
+def _timeout(msg: str) -> None:
+  """The processes of a multi-process profile did not all meet in time."""
+  print(f"maxlm: error: {msg}", file=sys.stderr, flush=True)
+  os._exit(2)
+
+
 def main(argv):
   import jax
 
+  from maxlm import distributed, runtime
   from maxlm.config import load_config
   from maxlm.train import Trainer
 
   args, ours = _split(argv)
-  steps = int(ours.get("profile.steps", 3))
-  out = Path(ours.get("profile.dir", "/tmp/maxlm-prof"))
+  steps = int(ours.get("steps", 3))
+  out = Path(ours.get("dir", "/tmp/maxlm-prof"))
   cfg = load_config(args)
+  for line in runtime.configure(deterministic=cfg.train.deterministic):
+    print(f"maxlm: train.deterministic=true: {line}")
+  distributed.initialize(cfg, on_timeout=_timeout)
   trainer = Trainer(cfg)
   trainer.build()
   batch = trainer.to_device(next(trainer.train_data))

@@ -141,7 +141,8 @@ class MeshConfig:
   data: int = option(1, "intra-node data-parallel degree", within=_DEGREE)
   fsdp: int = option(-1, "intra-node FSDP degree (parameters sharded on `embed`)", within=_DEGREE)
   tensor: int = option(1, "intra-node tensor-parallel degree (heads, MLP, vocabulary)", within=_DEGREE)
-  dcn_data: int = option(1, "inter-node data-parallel degree", within=_DEGREE)
+  dcn_data: int = option(-1, "inter-node data-parallel degree (-1: the process count over the other dcn "
+                         "degrees, so a multi-process run needs no mesh keys)", within=_DEGREE)
   dcn_fsdp: int = option(1, "inter-node FSDP degree", within=_DEGREE)
   dcn_tensor: int = option(1, "inter-node tensor-parallel degree", within=_DEGREE)
 

@@ -17,7 +17,9 @@ AXES = ("data", "fsdp", "tensor")
 def _fill(degrees: list[int], total: int, what: str) -> list[int]:
   auto = [i for i, d in enumerate(degrees) if d == -1]
   if len(auto) > 1:
-    raise ConfigError(f"mesh: at most one {what} degree may be -1, got {degrees}")
+    keys = "mesh.dcn_data/dcn_fsdp/dcn_tensor" if what == "node" else "mesh.data/fsdp/tensor"
+    raise ConfigError(f"mesh: at most one {what} degree ({keys}) may be -1, got {degrees}"
+                      + (" (mesh.dcn_data is -1 by default: set it to 1)" if what == "node" else ""))
   if any(d == 0 or d < -1 for d in degrees):
     raise ConfigError(f"mesh: {what} degrees must be positive or -1, got {degrees}")
   known = math.prod(d for d in degrees if d != -1)

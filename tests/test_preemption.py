@@ -29,6 +29,9 @@ if mode == "foreign":  # a SIGTERM handler Python does not know about (as JAX's 
   ctypes.CDLL(None).signal(15, ctypes.c_void_p(1))  # SIG_IGN, installed behind Python's back
 p = Preemption(process_count=2 if mode == "foreign" else None)
 assert not backend_started(), "Preemption() started the JAX backend"
+if len(sys.argv) > 3:  # a multi-process run's `[process i/N host] ` line prefix
+  from maxlm.distributed import prefix_output
+  prefix_output(sys.argv[3])
 if mode == "ccall":  # a long C call that, unlike XLA's compile, never lets a Python handler run
   import hashlib
   print("CALLING", flush=True)
@@ -75,7 +78,7 @@ EXIT_WITHIN_S = 5.0
 
 class Child:
   def __init__(self, tmp_path: Path, *args):
-    name = f"{args[0]}-{args[-1]}"
+    name = f"{args[0]}-{args[1]}-{len(args)}"
     self.out, self.err = tmp_path / f"out-{name}.txt", tmp_path / f"err-{name}.txt"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one device
@@ -121,9 +124,11 @@ def test_signal_before_first_step_exits_at_once_even_inside_cpp(tmp_path, mode, 
       f"maxlm: received {name} before the first training step: nothing to save; exiting with code {code}"]
 
 
-@pytest.mark.parametrize("sig,checkpointing", [(signal.SIGTERM, True), (signal.SIGINT, False)])
-def test_after_first_step_a_signal_sets_the_flag_and_a_second_stops(tmp_path, sig, checkpointing):
-  child = Child(tmp_path, "started", int(checkpointing))
+@pytest.mark.parametrize("sig,checkpointing,prefix", [(signal.SIGTERM, True, ""), (signal.SIGINT, False, ""),
+                                                     (signal.SIGTERM, True, "[process 2/2 gpu7] ")])
+def test_after_first_step_a_signal_sets_the_flag_and_a_second_stops(tmp_path, sig, checkpointing, prefix):
+  """The message carries the process prefix of a multi-process run like every other line."""
+  child = Child(tmp_path, "started", int(checkpointing), *([prefix] if prefix else []))
   child.wait_for("READY")
   child.proc.send_signal(sig)
   name = signal.Signals(sig).name
@@ -132,7 +137,7 @@ def test_after_first_step_a_signal_sets_the_flag_and_a_second_stops(tmp_path, si
   then = ("saving a checkpoint at the end of this step, then exiting" if checkpointing else
           "stopping at the end of this step (checkpointing is disabled: nothing will be saved), exiting")
   assert child.err.read_text().splitlines() == [
-      f"maxlm: received {name}: {then} with code {EXIT_PREEMPTED} (send it again to stop at once)"]
+      f"{prefix}maxlm: received {name}: {then} with code {EXIT_PREEMPTED} (send it again to stop at once)"]
   child.proc.send_signal(sig)  # the previous (default) action: terminate / KeyboardInterrupt
   assert child.exit_code(30) == -sig, child.text()
 

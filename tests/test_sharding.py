@@ -27,6 +27,11 @@ def test_mesh_shape_fills_minus_one():
   assert mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=2), 8) == ([2, 2, 2], [1, 1, 1])
   assert (mesh_shape(MeshConfig(data=1, fsdp=-1, tensor=1, dcn_data=-1), 16, n_nodes=2)
           == ([1, 8, 1], [2, 1, 1]))
+  # the defaults: FSDP inside a process, data parallel across processes; another dcn degree takes over
+  assert mesh_shape(MeshConfig(), 16, n_nodes=2) == ([1, 8, 1], [2, 1, 1])
+  assert mesh_shape(MeshConfig(dcn_fsdp=4), 32, n_nodes=4) == ([1, 8, 1], [1, 4, 1])
+  with pytest.raises(ConfigError, match=r"mesh.dcn_data is -1 by default: set it to 1"):
+    mesh_shape(MeshConfig(dcn_fsdp=-1), 16, n_nodes=2)
   with pytest.raises(ConfigError, match="multiply to"):
     mesh_shape(MeshConfig(data=2, fsdp=2, tensor=1), 8)
   with pytest.raises(ConfigError, match="at most one"):

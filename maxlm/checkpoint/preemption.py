@@ -59,6 +59,12 @@ def _set_raw_action(sig: int, raw: bytes) -> bool:
   return _LIBC is not None and _LIBC.sigaction(int(sig), buf, None) == 0
 
 
+def _line_prefix() -> str:
+  """`[process i/N host] ` in a multi-process run (maxlm.distributed wraps sys.stderr), else ''. The
+  signal messages are written with os.write (no locks in a signal context), so they add it themselves."""
+  return getattr(sys.stderr, "prefix", "")
+
+
 def _flush_stdout(timeout: float = 1.0) -> None:
   """Flush stdout, but never wait on it for long (another thread may hold its lock)."""
   th = threading.Thread(target=lambda: sys.stdout.flush(), daemon=True)
@@ -123,7 +129,7 @@ class Preemption:
         return
       name = signal.Signals(signum).name
       code = EXIT_CODES[signum]
-      os.write(2, f"maxlm: received {name} before the first training step: nothing to save; "
+      os.write(2, f"{_line_prefix()}maxlm: received {name} before the first training step: nothing to save; "
                   f"exiting with code {code}\n".encode())
       _flush_stdout()
       os._exit(code)
@@ -135,7 +141,7 @@ class Preemption:
     self.signal = signal.Signals(signum).name
     then = ("saving a checkpoint at the end of this step, then exiting" if self._saving else
             "stopping at the end of this step (checkpointing is disabled: nothing will be saved), exiting")
-    os.write(2, f"maxlm: received {self.signal}: {then} with code {EXIT_PREEMPTED} "
+    os.write(2, f"{_line_prefix()}maxlm: received {self.signal}: {then} with code {EXIT_PREEMPTED} "
                 f"(send it again to stop at once)\n".encode())
     self.close()  # a second signal takes the previous (default) action
 

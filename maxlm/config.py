@@ -59,8 +59,8 @@ class ModelConfig:
   dtype: str = option("bfloat16", "compute dtype", choices=("float32", "bfloat16"))
   backend: str = option("auto", "layer backend; auto = Transformer Engine when installed, else flax",
                         choices=("auto", "te", "flax"))
-  precision: str = option("bf16", "matmul precision; FP8 needs the te backend",
-                          choices=("bf16", "fp8_delayed", "fp8_current"))
+  precision: str = option("bf16", "matmul precision; FP8 needs the te backend (from Hopper), mxfp8 and nvfp4 "
+                          "a Blackwell GPU", choices=("bf16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4"))
   fp8_amax_history_len: int = option(1024, "FP8 delayed scaling: amax history length", within="[1, inf)")
   fp8_lm_head: bool = option(False, "quantize the LM head too (off: it stays in `dtype`)")
   scan_layers: bool = option(True, "scan over layers (faster compiles); false: unrolled (faster steps)")

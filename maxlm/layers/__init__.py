@@ -15,7 +15,11 @@ from maxlm.layers import flax_backend
 from maxlm.layers.te_env import import_te, on_gpu, te_installed
 
 BACKENDS = ("te", "flax")
-PRECISIONS = ("bf16", "fp8_delayed", "fp8_current")
+PRECISIONS = ("bf16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4")
+# model.precision -> the TE recipe class that runs it (transformer_engine.common.recipe). TE reports
+# which of these the GPU supports (`supported_precisions`): FP8 from Hopper, MXFP8 and NVFP4 from Blackwell.
+RECIPES = {"fp8_delayed": "DelayedScaling", "fp8_current": "Float8CurrentScaling",
+           "mxfp8": "MXFP8BlockScaling", "nvfp4": "NVFP4BlockScaling"}
 FP8_COLLECTION = "fp8_metas"  # == transformer_engine.jax.NVTE_FP8_COLLECTION_NAME
 
 
@@ -44,12 +48,23 @@ def get_backend(name: str) -> types.ModuleType:
   return flax_backend
 
 
-def _recipe(precision: str, amax_history_len: int):
-  from transformer_engine.common import recipe
+def make_recipe(precision: str, amax_history_len: int = 1024):
+  """The TE quantization recipe of a precision name (None for the unquantized ones)."""
+  if precision not in RECIPES:
+    return None
+  import_te()  # sets up the host (CPU fallbacks, NCCL preload) before TE's first import
+  from transformer_engine.common import recipe  # lazy: TE is imported only when a recipe is used
   if precision == "fp8_delayed":
     return recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=amax_history_len,
                                  amax_compute_algo="max")
-  return recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID)
+  if precision == "fp8_current":
+    return recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID)
+  if precision == "mxfp8":  # E4M3 values, one E8M0 scale per 32 elements, forward and backward
+    return recipe.MXFP8BlockScaling(fp8_format=recipe.Format.E4M3)
+  # NVFP4 (E2M1 values, E4M3 scale per 16 elements + a per-tensor scale) with TE's defaults: random
+  # Hadamard transform and 2D weight blocks on. Stochastic rounding of gradients is off: it draws from an
+  # `sr_rng` stream that the train step does not pass to model.apply (yet).
+  return recipe.NVFP4BlockScaling(disable_stochastic_rounding=True)
 
 
 def supported_precisions() -> list[str]:
@@ -63,8 +78,7 @@ def supported_precisions() -> list[str]:
   except Exception:  # raises without a GPU driver: no FP8 here
     return out
   names = {type(r).__name__ for r in recipes}
-  out += [p for p, n in (("fp8_delayed", "DelayedScaling"), ("fp8_current", "Float8CurrentScaling"))
-          if n in names]
+  out += [p for p, n in RECIPES.items() if n in names]
   return out
 
 
@@ -75,12 +89,13 @@ def check_precision(precision: str, backend: str) -> None:
   if precision == "bf16":
     return
   if backend != "te":
-    raise PrecisionError(f"model.precision={precision} needs model.backend=te (FP8 runs through "
-                         "Transformer Engine)")
+    raise PrecisionError(f"model.precision={precision} needs model.backend=te (quantized matmuls run "
+                         "through Transformer Engine)")
   ok = supported_precisions()
   if precision not in ok:
     where = jax.devices()[0].device_kind
-    raise PrecisionError(f"model.precision={precision} is not supported on this device ({where}); "
+    need = " (MXFP8 and NVFP4 need a Blackwell GPU)" if precision in ("mxfp8", "nvfp4") else ""
+    raise PrecisionError(f"model.precision={precision} is not supported on this device ({where}){need}; "
                          f"supported here: {', '.join(ok)}")
 
 
@@ -99,8 +114,8 @@ def precision_scope(precision: str, backend: str, amax_history_len: int = 1024,
   axes = mesh_axes or {}
   resource = te.MeshResource(dp_resource=axes.get("dp"), fsdp_resource=axes.get("fsdp"),
                              tp_resource=axes.get("tp"))
-  enabled = precision != "bf16"
-  recipe = _recipe(precision, amax_history_len) if enabled else None
+  recipe = make_recipe(precision, amax_history_len)
+  enabled = recipe is not None
   with te.autocast(enabled=enabled, recipe=recipe, mesh_resource=resource):
     yield
 
@@ -124,6 +139,6 @@ def remat_policy(name: str, backend: str):
   raise ValueError(f"unknown remat policy {name!r}")
 
 
-__all__ = ["BACKENDS", "FP8_COLLECTION", "PRECISIONS", "PrecisionError", "check_precision",
-           "get_backend", "on_gpu", "precision_scope", "remat_policy", "resolve_backend",
+__all__ = ["BACKENDS", "FP8_COLLECTION", "PRECISIONS", "RECIPES", "PrecisionError", "check_precision",
+           "get_backend", "make_recipe", "on_gpu", "precision_scope", "remat_policy", "resolve_backend",
            "supported_precisions", "te_installed"]

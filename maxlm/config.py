@@ -200,6 +200,16 @@ class DistributedConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
   """A whole run."""
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+  """A profiling window (see maxlm/profiling.py): an XProf trace in <run_dir>/profile, NVTX ranges around
+  every step and cudaProfilerStart/Stop around the window for `nsys --capture-range=cudaProfilerApi`."""
+  start_step: int = option(0, "first step to profile, counted from 1 as in the progress lines (step 1 also "
+                           "traces and compiles); 0 = no profiling", within="[0, inf)")
+  num_steps: int = option(3, "steps in the window; it must end by train.steps", within="[1, inf)")
+  xprof: bool = option(True, "write the XProf trace (process 0); set false under nsys (both use CUPTI)")
+
+
   output_dir: str = option("runs", "parent of the run directory")
   run_name: str = option("default", "the run directory <output_dir>/<run_name>: one plain name")
   model: ModelConfig = ModelConfig()
@@ -212,6 +222,7 @@ class Config:
 
   @property
   def run_dir(self) -> Path:
+  profile: ProfileConfig = ProfileConfig()
     return Path(self.output_dir) / self.run_name
 
 
@@ -348,6 +359,11 @@ def validate(cfg: Config) -> None:
 
 
 def _check_run_name(output_dir: str, name: str) -> None:
+  p = cfg.profile
+  if p.start_step and p.start_step + p.num_steps - 1 > t.steps:
+    raise ConfigError(f"profile window steps {p.start_step}-{p.start_step + p.num_steps - 1} "
+                      f"(profile.start_step={p.start_step}, profile.num_steps={p.num_steps}) ends after "
+                      f"train.steps={t.steps}")
   """run_name is one plain path component that stays inside output_dir (even through a symlink)."""
   plain = (name not in ("", ".", "..") and not any(c in name for c in "/\\")
            and all(c.isprintable() for c in name))

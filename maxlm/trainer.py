@@ -26,6 +26,7 @@ from maxlm.mesh import make_mesh
 from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line, throughput
 from maxlm.model import Transformer, count_params, flops_per_step
 from maxlm.optim import make_optimizer
+from maxlm.profiling import Profiler
 from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
 from maxlm.step import jit_step, make_eval_step, make_train_step
 from maxlm.train_state import create_train_state
@@ -238,6 +239,7 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
       echo(f"maxlm: {mesh_placement(trainer.mesh)}")
 
   ckpt, writer = None, None
+  profiler = Profiler(cfg.profile, run_dir, is_main, echo=echo)
   try:
     ckpt = start_checkpoints(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
     start_step = int(jax.device_get(trainer.state.step))
@@ -254,7 +256,9 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
         if is_main:
           echo(f"maxlm: the training data ended (data.num_epochs={d.num_epochs}) before step {step + 1}")
         break
-      trainer.state, metrics = trainer.train_step(trainer.state, trainer.to_device(local))
+      with profiler.step(step + 1):  # NVTX/XProf step range; opens the profile window at its first step
+        trainer.state, metrics = trainer.train_step(trainer.state, trainer.to_device(local))
+      profiler.step_done(step + 1, metrics)  # closes the window after its last step
       steps_since += 1
       done = step + 1
       last = done == t.steps or batches.ended
@@ -329,6 +333,7 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
           echo(f"maxlm: the training data ended after step {done} (data.num_epochs={d.num_epochs})")
         break
   finally:
+    profiler.close()  # a run that stops inside the window still writes its trace
     if writer is not None:
       writer.close()
     if ckpt is not None:

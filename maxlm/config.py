@@ -198,9 +198,6 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """A whole run."""
-@dataclasses.dataclass(frozen=True)
 class ProfileConfig:
   """A profiling window (see maxlm/profiling.py): an XProf trace in <run_dir>/profile, NVTX ranges around
   every step and cudaProfilerStart/Stop around the window for `nsys --capture-range=cudaProfilerApi`."""
@@ -210,6 +207,9 @@ class ProfileConfig:
   xprof: bool = option(True, "write the XProf trace (process 0); set false under nsys (both use CUPTI)")
 
 
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """A whole run."""
   output_dir: str = option("runs", "parent of the run directory")
   run_name: str = option("default", "the run directory <output_dir>/<run_name>: one plain name")
   model: ModelConfig = ModelConfig()
@@ -219,10 +219,10 @@ class ProfileConfig:
   train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   distributed: DistributedConfig = DistributedConfig()
+  profile: ProfileConfig = ProfileConfig()
 
   @property
   def run_dir(self) -> Path:
-  profile: ProfileConfig = ProfileConfig()
     return Path(self.output_dir) / self.run_name
 
 
@@ -356,14 +356,14 @@ def validate(cfg: Config) -> None:
       raise ConfigError(f"config key '{key}' ({tok}) must be below model.vocab_size ({m.vocab_size})")
   _check_run_name(cfg.output_dir, cfg.run_name)
   _check_distributed(cfg.distributed)
-
-
-def _check_run_name(output_dir: str, name: str) -> None:
   p = cfg.profile
   if p.start_step and p.start_step + p.num_steps - 1 > t.steps:
     raise ConfigError(f"profile window steps {p.start_step}-{p.start_step + p.num_steps - 1} "
                       f"(profile.start_step={p.start_step}, profile.num_steps={p.num_steps}) ends after "
                       f"train.steps={t.steps}")
+
+
+def _check_run_name(output_dir: str, name: str) -> None:
   """run_name is one plain path component that stays inside output_dir (even through a symlink)."""
   plain = (name not in ("", ".", "..") and not any(c in name for c in "/\\")
            and all(c.isprintable() for c in name))

@@ -63,6 +63,9 @@ class ModelConfig:
                           "a Blackwell GPU", choices=("bf16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4"))
   fp8_amax_history_len: int = option(1024, "FP8 delayed scaling: amax history length", within="[1, inf)")
   fp8_lm_head: bool = option(False, "quantize the LM head too (off: it stays in `dtype`)")
+  loss_chunk: int = option(0, "LM head + cross-entropy over chunks of this many positions, never holding the "
+                           "[B, T, V] logits (0 = whole sequence at once); ignored under FP8 with "
+                           "fp8_lm_head=true", within="[0, inf)")
   scan_layers: bool = option(True, "scan over layers (faster compiles); false: unrolled (faster steps)")
   remat: str = option("full", "rematerialization policy (what the backward pass keeps vs recomputes)",
                       choices=("none", "full", "save_dots", "save_attn", "save_qkv_attn"))
@@ -401,6 +404,13 @@ def _check_distributed(d: DistributedConfig) -> None:
     raise ConfigError(f"config key 'distributed.process_id' ({d.process_id}) must be below "
                       f"distributed.num_processes ({d.num_processes})")
   local_device_ids(d.local_device_ids)
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+  """A validated Config from a resolved config dict (a run's config.yml, a checkpoint's config item)."""
+  cfg = _apply(Config(), data)
+  validate(cfg)
+  return cfg
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -1,0 +1,209 @@
+"""`maxlm.Model`: a trained (or imported) model in Python: logits, generation, Hugging Face export.
+
+    from maxlm import Model
+    model = Model.from_pretrained("runs/tiny")                 # a run, checkpoints or step directory
+    model = Model.from_pretrained("Llama-3.2-1B", dtype="bfloat16")  # an HF directory (safetensors)
+    logits = model.logits(tokens)                              # [B, T] int -> [B, T, V] float32
+    model.save_pretrained("out/hf")                            # HF safetensors + config.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxlm.checkpoint import CheckpointError, complete_steps
+from maxlm.checkpoint import load_params as load_orbax_params
+from maxlm.config import Config, ConfigError, DataConfig, MeshConfig, from_dict
+from maxlm.data.tokenizer import DEFAULT_TOKENIZER
+from maxlm.hf import config as hf_config
+from maxlm.hf.safetensors_io import INDEX, MAX_SHARD_BYTES
+from maxlm.hf.transfer import device_reader, export_hf, load_hf_params
+from maxlm.layers import precision_scope, resolve_backend
+from maxlm.mesh import make_mesh
+from maxlm.model import Transformer
+from maxlm.sharding import TE_MESH_AXES, axis_rules, shardings_from_logical, strip_boxes
+
+# Files of an HF directory that travel with the weights (tokenizer and generation defaults).
+HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "generation_config.json")
+
+
+def is_hf_dir(path: Path) -> bool:
+  return (path / "config.json").is_file() and (any(path.glob("*.safetensors")) or (path / INDEX).is_file())
+
+
+def find_step_dir(path: Path) -> Path:
+  """The checkpoint step directory of a run directory, checkpoints directory or step directory (the
+  newest complete step). CheckpointError when there is none."""
+  if (path / "params").is_dir():
+    return path
+  for ckpts in (path / "checkpoints", path):
+    steps = complete_steps(ckpts)
+    if steps:
+      return ckpts / str(steps[-1])
+  raise CheckpointError(f"{path}: no checkpoint (expected an HF directory with config.json and safetensors, "
+                        f"a run directory with checkpoints/, a checkpoints directory or a step directory)")
+
+
+def read_step_config(step_dir: Path) -> Config:
+  """The resolved run config saved in a checkpoint step (its `config` item)."""
+  item = step_dir / "config" / "metadata"
+  try:
+    data = json.loads(item.read_text())
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"{item}: cannot read the run config of this checkpoint ({e})") from None
+  return from_dict(data)
+
+
+def _abstract_params(cfg: Config, mesh):
+  """(ShapeDtypeStructs with shardings, shardings) of the params, without allocating them."""
+  model = Transformer(cfg.model)
+  with _scope(cfg, mesh):
+    abstract = jax.eval_shape(lambda r: model.init(r, jnp.zeros((1, 8), jnp.int32)), jax.random.PRNGKey(0))
+    shardings = shardings_from_logical(abstract["params"], mesh)
+  structs = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                   strip_boxes(abstract["params"]), shardings)
+  return structs, shardings
+
+
+@contextlib.contextmanager
+def _scope(cfg: Config, mesh):
+  """Mesh + logical axis rules + TE's (bf16, no FP8) scope: entered for init and every trace."""
+  with jax.set_mesh(mesh), axis_rules(), precision_scope("bf16", resolve_backend(cfg.model.backend),
+                                                         mesh_axes=TE_MESH_AXES):
+    yield
+
+
+class Model:
+  """A Llama/Mistral model: its full `config` (a maxlm Config), `params` (on `mesh`) and inference."""
+
+  def __init__(self, config: Config, params, mesh, hf_config_dict: dict | None = None,
+               side_files: Sequence[tuple[Path, str]] = ()):
+    self.config, self.params, self.mesh = config, params, mesh
+    self.hf_config = hf_config_dict  # the imported config.json (kept so save_pretrained round-trips it)
+    self.side_files = list(side_files)  # (source, file name) of the tokenizer files save_pretrained copies
+    self._model = Transformer(config.model)
+    self._logits_fn = None
+
+  @classmethod
+  def from_pretrained(cls, path: str | Path, backend: str = "auto", dtype: str = "float32",
+                      param_dtype: str = "float32", mesh=None) -> "Model":
+    """Load an HF directory (config.json + safetensors, sharded or not) or a maxlm run / checkpoints /
+    step directory. `dtype` is the compute dtype, `param_dtype` the weights' (float32 holds bf16 files
+    exactly); `mesh` defaults to FSDP over every device. Bad input raises ConfigError (config) or
+    CheckpointError (weights) with a one-line message."""
+    path = Path(path)
+    if not path.exists():
+      raise CheckpointError(f"{path}: no such file or directory")
+    over = dict(backend=backend, dtype=dtype, param_dtype=param_dtype, precision="bf16", remat="none")
+    mesh = mesh if mesh is not None else make_mesh(MeshConfig())
+    if is_hf_dir(path):
+      hf = hf_config.read_config_json(path)
+      m = dataclasses.replace(hf_config.from_hf(hf, where=str(path / "config.json")), scan_layers=True, **over)
+      data = _hf_data_config(path, hf, m.vocab_size)
+      cfg = Config(model=m, data=data)
+      _, shardings = _abstract_params(cfg, mesh)
+      params = load_hf_params(path, m, shardings)
+      side = [(path / n, n) for n in HF_SIDE_FILES if (path / n).is_file()]
+      return cls(cfg, params, mesh, hf_config_dict=hf, side_files=side)
+    step_dir = find_step_dir(path)
+    run = read_step_config(step_dir)
+    cfg = dataclasses.replace(run, model=dataclasses.replace(run.model, **over))
+    structs, _ = _abstract_params(cfg, mesh)
+    params = load_orbax_params(str(step_dir), structs)
+    return cls(cfg, params, mesh, side_files=_run_tokenizer_files(run.data))
+
+  def logits(self, tokens, segment_ids=None, positions=None) -> np.ndarray:
+    """Logits [B, T, V] (float32, on the host) for int tokens [B, T]; packed rows take segment_ids
+    (documents 1..k, 0 = padding) and positions (restarting at 0 per document)."""
+    tokens = np.asarray(tokens, np.int32)  # [B, T]
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
+    if self._logits_fn is None:
+      def fn(params, tokens, positions, segment_ids):
+        return self._model.apply({"params": params}, tokens, positions, segment_ids).astype(jnp.float32)
+      self._logits_fn = jax.jit(fn)
+    pos = None if positions is None else np.asarray(positions, np.int32)  # [B, T]
+    seg = None if segment_ids is None else np.asarray(segment_ids, np.int32)  # [B, T]
+    with _scope(self.config, self.mesh):
+      out = self._logits_fn(self.params, tokens, pos, seg)  # [B, T, V]
+    return np.asarray(jax.device_get(out))
+
+  def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None):
+    """Continue each prompt (token ids) by up to max_new_tokens with a KV cache (`maxlm.generation`);
+    returns the new token ids per prompt."""
+    from maxlm import generation  # noqa: PLC0415 - lazy: generation is only needed here
+    out = generation.generate(self.config.model, self.params, [list(p) for p in prompts], max_new_tokens,
+                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              stop_tokens=stop_tokens, mesh=self.mesh)
+    return out.tokens
+
+  def save_pretrained(self, out_dir: str | Path, dtype: str = "bfloat16",
+                      max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write the model in Hugging Face format to `out_dir` (must not exist): safetensors shards of at
+    most max_shard_bytes (with model.safetensors.index.json when there are several), config.json and
+    the tokenizer files. Written beside `out_dir` and renamed when complete."""
+    m = self.config.model
+    cfg = hf_config.to_hf(m, dtype, base=self.hf_config, max_position=self.config.data.seq_len,
+                          bos_id=self.config.data.bos_id, eos_id=self.config.data.eos_id)
+    return write_hf_dir(Path(out_dir), cfg, self.side_files,
+                        lambda tmp: export_hf(device_reader(self.params, m), m, tmp, dtype, max_shard_bytes))
+
+
+def write_hf_dir(out_dir: Path, config_json: dict[str, Any], side_files: Sequence[tuple[Path, str]],
+                 write_weights) -> Path:
+  """Create `out_dir` atomically: everything goes to a temporary sibling that is renamed at the end
+  (removed on any error, so no half-written model is left)."""
+  if out_dir.exists():
+    raise ConfigError(f"output directory {out_dir} already exists")
+  if not out_dir.parent.is_dir():
+    raise ConfigError(f"output directory {out_dir}: parent {out_dir.parent} does not exist")
+  tmp = out_dir.parent / f".{out_dir.name}.tmp-maxlm"
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir()
+  try:
+    write_weights(tmp)
+    (tmp / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+    for src, name in side_files:
+      shutil.copyfile(src, tmp / name)
+    tmp.rename(out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return out_dir
+
+
+def _hf_data_config(path: Path, hf: dict, vocab: int) -> DataConfig:
+  """Tokenizer and BOS/EOS of an HF directory as a DataConfig (what `maxlm generate` reads)."""
+  tok = str(path) if any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model")) else ""
+  ids = {}
+  for key in ("bos", "eos"):
+    v = hf.get(f"{key}_token_id")
+    v = v[0] if isinstance(v, list) and v else v
+    if isinstance(v, int) and 0 <= v < vocab:
+      ids[f"{key}_id"] = v
+  return DataConfig(tokenizer=tok, **ids)
+
+
+def _run_tokenizer_files(data: DataConfig) -> list[tuple[Path, str]]:
+  """(source, HF file name) of a run's tokenizer: data.tokenizer (a tokenizer.json, a SentencePiece or
+  tiktoken file, which HF names tokenizer.model, or a directory's tokenizer files), or the shipped
+  SentencePiece model of the embedded corpus."""
+  p = Path(data.tokenizer) if data.tokenizer else (DEFAULT_TOKENIZER if data.type == "embedded" else None)
+  if p is None:
+    return []
+  if p.is_dir():
+    return [(p / n, n) for n in HF_SIDE_FILES if (p / n).is_file()]
+  if not p.is_file():
+    return []
+  return [(p, "tokenizer.json" if p.read_bytes()[:4096].lstrip().startswith(b"{") else "tokenizer.model")]

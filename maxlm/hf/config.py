@@ -1,0 +1,146 @@
+"""Hugging Face `config.json` <-> maxlm `ModelConfig` (Llama 2/3/3.1/3.2 and Mistral).
+
+Reads the config.json of transformers 4.x (`rope_theta`, `rope_scaling`) and 5.x (`rope_parameters`).
+Anything maxlm's decoder cannot compute exactly (biases, other activations, other RoPE scalings,
+other architectures) is refused with one line naming the field; nothing is silently approximated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from maxlm.config import ConfigError, ModelConfig
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+# Fields that would change the computation when set to anything but these values.
+_MUST_BE = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "use_qk_norm": False}
+# Keys of config.json written by save_pretrained; the rest of an imported config.json is kept as it was.
+_OWNED = ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling",
+          "rope_parameters", "sliding_window", "tie_word_embeddings", "torch_dtype", "dtype", "hidden_act",
+          "attention_bias", "mlp_bias")
+
+
+class HFConfigError(ConfigError):
+  """A Hugging Face config that maxlm cannot represent exactly (one line, exit code 2)."""
+
+
+def read_config_json(hf_dir: Path) -> dict[str, Any]:
+  path = Path(hf_dir) / "config.json"
+  try:
+    data = json.loads(path.read_text(encoding="utf-8"))
+  except FileNotFoundError:
+    raise HFConfigError(f"{hf_dir}: no config.json (not a Hugging Face model directory)") from None
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise HFConfigError(f"{path}: unreadable config.json ({e})") from None
+  if not isinstance(data, dict):
+    raise HFConfigError(f"{path}: config.json is not a JSON object")
+  return data
+
+
+def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
+  """maxlm's RoPE fields from `rope_parameters` (5.x) or `rope_theta` + `rope_scaling` (4.x)."""
+  params = hf.get("rope_parameters")
+  if isinstance(params, dict) and "rope_theta" in params:
+    theta, scaling = params["rope_theta"], params
+  else:
+    theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
+  out: dict[str, Any] = {"rope_theta": float(theta)}
+  if not scaling:
+    return out
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "default":
+    return out
+  if kind != "llama3":
+    raise HFConfigError(f"{where}: unsupported rope_scaling type {kind!r} (maxlm supports default and llama3)")
+  try:
+    out.update(rope_scaling="llama3", rope_factor=float(scaling["factor"]),
+               rope_low_freq_factor=float(scaling["low_freq_factor"]),
+               rope_high_freq_factor=float(scaling["high_freq_factor"]),
+               rope_original_max_position=int(scaling["original_max_position_embeddings"]))
+  except KeyError as e:
+    raise HFConfigError(f"{where}: llama3 rope_scaling lacks {e.args[0]!r}") from None
+  return out
+
+
+def from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
+  """The maxlm ModelConfig of an HF Llama/Mistral config dict; HFConfigError names what does not fit."""
+  archs = hf.get("architectures") or []
+  model_type = hf.get("model_type")
+  known = [a for a in archs if a in ARCHITECTURES]
+  if archs and not known:
+    raise HFConfigError(f"{where}: unsupported architecture {archs[0]!r} (maxlm reads "
+                        f"{', '.join(ARCHITECTURES)})")
+  if model_type not in ARCHITECTURES.values():
+    raise HFConfigError(f"{where}: unsupported model_type {model_type!r} (maxlm reads llama, mistral)")
+  for key, ok in _MUST_BE.items():
+    if key in hf and hf[key] != ok:
+      raise HFConfigError(f"{where}: unsupported {key}: {json.dumps(hf[key])} (maxlm needs {json.dumps(ok)})")
+  try:
+    d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    fields: dict[str, Any] = dict(
+        name=str(hf.get("_name_or_path") or model_type), vocab_size=int(hf["vocab_size"]), d_model=d,
+        n_layers=int(hf["num_hidden_layers"]), n_heads=h,
+        n_kv_heads=int(hf.get("num_key_value_heads") or h),
+        head_dim=int(hf.get("head_dim") or d // h), ffn_dim=int(hf["intermediate_size"]),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        sliding_window=int(hf.get("sliding_window") or 0) if model_type == "mistral" else 0,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+  except KeyError as e:
+    raise HFConfigError(f"{where}: missing field {e.args[0]!r}") from None
+  except (TypeError, ValueError) as e:
+    raise HFConfigError(f"{where}: malformed field ({e})") from None
+  fields.update(_rope(hf, where))
+  cfg = ModelConfig(**fields)
+  if cfg.n_heads % cfg.n_kv_heads:
+    raise HFConfigError(f"{where}: num_attention_heads ({cfg.n_heads}) is not a multiple of "
+                        f"num_key_value_heads ({cfg.n_kv_heads})")
+  return cfg
+
+
+def to_hf(cfg: ModelConfig, dtype: str, base: dict[str, Any] | None = None, max_position: int = 0,
+          bos_id: int = -1, eos_id: int = -1) -> dict[str, Any]:
+  """config.json for `cfg`: `base` (an imported config.json) with the fields maxlm owns rewritten.
+
+  A sliding window makes it a MistralForCausalLM (Llama has none); otherwise the base's architecture,
+  or LlamaForCausalLM. The RoPE fields keep the base's style (5.x `rope_parameters` or 4.x).
+  """
+  base = dict(base or {})
+  model_type = "mistral" if cfg.sliding_window or base.get("model_type") == "mistral" else "llama"
+  arch = next(a for a, t in ARCHITECTURES.items() if t == model_type)
+  rope: dict[str, Any] = {"rope_type": "default"}
+  if cfg.rope_scaling == "llama3":
+    rope = {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position}
+  out = {k: v for k, v in base.items() if k not in _OWNED}
+  out.update(architectures=[arch], model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+             head_dim=cfg.head_dim, intermediate_size=cfg.ffn_dim, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
+             attention_bias=False, mlp_bias=False, tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
+  if "rope_parameters" in base:
+    out["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
+  else:
+    out["rope_theta"] = cfg.rope_theta
+    out["rope_scaling"] = rope if cfg.rope_scaling == "llama3" else None
+  if model_type == "mistral":
+    out["sliding_window"] = cfg.sliding_window or None
+  if "max_position_embeddings" not in out:
+    long = int(cfg.rope_original_max_position * cfg.rope_factor) if cfg.rope_scaling == "llama3" else 0
+    out["max_position_embeddings"] = max(long, max_position, 2048)
+  if "initializer_range" not in out:
+    out["initializer_range"] = cfg.init_std
+  for key, tok in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
+    if key not in out and tok >= 0:
+      out[key] = tok
+  return out
+
+
+def same_model(a: ModelConfig, b: ModelConfig) -> list[str]:
+  """Fields (other than name and run-time settings) where two ModelConfigs differ."""
+  skip = {"name", "param_dtype", "dtype", "backend", "precision", "scan_layers", "remat", "init_std",
+          "fp8_amax_history_len", "fp8_lm_head"}
+  return [f.name for f in dataclasses.fields(a) if f.name not in skip and getattr(a, f.name) != getattr(b, f.name)]

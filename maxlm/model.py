@@ -13,6 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.config import ModelConfig
 from maxlm.layers import get_backend, remat_policy, resolve_backend
+from maxlm.layers.kv_cache import attention_with_cache, update_positions
 from maxlm.layers.rope import apply_rope, rope_frequencies
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
@@ -24,14 +25,19 @@ def _dtype(name: str):
   return jnp.dtype(name)
 
 
+def compute_dtype(m: ModelConfig):
+  """The activations' dtype: float16 under `precision=fp16` (loss-scaled), else `m.dtype`."""
+  return jnp.dtype("float16") if m.precision == "fp16" else jnp.dtype(m.dtype)
+
+
 class Block(nn.Module):
-  """One pre-norm decoder block; returns (x, None) so it can be scanned."""
+  """One pre-norm decoder block; returns (x, None) so it can be scanned, or (x, (k, v)) with a cache."""
   cfg: ModelConfig
   backend: str
   max_segments: int = 1
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids):
+  def __call__(self, x, positions, segment_ids, cache_kv=None, cache_pos=None):
     m, be = self.cfg, get_backend(self.backend)
     pdt = _dtype(m.param_dtype)
     init = nn.initializers.normal(m.init_std)
@@ -49,8 +55,14 @@ class Block(nn.Module):
                                 m.rope_high_freq_factor, m.rope_original_max_position)
     q = nn.with_logical_constraint(apply_rope(q, positions, inv_freq), BTHD)  # [B, T, H, Dh]
     k = apply_rope(k, positions, inv_freq)  # [B, T, KV, Dh]
-    ctx = be.attention(q, k, v, segment_ids=segment_ids, positions=positions, window=m.sliding_window,
-                       max_segments=self.max_segments, name="attention")  # [B, T, H, Dh]
+    new_kv = None
+    if cache_kv is None:
+      ctx = be.attention(q, k, v, segment_ids=segment_ids, positions=positions, window=m.sliding_window,
+                         max_segments=self.max_segments, name="attention")  # [B, T, H, Dh]
+    else:  # generation: over this layer's KV cache, pure JAX for both backends (layers/kv_cache.py)
+      ctx, *new_kv = attention_with_cache(q, k, v, *cache_kv, cache_pos, positions, segment_ids > 0,
+                                          m.sliding_window)  # [B, T, H, Dh]
+      new_kv = tuple(new_kv)
     ctx = nn.with_logical_constraint(ctx, BTHD)
     out = be.dense(ctx, features=(m.d_model,), axis=(-2, -1), kernel_axes=("heads", "head_dim", "embed"),
                    param_dtype=pdt, kernel_init=init, name="out")  # [B, T, D]
@@ -58,20 +70,25 @@ class Block(nn.Module):
     mlp = be.norm_mlp(x, ffn_dim=m.ffn_dim, eps=m.norm_eps, param_dtype=pdt, kernel_init=init,
                       name="mlp")  # [B, T, D]
     x = nn.with_logical_constraint(x + mlp, BTD)  # [B, T, D]
-    return x, None
+    return x, new_kv
 
 
 class Transformer(nn.Module):
-  """Decoder-only LM. `__call__(tokens, positions, segment_ids) -> logits [B, T, V]` (compute dtype)."""
+  """Decoder-only LM. `__call__(tokens, positions, segment_ids) -> logits [B, T, V]` (compute dtype).
+
+  Generation passes `cache={"k", "v": [L, B, S, KV, Dh], "pos": [B, S]}` (see layers/kv_cache.py) with
+  segment_ids > 0 marking each row's valid tokens (a prefix); it then gets the logits of each row's last
+  valid token [B, 1, V] and the updated cache in the mutable "kv_cache" collection.
+  """
   cfg: ModelConfig
   max_segments: int = 1
 
   @nn.compact
-  def __call__(self, tokens, positions=None, segment_ids=None):
+  def __call__(self, tokens, positions=None, segment_ids=None, cache=None, hidden: bool = False):
     m = self.cfg
     backend = resolve_backend(m.backend)
     be = get_backend(backend)
-    pdt, cdt = _dtype(m.param_dtype), _dtype(m.dtype)
+    pdt, cdt = _dtype(m.param_dtype), compute_dtype(m)
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
@@ -82,9 +99,11 @@ class Transformer(nn.Module):
 
     block = Block
     policy = remat_policy(m.remat, backend)
-    if m.remat != "none":
+    if m.remat != "none" and cache is None:
       block = nn.remat(Block, policy=policy, prevent_cse=not m.scan_layers)
-    if m.scan_layers:
+    if cache is not None:  # generation
+      x = self._cached_layers(x, positions, segment_ids, cache, backend)  # [B, 1, D]
+    elif m.scan_layers:
       stack = nn.scan(block, variable_axes={"params": 0, "fp8_metas": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
                       metadata_params={nn.PARTITION_NAME: "layers"})
@@ -94,6 +113,11 @@ class Transformer(nn.Module):
         x, _ = block(m, backend, self.max_segments, name=f"layers_{i}")(x, positions, segment_ids)
 
     init = nn.initializers.normal(m.init_std)
+    if hidden:  # the chunked loss (maxlm/step.py) applies the head itself: no [B, T, V] logits here
+      y = be.rms_norm(x, eps=m.norm_eps, param_dtype=pdt,
+                      name="final_norm" if m.tie_embeddings else "lm_head")  # [B, T, D]
+      kernel = embed.embedding if m.tie_embeddings else nn.unbox(self.variables["params"]["lm_head"]["kernel"])
+      return nn.with_logical_constraint(y, BTD), kernel  # kernel [V, D] tied, [D, V] untied
     if m.tie_embeddings:
       y = be.rms_norm(x, eps=m.norm_eps, param_dtype=pdt, name="final_norm")  # [B, T, D]
       logits = embed.attend(y)  # [B, T, V]
@@ -102,6 +126,30 @@ class Transformer(nn.Module):
                              param_dtype=pdt, kernel_init=init, name="lm_head",
                              quantize=m.fp8_lm_head)  # [B, T, V]
     return nn.with_logical_constraint(logits, BTV)
+
+  def _cached_layers(self, x, positions, segment_ids, cache, backend):
+    """The blocks over the KV cache; stores the new cache; returns each row's last valid hidden state."""
+    m = self.cfg
+    if m.scan_layers:
+      stack = nn.scan(Block, variable_axes={"params": 0, "fp8_metas": 0}, split_rngs={"params": True},
+                      in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=m.n_layers,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+      x, (k, v) = stack(m, backend, self.max_segments, name="layers")(
+          x, positions, segment_ids, (cache["k"], cache["v"]), cache["pos"])  # [B, T, D]
+    else:
+      ks, vs = [], []
+      for i in range(m.n_layers):
+        x, (k, v) = Block(m, backend, self.max_segments, name=f"layers_{i}")(
+            x, positions, segment_ids, (cache["k"][i], cache["v"][i]), cache["pos"])  # [B, T, D]
+        ks.append(k)
+        vs.append(v)
+      k, v = jnp.stack(ks), jnp.stack(vs)  # [L, B, S, KV, Dh]
+    valid = segment_ids > 0  # [B, T]
+    self.put_variable("kv_cache", "k", k)
+    self.put_variable("kv_cache", "v", v)
+    self.put_variable("kv_cache", "pos", update_positions(cache["pos"], positions, valid))
+    last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)  # [B] index of each row's last valid token
+    return jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

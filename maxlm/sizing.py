@@ -6,12 +6,18 @@
 * optimizer: AdamW's two moments, in the parameter dtype (optax's default; fp32 for the fp32 master
   weights every shipped config uses).
 * gradients: one gradient per parameter, in the parameter dtype.
+* fp8_meta: TE's delayed-scaling state (`fp8_metas`): per quantized GEMM (4 per layer, + the LM head
+  with `model.fp8_lm_head`), an fp32 amax history and scale for its input, kernel and gradient;
+  replicated. Zero for the other precisions (current and block scaling keep no state).
 * logits: one micro-batch's logits [B_micro / (data * fsdp), S, V / tensor] in fp32 (the loss) plus
   the `model.dtype` copy the LM head produces (none when that is float32).
 * activations (rough): what `model.remat` keeps per layer, plus one layer's internals recomputed in
   the backward pass; attention scores are not counted (fused attention does not store them).
-* lower_bound: params + optimizer + gradients + logits, memory the step certainly needs;
+* lower_bound: params + optimizer + gradients + fp8_meta + logits, memory the step certainly needs;
   total: lower_bound + activations.
+
+`estimate(..., state=...)` takes params / optimizer / fp8_meta bytes per device measured elsewhere
+(`maxlm.dryrun` reads them off the abstract train state and its shardings) instead of the formulas.
 
 Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x tensor
 degree (rounded up), the logits' batch by data x fsdp and their vocabulary by tensor (each rounded
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import math
 
-from maxlm.config import Config, ConfigError, MeshConfig
+from maxlm.config import Config, ConfigError, MeshConfig, ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
@@ -71,8 +77,17 @@ def _activation_elements(cfg: Config) -> int:
   return m.n_layers * kept + (whole if m.remat != "none" else 0)
 
 
-def estimate(cfg: Config, n_devices: int, n_nodes: int = 1) -> dict[str, int]:
-  """Bytes per device: params, optimizer, gradients, logits, activations, lower_bound, total."""
+def fp8_meta_bytes(m: ModelConfig) -> int:
+  """Bytes of TE's delayed-scaling state: (history + scale) x 3 tensors x 4 B per quantized GEMM."""
+  if m.precision != "fp8_delayed":
+    return 0
+  gemms = 4 * m.n_layers + (1 if m.fp8_lm_head and not m.tie_embeddings else 0)  # qkv, out, MLP in, MLP out
+  return gemms * 3 * (m.fp8_amax_history_len + 1) * 4
+
+
+def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
+             state: dict[str, int] | None = None) -> dict[str, int]:
+  """Bytes per device: params, optimizer, gradients, fp8_meta, logits, activations, lower_bound, total."""
   if n_devices < 1 or n_nodes < 1:
     raise ValueError(f"n_devices ({n_devices}) and n_nodes ({n_nodes}) must be >= 1")
   from maxlm.model import count_params  # lazy: maxlm.model imports jax, the rest here needs none
@@ -86,14 +101,17 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1) -> dict[str, int]:
   rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
   vocab = -(-m.vocab_size // deg["tensor"])
   logit_bytes = 4 + (c_bytes if m.dtype != "float32" else 0)
+  if state is not None:
+    params = state["params"]
   out = {
       "params": params,
-      "optimizer": 2 * params,
+      "optimizer": 2 * params if state is None else state["optimizer"],
       "gradients": params,
+      "fp8_meta": fp8_meta_bytes(m) if state is None else state["fp8_meta"],
       "logits": rows * d.seq_len * vocab * logit_bytes,
       "activations": rows * d.seq_len * _activation_elements(cfg) * c_bytes,
   }
-  out["lower_bound"] = out["params"] + out["optimizer"] + out["gradients"] + out["logits"]
+  out["lower_bound"] = out["params"] + out["optimizer"] + out["gradients"] + out["fp8_meta"] + out["logits"]
   out["total"] = out["lower_bound"] + out["activations"]
   return out
 

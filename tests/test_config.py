@@ -1,6 +1,8 @@
 """Config: defaults <- YAML (`base:`) <- key=value; locked keys, typed and ranged values, one-line errors."""
 
+import contextlib
 import dataclasses
+import io
 import math
 import re
 import typing
@@ -132,7 +134,7 @@ def test_every_shipped_config_loads():
     (["train.steps=1.5"], "config key 'train.steps' expects int, got 1.5"),
     (["model.scan_layers=maybe"], "config key 'model.scan_layers' expects bool, got 'maybe'"),
     (["model.precision=fp4"],
-     "config key 'model.precision' must be one of bf16, fp8_delayed, fp8_current; got 'fp4'"),
+     "config key 'model.precision' must be one of bf16, fp8_delayed, fp8_current, mxfp8, nvfp4; got 'fp4'"),
     (["model=3"], "config key 'model' is a section"),
     (["steps"], "argument 'steps' is not key=value"),
     (["config=missing.yml"], "config file 'missing.yml' not found"),
@@ -373,3 +375,30 @@ def test_config_is_frozen_and_round_trips(tmp_path):
   p.write_text(dump_yaml(cfg))
   assert load_config([f"config={p}"]) == cfg
   assert load_yaml(p)["model"]["rope_scaling"] == "llama3"
+
+
+def test_help_is_generated_from_the_dataclasses():
+  """--help cannot drift: a section and key that exist only here appear in the text, and every section
+  of Config (profile and distributed too) is listed by `python -m maxlm.train --help`."""
+  from maxlm import config_schema
+  from maxlm.train import main
+
+  @dataclasses.dataclass(frozen=True)
+  class Extra:
+    """A made-up section."""
+    knob: int = config_schema.option(7, "turns things", within="[0, 9]")
+
+  @dataclasses.dataclass(frozen=True)
+  class Root:
+    extra: Extra = Extra()
+
+  text = config_schema.help_text(Root)
+  assert "extra: A made-up section." in text and "  extra.knob: int = 7, in [0, 9]\n      turns things" in text
+  hints = typing.get_type_hints(Config)
+  sections = [f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(hints[f.name])]
+  assert {"profile", "distributed"} <= set(sections)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert main(["--help"]) == 0
+  for key, _, _ in leaf_keys():
+    assert f"  {key}: " in out.getvalue(), key

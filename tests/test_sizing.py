@@ -120,3 +120,15 @@ def test_config_refuses_the_absurd_vocab_and_seq_len_itself():
 def test_human_bytes():
   assert [human_bytes(n) for n in (0, 1023, 1024, 1536, 80 * 10**9, 2**60)] == \
       ["0 B", "1023 B", "1.0 KiB", "1.5 KiB", "74.5 GiB", "1.0 EiB"]
+
+
+def test_fp8_delayed_metadata():
+  # Per quantized GEMM (qkv, out, MLP in, MLP out per layer) TE keeps an fp32 amax history and an fp32
+  # scale for each of input, kernel and gradient: tiny (2 layers, history 1024) = 8 x 3 x 1025 x 4 B.
+  est = estimate(load_config(["model.precision=fp8_delayed"]), 1)
+  assert est["fp8_meta"] == 8 * 3 * 1025 * 4
+  assert est["lower_bound"] == 16 * TINY_PARAMS + 8 * 128 * 8192 * 6 + 8 * 3 * 1025 * 4
+  head = estimate(load_config(["model.precision=fp8_delayed", "model.fp8_lm_head=true"]), 8)
+  assert head["fp8_meta"] == 9 * 3 * 1025 * 4  # + the LM head; replicated, so not divided by 8 devices
+  for args in (["model.precision=fp8_current"], ["model.precision=mxfp8"], []):
+    assert estimate(load_config(args), 1)["fp8_meta"] == 0

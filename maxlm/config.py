@@ -211,6 +211,14 @@ class ProfileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class XlaConfig:
+  """XLA compiler flags: a preset (maxlm/xla_presets.py) merged under XLA_FLAGS before the backend starts."""
+  preset: str = option("auto", "auto = hopper on H100/H200, blackwell on B200/B300, none on CPU and other GPUs "
+                       "(from nvidia-smi); a flag you set in XLA_FLAGS wins over the preset's",
+                       choices=("auto", "none", "hopper", "blackwell"))
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   """A whole run."""
   output_dir: str = option("runs", "parent of the run directory")
@@ -223,6 +231,7 @@ class Config:
   checkpoint: CheckpointConfig = CheckpointConfig()
   distributed: DistributedConfig = DistributedConfig()
   profile: ProfileConfig = ProfileConfig()
+  xla: XlaConfig = XlaConfig()
 
   @property
   def run_dir(self) -> Path:

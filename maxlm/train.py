@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from maxlm import distributed, runtime
+from maxlm import distributed, runtime, xla_presets
 from maxlm.checkpoint import CheckpointError, Preemption
 from maxlm.config import Config, ConfigError, help_text, load_config
 from maxlm.data import DataError
@@ -46,6 +46,9 @@ def run(cfg: Config, t_start: float | None = None) -> int:
   preemption = Preemption()  # first: a signal while the model is built or compiled exits at once
   try:
     try:
+      xla_line = xla_presets.apply(cfg.xla.preset)  # the preset first: deterministic flags add to it
+      if xla_line:
+        echo(f"maxlm: {xla_line}")
       for line in runtime.configure(deterministic=cfg.train.deterministic):
         echo(f"maxlm: train.deterministic=true: {line}")
       # Before anything asks JAX about devices. From here on (for the rest of the process: tracebacks

@@ -22,7 +22,7 @@ import numpy as np
 
 from maxlm.checkpoint import CheckpointError, complete_steps
 from maxlm.checkpoint import load_params as load_orbax_params
-from maxlm.config import Config, ConfigError, DataConfig, MeshConfig, from_dict
+from maxlm.config import Config, ConfigError, DataConfig, MeshConfig, from_dict, load_config
 from maxlm.data.tokenizer import DEFAULT_TOKENIZER
 from maxlm.hf import config as hf_config
 from maxlm.hf.safetensors_io import INDEX, MAX_SHARD_BYTES
@@ -55,8 +55,11 @@ def find_step_dir(path: Path) -> Path:
 
 
 def read_step_config(step_dir: Path) -> Config:
-  """The resolved run config saved in a checkpoint step (its `config` item)."""
+  """The resolved run config saved in a checkpoint step (its `config` item), or the model.yml that
+  `maxlm convert hf-to-maxlm` writes beside its parameter tree."""
   item = step_dir / "config" / "metadata"
+  if not item.is_file() and (step_dir / "model.yml").is_file():
+    return load_config([f"config={step_dir / 'model.yml'}"])
   try:
     data = json.loads(item.read_text())
   except (OSError, ValueError) as e:
@@ -120,7 +123,7 @@ class Model:
     cfg = dataclasses.replace(run, model=dataclasses.replace(run.model, **over))
     structs, _ = _abstract_params(cfg, mesh)
     params = load_orbax_params(str(step_dir), structs)
-    return cls(cfg, params, mesh, side_files=_run_tokenizer_files(run.data))
+    return cls(cfg, params, mesh, side_files=run_tokenizer_files(run.data))
 
   def logits(self, tokens, segment_ids=None, positions=None) -> np.ndarray:
     """Logits [B, T, V] (float32, on the host) for int tokens [B, T]; packed rows take segment_ids
@@ -156,14 +159,15 @@ class Model:
     m = self.config.model
     cfg = hf_config.to_hf(m, dtype, base=self.hf_config, max_position=self.config.data.seq_len,
                           bos_id=self.config.data.bos_id, eos_id=self.config.data.eos_id)
-    return write_hf_dir(Path(out_dir), cfg, self.side_files,
-                        lambda tmp: export_hf(device_reader(self.params, m), m, tmp, dtype, max_shard_bytes))
+    def write(tmp: Path) -> None:
+      export_hf(device_reader(self.params, m), m, tmp, dtype, max_shard_bytes)
+      write_config_json(tmp, cfg)
+    return atomic_dir(Path(out_dir), write, self.side_files)
 
 
-def write_hf_dir(out_dir: Path, config_json: dict[str, Any], side_files: Sequence[tuple[Path, str]],
-                 write_weights) -> Path:
-  """Create `out_dir` atomically: everything goes to a temporary sibling that is renamed at the end
-  (removed on any error, so no half-written model is left)."""
+def atomic_dir(out_dir: Path, write, side_files: Sequence[tuple[Path, str]] = ()) -> Path:
+  """Create `out_dir` whole or not at all: `write(tmp)` and the side files (source, name) go to a hidden
+  sibling that is renamed at the end, and removed on any error (no half-written output is left)."""
   if out_dir.exists():
     raise ConfigError(f"output directory {out_dir} already exists")
   if not out_dir.parent.is_dir():
@@ -172,8 +176,7 @@ def write_hf_dir(out_dir: Path, config_json: dict[str, Any], side_files: Sequenc
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir()
   try:
-    write_weights(tmp)
-    (tmp / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+    write(tmp)
     for src, name in side_files:
       shutil.copyfile(src, tmp / name)
     tmp.rename(out_dir)
@@ -181,6 +184,10 @@ def write_hf_dir(out_dir: Path, config_json: dict[str, Any], side_files: Sequenc
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return out_dir
+
+
+def write_config_json(directory: Path, config_json: dict[str, Any]) -> None:
+  (directory / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
 
 
 def _hf_data_config(path: Path, hf: dict, vocab: int) -> DataConfig:
@@ -195,7 +202,7 @@ def _hf_data_config(path: Path, hf: dict, vocab: int) -> DataConfig:
   return DataConfig(tokenizer=tok, **ids)
 
 
-def _run_tokenizer_files(data: DataConfig) -> list[tuple[Path, str]]:
+def run_tokenizer_files(data: DataConfig) -> list[tuple[Path, str]]:
   """(source, HF file name) of a run's tokenizer: data.tokenizer (a tokenizer.json, a SentencePiece or
   tiktoken file, which HF names tokenizer.model, or a directory's tokenizer files), or the shipped
   SentencePiece model of the embedded corpus."""

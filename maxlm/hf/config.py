@@ -24,6 +24,12 @@ _OWNED = ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidde
           "attention_bias", "mlp_bias")
 
 
+# The ModelConfig fields a config.json determines (the architecture); the rest are run-time choices.
+ARCH_FIELDS = ("name", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+               "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+               "rope_high_freq_factor", "rope_original_max_position", "sliding_window", "tie_embeddings")
+
+
 class HFConfigError(ConfigError):
   """A Hugging Face config that maxlm cannot represent exactly (one line, exit code 2)."""
 
@@ -120,7 +126,8 @@ def to_hf(cfg: ModelConfig, dtype: str, base: dict[str, Any] | None = None, max_
   out.update(architectures=[arch], model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
              num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
              head_dim=cfg.head_dim, intermediate_size=cfg.ffn_dim, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
-             attention_bias=False, mlp_bias=False, tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
+             attention_bias=False, mlp_bias=False, tie_word_embeddings=cfg.tie_embeddings)
+  out["dtype" if "dtype" in base else "torch_dtype"] = dtype  # transformers 5.x names it dtype
   if "rope_parameters" in base:
     out["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
   else:

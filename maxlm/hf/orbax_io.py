@@ -34,6 +34,9 @@ def slice_checksum(x: np.ndarray, start: int) -> int:
   return int(h.sum(dtype=np.uint32))
 
 
+_ZARR_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "bfloat16"}  # as Orbax writes them
+
+
 def _kvstore(params_dir: Path, key: str, ocdbt: bool) -> dict:
   if ocdbt:
     return {"driver": "ocdbt", "base": f"file://{params_dir.absolute()}", "path": key + "/"}
@@ -86,9 +89,9 @@ class OrbaxWriter:
   def create(self, path: tuple[str, ...], shape: tuple[int, ...], dtype, stacked: bool) -> ts.TensorStore:
     """A new leaf; `stacked` chunks it per layer (leading axis) so each layer is written whole."""
     chunks = [1, *shape[1:]] if stacked else list(shape)
-    spec = {"driver": "zarr", "kvstore": _kvstore(self.dir, ".".join(path), True), "dtype": np.dtype(dtype).name,
-            "metadata": {"shape": list(shape), "chunks": chunks, "compressor": {"id": "zstd", "level": 1},
-                         "fill_value": None}}
+    spec = {"driver": "zarr", "kvstore": _kvstore(self.dir, ".".join(path), True),
+            "metadata": {"shape": list(shape), "chunks": chunks, "dtype": _ZARR_DTYPES[np.dtype(dtype).name],
+                         "compressor": {"id": "zstd", "level": 1}, "fill_value": None}}
     self.leaves.append(path)
     return ts.open(spec, create=True, context=self.context).result()
 

@@ -7,6 +7,8 @@ step was saved when checkpointing is on; rerun the same command to resume), 130 
 (SIGINT) before the first step.
 
 `--help` lists every config key with its type, default and meaning; `--help SECTION` one section.
+`--dry-run` sizes the run without building it (config, mesh, parameters, FLOPs, memory per device,
+data; `--json`, `--devices N`, `--nodes M`, `--device-memory-gb G`; see maxlm/dryrun.py) and exits 0.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import sys
 import time
 
-from maxlm import distributed, runtime, xla_presets
+from maxlm import distributed, dryrun, runtime, xla_presets
 from maxlm.checkpoint import CheckpointError, Preemption
 from maxlm.config import Config, ConfigError, help_text, load_config
 from maxlm.data import DataError
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
       except BrokenPipeError:  # `--help | head`: the reader left; exit quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
       return 0
+  if "--dry-run" in argv:  # abstract shapes only: nothing allocated, nothing written
+    return dryrun.main(argv)
   logging.basicConfig(level=os.environ.get("MAXLM_LOG", "WARNING"), format="%(name)s: %(message)s")
   try:
     cfg = load_config(argv)

@@ -20,7 +20,7 @@ from maxlm import data as data_lib
 from maxlm import sizing
 from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
 from maxlm.checkpoint import start as start_checkpoints
-from maxlm.config import Config, ConfigError, dump_yaml, to_dict
+from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml, to_dict
 from maxlm.layers import check_precision, precision_scope, resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line, throughput
@@ -128,6 +128,17 @@ def _check_writable(run_dir: Path) -> None:
                       f"{probe}); set output_dir to a writable place") from None
 
 
+def check_batch_split(d: DataConfig, t: TrainConfig, mesh_shape) -> None:
+  """ConfigError unless each micro-batch splits evenly over the data-parallel devices (data x fsdp)."""
+  dp = mesh_shape["data"] * mesh_shape["fsdp"]
+  micro = d.global_batch_size // t.grad_accum
+  if micro % dp:
+    raise ConfigError(f"data.global_batch_size={d.global_batch_size} gives micro-batches of {micro} rows "
+                      f"(train.grad_accum={t.grad_accum}), not divisible by the {dp} data-parallel devices "
+                      f"(mesh data={mesh_shape['data']} x fsdp={mesh_shape['fsdp']}); use a "
+                      f"multiple of {dp * t.grad_accum}")
+
+
 class Trainer:
   """Owns the mesh, model, state, data and jitted steps of one run; `train()` drives it."""
 
@@ -154,14 +165,7 @@ class Trainer:
         probe.close()
 
   def _check_batch_split(self) -> None:
-    d, t = self.cfg.data, self.cfg.train
-    dp = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-    micro = d.global_batch_size // t.grad_accum
-    if micro % dp:
-      raise ConfigError(f"data.global_batch_size={d.global_batch_size} gives micro-batches of {micro} rows "
-                        f"(train.grad_accum={t.grad_accum}), not divisible by the {dp} data-parallel devices "
-                        f"(mesh data={self.mesh.shape['data']} x fsdp={self.mesh.shape['fsdp']}); use a "
-                        f"multiple of {dp * t.grad_accum}")
+    check_batch_split(self.cfg.data, self.cfg.train, self.mesh.shape)
 
   @contextlib.contextmanager
   def scope(self):

@@ -1,0 +1,265 @@
+"""Size a training run without building it: `python -m maxlm.train --dry-run [config=FILE] [key=value ...]`.
+
+Prints the resolved config in short, the mesh, parameter counts, FLOPs per token and per step (the
+README's MFU convention, `maxlm.model.flops_per_step`), a per-device memory estimate and a summary of
+the data source, then exits 0. `--json` prints the same as one JSON object.
+
+Nothing is allocated or written: the train state is built abstractly (`jax.eval_shape` over the
+initializer, one scanned layer standing for all of them: same parameters), and its shardings are read
+for an abstract mesh of the configured size (`jax.sharding.AbstractMesh`), so Llama 3 70B sizes in
+seconds on a laptop CPU. The mesh is sized for this machine's devices, or for `--devices N` over
+`--nodes M` (and `--device-memory-gb G` to compare against); the run's own checks (batch split over the
+data-parallel devices, config ranges, data files present) apply, so a bad config stops with one line and
+exit code 2. Parameters, optimizer state and FP8 metadata per device come from the abstract state's
+shards; gradients equal the parameters; logits and activations are `maxlm.sizing`'s formulas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+from jax.sharding import AbstractMesh
+
+from maxlm import sizing
+from maxlm.config import Config, ConfigError, DataConfig, load_config
+from maxlm.data import DataError
+from maxlm.data.readers import META_NAME, file_format, resolve_files, split_list
+from maxlm.data.shards import read_meta
+from maxlm.layers import PrecisionError, precision_scope, resolve_backend, supported_precisions
+from maxlm.mesh import AXES, mesh_shape
+from maxlm.metrics import device_peak_flops
+from maxlm.model import Transformer, count_params, flops_per_step
+from maxlm.optim import make_optimizer
+from maxlm.sharding import axis_rules
+from maxlm.train_state import abstract_state
+from maxlm.trainer import check_batch_split, device_memory_bytes
+
+FLAGS = ("--dry-run", "--json")
+VALUE_FLAGS = ("--devices", "--nodes", "--device-memory-gb")
+
+
+def parse_flags(argv: list[str]) -> tuple[dict, list[str]]:
+  """Split the dry-run's own flags (`--devices 8` or `--devices=8`) from the config words."""
+  opts, rest, i = {"json": False}, [], 0
+  while i < len(argv):
+    a = argv[i]
+    name, eq, value = a.partition("=")
+    if a in FLAGS:
+      opts["json"] |= a == "--json"
+    elif name in VALUE_FLAGS:
+      if not eq:
+        if i + 1 >= len(argv):
+          raise ConfigError(f"argument {name} needs a value")
+        i, value = i + 1, argv[i + 1]
+      try:
+        number = float(value) if name == "--device-memory-gb" else int(value)
+      except ValueError:
+        number = 0
+      if not number > 0 or not math.isfinite(number):
+        raise ConfigError(f"argument {name} must be a positive number, got {value!r}")
+      opts[name[2:].replace("-", "_")] = number
+    else:
+      rest.append(a)
+    i += 1
+  return opts, rest
+
+
+def _shard_bytes(structs, shardings) -> int:
+  """Bytes one device holds of a tree of abstract arrays under their shardings."""
+  leaves, shards = jax.tree.leaves(structs), jax.tree.leaves(shardings)
+  return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in zip(leaves, shards, strict=True))
+
+
+def abstract_train_state(cfg: Config, mesh: AbstractMesh, precision: str):
+  """(ShapeDtypeStructs, shardings) of the train state; nothing is allocated."""
+  m = dataclasses.replace(cfg.model, scan_layers=True, remat="none")  # one traced layer, same parameters
+  backend = resolve_backend(m.backend)
+  optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
+  with axis_rules(), precision_scope(precision, backend, m.fp8_amax_history_len):
+    return abstract_state(Transformer(m), optimizer, mesh, 1, min(cfg.data.seq_len, 16))  # init: any length
+
+
+def _data_entry(spec: str, fmt: str) -> dict:
+  """Files and bytes of one data.paths entry; documents and tokens for prepared shards (their metadata)."""
+  files = resolve_files(spec)
+  out = {"path": spec, "files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+  out["format"] = fmt if fmt != "mixture" else file_format(files[0])
+  meta_dir = Path(spec) if Path(spec).is_dir() else files[0].parent
+  if out["format"] == "arrayrecord" and (meta_dir / META_NAME).is_file():
+    meta = read_meta(meta_dir)
+    out.update({k: meta[k] for k in ("documents", "tokens") if isinstance(meta.get(k), int)})
+  return out
+
+
+def data_summary(d: DataConfig, steps: int) -> dict:
+  """What the run reads, from names and metadata only (no document is read)."""
+  out = {"type": d.type, "seq_len": d.seq_len, "global_batch_size": d.global_batch_size,
+         "tokens_per_step": d.global_batch_size * d.seq_len, "tokens_total": steps * d.global_batch_size * d.seq_len}
+  if d.type == "synthetic":
+    out["source"] = "random tokens"
+    return out
+  if d.type == "embedded":
+    out["source"] = "the shipped Jane Austen corpus (maxlm/assets/austen.txt.xz)"
+  else:
+    entries = [_data_entry(p, d.type) for p in split_list(d.paths)]
+    if not entries:
+      raise ConfigError(f"data.type={d.type} needs data.paths")
+    out["sources"] = entries
+    if d.weights:
+      out["weights"] = d.weights
+    tokens = [e.get("tokens") for e in entries]
+    if all(isinstance(t, int) for t in tokens) and sum(tokens):
+      out["corpus_tokens"] = sum(tokens)
+      out["epochs"] = out["tokens_total"] / sum(tokens)  # approximate: BOS/EOS and packing padding not counted
+  out["tokenizer"] = d.tokenizer or ("recorded in the shards" if d.type == "arrayrecord" else "shipped Austen 8k")
+  out["eval"] = (f"files {d.eval_paths}" if d.eval_paths else
+                 f"every {round(1 / d.eval_fraction)}th training document" if d.eval_fraction else "none")
+  return out
+
+
+def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | None = None,
+         device_kind: str | None = None) -> dict:
+  """Everything the dry run reports, as plain data."""
+  m, d, t = cfg.model, cfg.data, cfg.train
+  ici, dcn = mesh_shape(cfg.mesh, n_devices, n_nodes)
+  degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
+  check_batch_split(d, t, degrees)
+  backend = resolve_backend(m.backend)
+  here = supported_precisions() if backend == "te" else ["bf16"]
+  exact_meta = m.precision in here  # TE builds the FP8 state only where the recipe runs
+  mesh = AbstractMesh(tuple(degrees.values()), AXES)
+  structs, shardings = abstract_train_state(cfg, mesh, m.precision if exact_meta else "bf16")
+
+  total = sum(a.size for a in jax.tree.leaves(structs.params))
+  embedding = structs.params["embed"]["embedding"].size
+  counted = count_params(m)
+  if total != counted["total"]:  # the formulas in sizing / flops rely on this count
+    raise AssertionError(f"parameters: {total} in the model, {counted['total']} by maxlm.model.count_params")
+  state = {"params": _shard_bytes(structs.params, shardings.params),
+           "optimizer": _shard_bytes(structs.opt_state, shardings.opt_state),
+           "fp8_meta": (_shard_bytes(structs.model_state, shardings.model_state) if exact_meta
+                        else sizing.fp8_meta_bytes(m))}
+  memory = sizing.estimate(cfg, n_devices, n_nodes, state=state)
+  tokens = d.global_batch_size * d.seq_len
+  flops = flops_per_step(m, d.global_batch_size, d.seq_len)
+  out = {
+      "config": {"model": {k: getattr(m, k) for k in (
+          "name", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
+          "tie_embeddings", "sliding_window", "rope_theta", "rope_scaling", "precision", "param_dtype", "dtype",
+          "remat", "scan_layers")} | {"backend": backend},
+          "train": {"steps": t.steps, "grad_accum": t.grad_accum, "seed": t.seed},
+          "optim": {"learning_rate": cfg.optim.learning_rate, "schedule": cfg.optim.schedule,
+                    "warmup_steps": cfg.optim.warmup_steps, "weight_decay": cfg.optim.weight_decay},
+          "run_dir": str(cfg.run_dir)},
+      "mesh": {"devices": n_devices, "nodes": n_nodes, **degrees, "intra_node": ici, "inter_node": dcn},
+      "params": {"total": total, "embedding": embedding, "non_embedding": total - embedding,
+                 "matmul": counted["matmul"]},
+      "flops": {"per_token": flops / tokens, "per_step": flops, "tokens_per_step": tokens,
+                "convention": "6 * matmul params * tokens + 12 * B * attended pairs * heads * head_dim * layers"},
+      "memory": {"per_device_bytes": memory, "remat": m.remat,
+                 "fp8_meta_from": "the abstract state" if exact_meta else "the formula in maxlm/sizing.py"},
+      "data": data_summary(d, t.steps),
+      "precision_here": {"supported": here, "ok": m.precision in here},
+  }
+  if device_memory:
+    out["memory"]["device_bytes"] = device_memory
+    out["memory"]["fits"] = memory["total"] <= device_memory
+    out["memory"]["lower_bound_fits"] = memory["lower_bound"] <= device_memory
+  peak = device_peak_flops(device_kind) if device_kind else None
+  if peak:
+    out["flops"]["device_kind"] = device_kind
+    out["flops"]["step_s_at_full_mfu"] = flops / (n_devices * peak)
+  return out
+
+
+def _gib(n: float) -> str:
+  return sizing.human_bytes(n)
+
+
+def render(p: dict) -> str:
+  """The plan as text, one topic per block."""
+  c, m, ms, pa, fl, mem, da = (p["config"], p["config"]["model"], p["mesh"], p["params"], p["flops"], p["memory"],
+                               p["data"])
+  est = mem["per_device_bytes"]
+  heads = f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads x {m['head_dim']}"
+  extra = ", tied embeddings" if m["tie_embeddings"] else ""
+  extra += f", sliding window {m['sliding_window']}" if m["sliding_window"] else ""
+  lines = [
+      f"maxlm dry run: {m['name']} (abstract shapes only: nothing allocated, nothing written)",
+      f"model   {m['n_layers']} layers, d_model {m['d_model']}, {heads}, ffn {m['ffn_dim']}, vocab "
+      f"{m['vocab_size']}{extra}, RoPE theta {m['rope_theta']:g}"
+      + (f" ({m['rope_scaling']} scaling)" if m["rope_scaling"] != "none" else ""),
+      f"        precision {m['precision']} on backend {m['backend']}, params {m['param_dtype']}, compute "
+      f"{m['dtype']}, remat {m['remat']}, scan_layers {m['scan_layers']}",
+      f"train   {c['train']['steps']} steps x {da['tokens_per_step']:,} tokens ({da['global_batch_size']} x "
+      f"{da['seq_len']}, grad_accum {c['train']['grad_accum']}) = {da['tokens_total']:.3e} tokens; AdamW lr "
+      f"{c['optim']['learning_rate']:g} {c['optim']['schedule']}, warmup {c['optim']['warmup_steps']}; run dir "
+      f"{c['run_dir']}",
+      f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): data {ms['data']} x fsdp {ms['fsdp']} x tensor "
+      f"{ms['tensor']} (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})",
+      f"params  {pa['total']:,} total, {pa['non_embedding']:,} without the token embedding "
+      f"({pa['embedding']:,}); {pa['matmul']:,} in matmuls (MFU convention, LM head included)",
+      f"flops   {fl['per_token']:.4g} per token, {fl['per_step']:.4g} per step (6 x matmul params x tokens + "
+      f"causal attention; README, MFU convention)"
+      + (f"; {fl['step_s_at_full_mfu']:.3g} s per step at 100% MFU on {fl['device_kind']}"
+         if "step_s_at_full_mfu" in fl else ""),
+      "memory  per device, estimated:",
+  ]
+  rows = [("params", f"{m['param_dtype']}, sharded over fsdp x tensor"),
+          ("optimizer", "AdamW mu and nu, same dtype and shards as the params"),
+          ("gradients", "same dtype and shards as the params"),
+          ("fp8_meta", f"TE delayed-scaling amax histories and scales, from {mem['fp8_meta_from']}"),
+          ("logits", "one micro-batch, fp32 for the loss + the compute-dtype copy"),
+          ("activations", f"rough: what remat={mem['remat']} keeps per layer + one layer recomputed")]
+  for key, why in rows:
+    lines.append(f"  {key:<12}{_gib(est[key]):>11}   {why}")
+  lines.append(f"  {'lower bound':<12}{_gib(est['lower_bound']):>11}   all but the activations: certainly needed")
+  lines.append(f"  {'total':<12}{_gib(est['total']):>11}")
+  if "device_bytes" in mem:
+    verdict = "fits" if mem["fits"] else ("the lower bound fits, the total does not" if mem["lower_bound_fits"]
+                                          else "does NOT fit (the run stops at start)")
+    lines.append(f"  {'device':<12}{_gib(mem['device_bytes']):>11}   {verdict}")
+  src = da.get("source")
+  if src is None:
+    src = "; ".join(f"{e['path']} ({e['format']}, {e['files']} file(s), {_gib(e['bytes'])}"
+                    + (f", {e['documents']:,} documents, {e['tokens']:,} tokens" if "tokens" in e else "") + ")"
+                    for e in da["sources"])
+  lines.append(f"data    {da['type']}: {src}")
+  if "epochs" in da:
+    lines.append(f"        the run reads {da['epochs']:.3g} x the corpus ({da['corpus_tokens']:,} tokens)")
+  if "tokenizer" in da:
+    lines.append(f"        tokenizer {da['tokenizer']}; eval: {da['eval']}")
+  ph = p["precision_here"]
+  if not ph["ok"]:
+    lines.append(f"note    model.precision={m['precision']} does not run on this machine (supported here: "
+                 f"{', '.join(ph['supported'])}); sized for a GPU that runs it")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`--dry-run` of maxlm.train: 0 after printing, 2 on bad config or input (one line)."""
+  argv = sys.argv[1:] if argv is None else argv
+  try:
+    opts, words = parse_flags(argv)
+    cfg = load_config(words)
+    local = "devices" not in opts and "nodes" not in opts
+    n_nodes = opts.get("nodes", 1 if not local else jax.process_count())
+    n_devices = opts.get("devices", jax.device_count() if local else n_nodes * jax.local_device_count())
+    memory = int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else (
+        device_memory_bytes() if local else None)
+    kind = jax.devices()[0].device_kind if local and jax.default_backend() != "cpu" else None
+    p = plan(cfg, n_devices, n_nodes, memory, kind)
+  except (ConfigError, DataError, PrecisionError) as e:
+    print(f"maxlm: error: {e}", file=sys.stderr, flush=True)
+    return 2
+  print(json.dumps(p, indent=1) if opts["json"] else render(p), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

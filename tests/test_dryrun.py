@@ -1,0 +1,144 @@
+"""`python -m maxlm.train --dry-run`: numbers checked against counts written out here from the published
+shapes, memory per device from the sharding rules by hand, no parameter-sized allocation, one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from maxlm.config import load_config
+from maxlm.dryrun import parse_flags, plan
+from maxlm.train import main
+
+# Llama 3 8B: d=4096, 32 layers, 32 heads / 8 kv heads of 128, ffn 14336, vocab 128256, untied.
+L8_LAYER = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336  # qkv, out, SwiGLU (3 matrices)
+L8_NORMS = (2 * 32 + 1) * 4096  # two RMSNorm scales per layer + the final one
+L8_EMBED = 128256 * 4096
+L8_TOTAL = 32 * L8_LAYER + L8_NORMS + 2 * L8_EMBED  # embedding + LM head
+# Llama 3 70B: d=8192, 80 layers, 64 heads / 8 kv heads of 128, ffn 28672.
+L70_TOTAL = (80 * (8192 * (64 + 16) * 128 + 64 * 128 * 8192 + 3 * 8192 * 28672) + 161 * 8192
+             + 2 * 128256 * 8192)
+
+
+def dry(capsys, *args):
+  code = main(["--dry-run", *args])
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+def test_llama8b_counts_flops_and_memory(capsys):
+  assert L8_TOTAL == 8_030_261_248  # the published 8.03B
+  code, out, err = dry(capsys, "--json", "config=llama8b", "--devices", "8")
+  assert code == 0 and err == ""
+  p = json.loads(out)
+  assert p["params"]["total"] == L8_TOTAL
+  assert p["params"]["non_embedding"] == L8_TOTAL - L8_EMBED == 7_504_924_672
+  assert (p["mesh"]["data"], p["mesh"]["fsdp"], p["mesh"]["tensor"]) == (1, 8, 1)
+  # README's MFU convention: 6 * N * tokens + 6 * B * S^2 * (heads * head_dim) * layers, N = every matmul
+  # weight (LM head too, not the embedding lookup); llama8b.yml: batch 8 x 8192.
+  b, s = 8, 8192
+  n_matmul = 32 * L8_LAYER + 4096 * 128256
+  flops = 6 * n_matmul * b * s + 6 * b * s**2 * 32 * 128 * 32
+  assert p["flops"]["per_step"] == flops and p["flops"]["per_token"] == flops / (b * s)
+  # FSDP over 8: every weight matrix is split 8 ways on its `embed` dimension; RMSNorm scales are replicated.
+  params = 4 * (L8_TOTAL - L8_NORMS) // 8 + 4 * L8_NORMS
+  mem = p["memory"]["per_device_bytes"]
+  assert mem["params"] == params and mem["gradients"] == params
+  assert mem["optimizer"] == 2 * params + 2 * 4  # Adam mu, nu like the params + two int32 step counts
+  assert mem["fp8_meta"] == 0
+  assert mem["logits"] == (8 // 8) * 8192 * 128256 * (4 + 2)  # one row per device, fp32 + bf16 copy
+  assert mem["lower_bound"] == params + (2 * params + 8) + params + mem["logits"]  # + gradients
+  assert mem["total"] == mem["lower_bound"] + mem["activations"] and mem["activations"] > 0
+  assert p["data"]["source"] == "random tokens" and p["data"]["tokens_total"] == 100000 * b * s
+
+
+def test_text_report_and_tensor_parallel(capsys):
+  code, out, _ = dry(capsys, "config=llama8b", "mesh.fsdp=4", "mesh.tensor=2", "--devices=8",
+                     "--device-memory-gb=141")
+  assert code == 0
+  assert "params  8,030,261,248 total, 7,504,924,672 without the token embedding" in out
+  assert "data 1 x fsdp 4 x tensor 2" in out and "141" not in out.split("device")[0]
+  assert "131.3 GiB   fits" in out  # 141e9 B; the estimate (~29 GiB) fits
+  _, out, _ = dry(capsys, "config=llama8b", "--devices=8", "--device-memory-gb=20")
+  assert "does NOT fit" in out  # lower bound 20.8 GiB > 18.6 GiB
+
+
+@pytest.mark.te
+def test_fp8_metadata_from_the_state_and_from_the_formula(fake_fp8_gpu):
+  # Tiny (2 layers): 4 GEMMs per layer x (input, kernel, grad) x (amax history 1024 + scale) x 4 B.
+  expected = 2 * 4 * 3 * (1024 + 1) * 4
+  cfg = load_config(["model.precision=fp8_delayed", "model.backend=te"])
+  p = plan(cfg, 1)
+  assert p["memory"]["per_device_bytes"]["fp8_meta"] == expected
+  assert p["memory"]["fp8_meta_from"] == "the abstract state" and p["precision_here"]["ok"]
+
+
+@pytest.mark.te
+def test_fp8_sized_on_a_machine_without_fp8(capsys):
+  code, out, _ = dry(capsys, "model.precision=fp8_delayed", "model.backend=te", "--json")
+  p = json.loads(out)
+  assert code == 0 and p["memory"]["per_device_bytes"]["fp8_meta"] == 2 * 4 * 3 * 1025 * 4
+  assert p["memory"]["fp8_meta_from"] == "the formula in maxlm/sizing.py"
+  assert p["precision_here"] == {"supported": ["bf16"], "ok": False}
+  _, out, _ = dry(capsys, "model.precision=fp8_delayed", "model.backend=te")
+  assert "does not run on this machine (supported here: bf16)" in out
+
+
+def test_llama70b_without_allocating(tmp_path):
+  """70B in fp32 is 282 GB of parameters; the dry run's whole process must stay far below the smallest
+  weight it would otherwise hold (the 4.2 GB embedding; any stacked layer weight is larger still)."""
+  code = ("import resource, sys\nfrom maxlm.train import main\n"
+          "rc = main(['--dry-run', '--json', 'config=llama70b', 'data.global_batch_size=64',"
+          " '--devices', '64', '--nodes', '8'])\n"
+          "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)\nsys.exit(rc)\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr
+  p = json.loads(r.stdout)
+  assert L70_TOTAL == p["params"]["total"] == 70_553_706_496
+  assert (p["mesh"]["data"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (8, 8, [8, 1, 1])  # dcn_data=-1
+  peak_rss = int(r.stderr.strip().splitlines()[-1])
+  assert peak_rss < 128256 * 8192 * 4 / 2  # half the embedding alone: no parameter was materialized
+  assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_data_summary_from_names_and_metadata(tmp_path, capsys):
+  (tmp_path / "a.txt").write_text("one\ntwo\n")
+  (tmp_path / "b.txt").write_text("three\n")
+  code, out, _ = dry(capsys, "--json", "data.type=text", f"data.paths={tmp_path}/*.txt")
+  d = json.loads(out)["data"]
+  assert code == 0 and d["sources"] == [{"path": f"{tmp_path}/*.txt", "files": 2, "bytes": 14, "format": "text"}]
+  shards = tmp_path / "prepared"
+  shards.mkdir()
+  (shards / "s0.arrayrecord").write_bytes(b"")  # never opened by the dry run
+  (shards / "maxlm_data.json").write_text(json.dumps({
+      "tokenizer": {"sha256": "0" * 64, "vocab_size": 8192}, "dtype": "uint16", "documents": 10,
+      "tokens": 1024, "shards": [{"file": "s0.arrayrecord", "documents": 10, "tokens": 1024}]}))
+  code, out, _ = dry(capsys, "--json", "data.type=arrayrecord", f"data.paths={shards}", "train.steps=4")
+  d = json.loads(out)["data"]
+  assert code == 0 and d["sources"][0]["tokens"] == 1024 and d["sources"][0]["documents"] == 10
+  assert d["epochs"] == 4 * 8 * 128 / 1024  # steps x batch x seq_len over the corpus
+
+
+@pytest.mark.parametrize("args, message", [
+    (["config=llama8b", "--devices", "3"], "not divisible by the 3 data-parallel devices"),
+    (["--devices=abc"], "argument --devices must be a positive number, got 'abc'"),
+    (["--nodes"], "argument --nodes needs a value"),
+    (["model.n_heads=5"], "model.n_heads (5) must be a multiple of model.n_kv_heads (2)"),
+    (["data.type=text", "data.paths=nowhere.txt"], "data file 'nowhere.txt' not found"),
+    (["config=llama8b", "--devices", "6", "--nodes", "4"], "6 devices do not split evenly over 4 nodes"),
+])
+def test_bad_input_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message):
+  monkeypatch.chdir(tmp_path)
+  code, out, err = dry(capsys, *args)
+  assert code == 2 and out == ""
+  assert err.count("\n") == 1 and err.startswith("maxlm: error: ") and message in err
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_flag_parsing():
+  opts, rest = parse_flags(["--dry-run", "--json", "config=x", "--devices", "16", "--nodes=2", "a.b=1"])
+  assert opts == {"json": True, "devices": 16, "nodes": 2} and rest == ["config=x", "a.b=1"]

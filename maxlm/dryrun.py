@@ -215,11 +215,13 @@ def render(p: dict) -> str:
           ("gradients", "same dtype and shards as the params"),
           ("fp8_meta", f"TE delayed-scaling amax histories and scales, from {mem['fp8_meta_from']}"),
           ("logits", "one micro-batch, fp32 for the loss + the compute-dtype copy"),
-          ("activations", f"rough: what remat={mem['remat']} keeps per layer + one layer recomputed")]
+          ("activations", "rough: everything the backward pass reads, every layer" if mem["remat"] == "none"
+           else f"rough: what remat={mem['remat']} keeps per layer + one layer recomputed")]
   for key, why in rows:
     lines.append(f"  {key:<12}{_gib(est[key]):>11}   {why}")
-  lines.append(f"  {'lower bound':<12}{_gib(est['lower_bound']):>11}   all but the activations: certainly needed")
-  lines.append(f"  {'total':<12}{_gib(est['total']):>11}")
+  lines.append(f"  {'lower bound':<12}{_gib(est['lower_bound']):>11}   all but the activations: certainly needed "
+               f"({est['lower_bound'] / 1e9:.1f} GB)")
+  lines.append(f"  {'total':<12}{_gib(est['total']):>11}   ({est['total'] / 1e9:.1f} GB, the unit of peak_memory_gb)")
   if "device_bytes" in mem:
     verdict = "fits" if mem["fits"] else ("the lower bound fits, the total does not" if mem["lower_bound_fits"]
                                           else "does NOT fit (the run stops at start)")

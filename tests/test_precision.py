@@ -126,3 +126,30 @@ def test_train_command_refuses_mxfp8_on_cpu_in_one_line(tmp_path, capsys):
   assert code == 2 and len(err) == 1
   assert err[0].startswith("maxlm: error: model.precision=nvfp4 is not supported") and "supported here: bf16" in err[0]
   assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.te
+def test_real_gpu_gate_and_blackwell_steps():
+  """On the GPU itself, with TE's real probe: Hopper refuses MXFP8/NVFP4; Blackwell runs a few steps of each."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  major = int(str(jax.devices()[0].compute_capability).split(".")[0])
+  ok = supported_precisions()
+  if major < 10:
+    assert ok == HOPPER
+    for name in ("mxfp8", "nvfp4"):
+      with pytest.raises(PrecisionError, match="supported here: " + ", ".join(HOPPER)):
+        check_precision(name, "te")
+    return
+  from maxlm.config import load_config as load
+  from maxlm.trainer import Trainer
+  assert set(BLACKWELL) <= set(ok)
+  for name in ("mxfp8", "nvfp4"):
+    cfg = load([f"model.precision={name}", "model.backend=te", "data.type=synthetic", "model.d_model=256",
+                "model.ffn_dim=512", "model.head_dim=64", "data.seq_len=256", "data.global_batch_size=8"])
+    trainer = Trainer(cfg)
+    trainer.build()
+    for _ in range(3):
+      trainer.state, metrics = trainer.train_step(trainer.state, trainer.to_device(next(trainer.train_data)))
+    assert bool(jnp.isfinite(metrics["loss"])), name

@@ -147,3 +147,26 @@ def test_trainer_profiles_the_configured_steps(tmp_path, monkeypatch):
   order = [e.split(" |")[0] for e in events if e.startswith(("step ", "cudaProfiler"))]
   assert order == ["step 1/4", "cudaProfilerStart", "step 2/4", "cudaProfilerStop", "step 3/4", "step 4/4"]
   assert len(traces(tmp_path / "r")) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_window_with_the_real_cuda_profiler_api(tmp_path):
+  """On the GPU: libcudart is found and answers, and the XProf trace holds the GPU's activity."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  from maxlm import trainer as trainer_lib
+  from maxlm.checkpoint import Preemption
+
+  api = profiling.CudaProfilerApi()
+  assert api._lib is not None
+  assert api._lib.cudaProfilerStart() == 0 and api._lib.cudaProfilerStop() == 0  # cudaSuccess
+  cfg = load_config(["model.backend=te", "train.steps=4", "train.log_every=1", "train.eval_every=0",
+                     "data.type=synthetic", "profile.start_step=2", "profile.num_steps=2",
+                     f"output_dir={tmp_path}", "run_name=r"])
+  preemption = Preemption()
+  try:
+    assert trainer_lib.train(cfg, preemption) == 0
+  finally:
+    preemption.close()
+  (trace,) = traces(tmp_path / "r")
+  assert b"/device:GPU:0" in trace.read_bytes()

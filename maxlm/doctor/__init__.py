@@ -1,0 +1,189 @@
+"""Check this machine for a run: versions, GPU, CUDA/cuDNN, TE, fused attention, FP8, NCCL, memory, XLA flags.
+
+  maxlm doctor [config=FILE] [key=value ...] [--json]       (= python -m maxlm.doctor ...)
+
+One line per check: pass, warn, fail or skip, what was found, and (for warn/fail) the fix. The config
+is the run's (same keys as `maxlm train`): fused attention is tried with its head_dim, GQA ratio,
+sliding window and dtype; FP8 against its model.precision; memory against its size; output_dir against
+its checkpoints. XLA_FLAGS are checked as the run would start with them (the xla.preset merged in) in
+a separate process, since XLA aborts on an unknown flag. On a machine without a GPU the GPU checks say
+"skipped: no GPU"; the all-reduce still runs over the CPU devices. Under srun/mpirun every process
+checks, and the all-reduce spans all of them.
+
+Checks: versions, xla_flags, devices, cuda, te, fused_attention, cudnn, fp8, nccl, memory_settings,
+memory_fit, output_dir. `--json` prints one JSON object {"results": [...], "summary": {...},
+"exit_code": N} instead of the lines.
+
+Exit codes: 0 no check failed (warnings allowed), 1 a check failed, 2 bad configuration or arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+from maxlm import distributed, runtime, xla_presets
+from maxlm.config import Config, ConfigError, MeshConfig, load_config
+from maxlm.doctor import checks, probes
+from maxlm.doctor.checks import STATUSES, Result
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+BACKEND_CHECKS = ("devices", "cuda", "te", "fused_attention", "cudnn", "fp8", "nccl", "memory_settings",
+                  "memory_fit")
+
+
+def guarded(name: str, fn: Callable[[], Result]) -> Result:
+  """Run one check; a check that raises is reported as failed (traceback on stderr), never kills the rest."""
+  try:
+    return fn()
+  except Exception as e:  # noqa: BLE001 - the doctor reports, whatever a probe raises
+    traceback.print_exc(file=sys.stderr)
+    return Result(name, "fail", f"the check raised {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}",
+                  "see the traceback on stderr; report it if the cause is not in it")
+
+
+def format_line(r: Result) -> str:
+  line = f"{r.status:<4}  {r.name:<15}  {r.found}"
+  return line + (f"  -> fix: {r.fix}" if r.fix and r.status in ("warn", "fail") else "")
+
+
+def checkpoint_bytes(cfg: Config) -> int:
+  """One checkpoint: parameters, both Adam moments and FP8 metadata of the whole model (one device)."""
+  from maxlm import sizing  # noqa: PLC0415 - lazy: sizing imports maxlm.model (jax)
+  whole = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=1, tensor=1, dcn_data=1, dcn_fsdp=1, dcn_tensor=1))
+  est = sizing.estimate(whole, 1)
+  return est["params"] + est["optimizer"] + est.get("fp8_meta", 0)
+
+
+def _attention_shape(m) -> str:
+  return (f"{m.n_heads} heads / {m.n_kv_heads} kv (GQA {m.n_heads // m.n_kv_heads}), head_dim {m.head_dim}, "
+          f"window {m.sliding_window or 'none'}, {m.dtype}")
+
+
+def _on_timeout(msg: str) -> None:
+  print(f"maxlm: error: {msg}", file=sys.stderr, flush=True)
+  os._exit(EXIT_FAILED)
+
+
+def _backend_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
+  """The checks that need the JAX backend (started here). Returns True when the all-reduce hung."""
+  import jax  # noqa: PLC0415 - lazy on purpose: XLA_FLAGS were checked in a subprocess first
+
+  from maxlm import sizing  # noqa: PLC0415
+  from maxlm.layers import supported_precisions, te_probe  # noqa: PLC0415
+  from maxlm.trainer import device_memory_bytes  # noqa: PLC0415
+
+  launch_error = None
+  try:
+    launch = distributed.initialize(cfg, on_timeout=_on_timeout)
+  except ConfigError as e:
+    launch, launch_error = None, str(e)
+  gpu = jax.default_backend() == "gpu"
+  hardware = xla_presets.detect_gpu()
+
+  def devices():
+    if launch_error:
+      return Result("devices", "fail", launch_error, "see launch/README.md for srun/mpirun set-ups")
+    launcher = f"{launch.launcher}, process {launch.process_id}" if launch else "none (one process)"
+    return checks.check_devices(jax.default_backend(), [d.device_kind for d in jax.local_devices()],
+                                jax.local_device_count(), jax.process_count(), device_memory_bytes(), launcher,
+                                hardware[0] if hardware else None)
+
+  emit(guarded("devices", devices))
+  te_error = te_probe.te_import_error()
+  te_ok = te_error is None
+  te_libs = te_probe.te_library_versions() if te_ok and gpu else {}
+  emit(guarded("cuda", lambda: checks.check_cuda(gpu, probes.driver_version() if gpu else None,
+                                                 probes.jax_cuda_versions().get("cuda") if gpu else None,
+                                                 te_libs.get("cuda"))))
+  emit(guarded("te", lambda: checks.check_te(
+      gpu, cfg.model.backend, te_error, te_probe.te_version() if te_ok else None,
+      te_probe.custom_call_targets() if te_ok and gpu else None, te_probe.env_custom_calls())))
+  m = cfg.model
+
+  def fused():
+    probe = None
+    if gpu and te_ok and os.environ.get("NVTE_FUSED_ATTN", "1").strip() != "0":
+      probe = te_probe.probe_fused_attention(n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+                                             window=m.sliding_window, dtype=m.dtype,
+                                             max_segments=cfg.data.max_segments_per_row)
+    return checks.check_fused_attention(gpu, te_ok, _attention_shape(m), probe, os.environ.get("NVTE_FUSED_ATTN"))
+
+  emit(guarded("fused_attention", fused))
+  emit(guarded("cudnn", lambda: checks.check_cudnn(gpu, probes.loaded_libraries(),
+                                                   probes.jax_cuda_versions().get("cudnn") if gpu else None,
+                                                   te_libs.get("cudnn"))))
+  emit(guarded("fp8", lambda: checks.check_fp8(gpu, m.precision, m.backend,
+                                               supported_precisions() if te_ok else ["bf16"])))
+  allreduce = probes.all_reduce(cfg.distributed.initialization_timeout_s)
+  emit(guarded("nccl", lambda: checks.check_nccl(gpu, jax.device_count(), jax.process_count(), allreduce,
+                                                 probes.nccl_version(probes.loaded_libraries()) if gpu else None)))
+  emit(guarded("memory_settings", lambda: checks.check_memory_settings(gpu, os.environ)))
+  emit(guarded("memory_fit", lambda: checks.check_memory_fit(
+      gpu, sizing.estimate(cfg, jax.device_count(), n_nodes=jax.process_count()),
+      device_memory_bytes() if gpu else None,
+      f"{jax.device_count()} device(s), model.remat={m.remat}, batch {cfg.data.global_batch_size} x {cfg.data.seq_len}")))
+  return bool(allreduce.get("hung"))
+
+
+def run_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
+  """Every check, in order, each handed to `emit` as it completes. Returns True if a collective hung
+  (the process must then end with os._exit). Raises ConfigError for settings that conflict."""
+  preset_line = xla_presets.apply(cfg.xla.preset)  # as `maxlm train` starts: preset, then deterministic
+  runtime.configure(deterministic=cfg.train.deterministic)
+  emit(guarded("versions", lambda: checks.check_versions(probes.installed_versions(), probes.required_ranges(),
+                                                         probes.installed_plugins())))
+  flags = os.environ.get("XLA_FLAGS", "")
+  xla = guarded("xla_flags", lambda: checks.check_xla_flags(flags, preset_line, *probes.start_backend(flags)))
+  emit(xla)
+  hung = False
+  if xla.status == "fail":  # this process would abort as it starts the backend
+    for name in BACKEND_CHECKS:
+      emit(Result(name, "skip", "skipped: the JAX backend cannot start under these XLA_FLAGS (see xla_flags)"))
+  else:
+    hung = _backend_checks(cfg, emit)
+  emit(guarded("output_dir", lambda: checks.check_output_dir(cfg.run_dir, cfg.checkpoint.enabled,
+                                                             cfg.checkpoint.keep, checkpoint_bytes(cfg))))
+  return hung
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if any(a in ("-h", "--help") for a in argv):
+    print(__doc__.strip(), flush=True)
+    return 0
+  as_json = "--json" in argv
+  args = [a for a in argv if a != "--json"]
+  results: list[Result] = []
+
+  def emit(r: Result) -> None:
+    results.append(r)
+    if not as_json:
+      print(format_line(r), flush=True)
+
+  try:
+    cfg = load_config(args)
+    hung = run_checks(cfg, emit)
+  except ConfigError as e:
+    print(f"maxlm: error: {e}", file=sys.stderr, flush=True)
+    return EXIT_BAD_INPUT
+  summary = {s: sum(r.status == s for r in results) for s in STATUSES}
+  code = EXIT_FAILED if summary["fail"] else 0
+  if as_json:
+    print(json.dumps({"results": [dataclasses.asdict(r) for r in results], "summary": summary, "exit_code": code}),
+          flush=True)
+  else:
+    print(f"maxlm doctor: {', '.join(f'{n} {s}' for s, n in summary.items())}", flush=True)
+  if hung:  # a thread is stuck in a collective; interpreter shutdown could wait on it forever
+    sys.stderr.flush()
+    os._exit(code)
+  return code
+
+
+if __name__ == "__main__":
+  sys.exit(main())

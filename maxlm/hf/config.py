@@ -126,7 +126,9 @@ def to_hf(cfg: ModelConfig, dtype: str, base: dict[str, Any] | None = None, max_
   out.update(architectures=[arch], model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
              num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
              head_dim=cfg.head_dim, intermediate_size=cfg.ffn_dim, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
-             attention_bias=False, mlp_bias=False, tie_word_embeddings=cfg.tie_embeddings)
+             tie_word_embeddings=cfg.tie_embeddings)
+  if model_type == "llama":  # MistralConfig has neither field
+    out.update(attention_bias=False, mlp_bias=False)
   out["dtype" if "dtype" in base else "torch_dtype"] = dtype  # transformers 5.x names it dtype
   if "rope_parameters" in base:
     out["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}

@@ -1,0 +1,99 @@
+"""maxlm.Model (maxlm/api.py) on a maxlm run: loading from run / checkpoints / step directories, logits
+against the independent reference (tests/reference.py), packed rows, HF export with the tokenizer, errors,
+and a lazy `import maxlm`."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import reference as R
+from maxlm import Model
+from maxlm.checkpoint import CheckpointError
+from maxlm.train import main as train_main
+
+U32 = 2.0 ** -24  # float32 unit roundoff
+ARGS = ["model.backend=flax", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.head_dim=8", "model.ffn_dim=64", "model.vocab_size=8192", "model.rope_scaling=llama3",
+        "model.rope_original_max_position=64", "model.init_std=0.2", "data.seq_len=16",
+        "data.global_batch_size=8", "train.steps=1", "train.eval_every=0", "checkpoint.enabled=true"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  out = tmp_path_factory.mktemp("runs")
+  assert train_main(ARGS + [f"output_dir={out}", "run_name=tiny"]) == 0
+  return out / "tiny"
+
+
+@pytest.fixture(scope="module")
+def model(run_dir):
+  return Model.from_pretrained(run_dir, backend="flax")
+
+
+def _leaves(params):
+  return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def test_run_checkpoints_and_step_directories_load_alike(run_dir, model):
+  assert model.config.model.d_model == 32 and model.config.model.dtype == "float32"
+  want = _leaves(model.params)
+  for path in (run_dir / "checkpoints", run_dir / "checkpoints" / "1"):
+    have = _leaves(Model.from_pretrained(path, backend="flax").params)
+    assert have.keys() == want.keys() and all(np.array_equal(have[k], want[k]) for k in want)
+
+
+def test_logits_match_the_reference(model):
+  tokens = np.random.default_rng(0).integers(0, 8192, size=(2, 12))
+  logits = model.logits(tokens)  # [2, 12, V]
+  ref = R.forward(R.as_float64(jax.device_get(model.params)), model.config.model, tokens)
+  # float32 against float64: test_model's derivation, 64 ulps of the logit scale per block and the head
+  tol = 64 * (model.config.model.n_layers + 1) * U32 * np.abs(ref).max()
+  assert logits.dtype == np.float32 and np.abs(logits - ref).max() <= tol
+
+
+def test_packed_rows_equal_documents_alone(model):
+  rng = np.random.default_rng(1)
+  a, b = rng.integers(0, 8192, size=5), rng.integers(0, 8192, size=7)
+  packed = np.concatenate([a, b])[None]  # [1, 12]
+  seg = np.array([[1] * 5 + [2] * 7])
+  pos = np.array([list(range(5)) + list(range(7))])
+  out = model.logits(packed, segment_ids=seg, positions=pos)
+  alone_a, alone_b = model.logits(a[None]), model.logits(b[None])
+  # same computation up to the order of fp32 reductions over different lengths: the same 64-ulp bound
+  tol = 64 * 3 * U32 * max(np.abs(alone_a).max(), np.abs(alone_b).max())
+  np.testing.assert_allclose(out[0, :5], alone_a[0], rtol=0, atol=tol)
+  np.testing.assert_allclose(out[0, 5:], alone_b[0], rtol=0, atol=tol)
+
+
+def test_save_pretrained_exports_config_weights_and_tokenizer(model, tmp_path):
+  out = model.save_pretrained(tmp_path / "hf", dtype="float32")
+  cfg = json.loads((out / "config.json").read_text())
+  assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["torch_dtype"] == "float32"
+  assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["tie_word_embeddings"] is False
+  assert cfg["num_key_value_heads"] == 2 and cfg["head_dim"] == 8
+  from maxlm.data.tokenizer import DEFAULT_TOKENIZER  # the run used the shipped tokenizer
+  assert (out / "tokenizer.model").read_bytes() == DEFAULT_TOKENIZER.read_bytes()
+  back = Model.from_pretrained(out, backend="flax")
+  have, want = _leaves(back.params), _leaves(model.params)
+  assert all(np.array_equal(have[k], want[k]) for k in want)  # fp32 files hold the weights exactly
+  assert back.config.data.tokenizer == str(out)  # generate/eval find the tokenizer there
+  with pytest.raises(Exception, match="already exists"):
+    model.save_pretrained(out)
+
+
+def test_bad_paths_raise_one_line_checkpoint_errors(tmp_path, run_dir):
+  with pytest.raises(CheckpointError, match="no such file or directory"):
+    Model.from_pretrained(tmp_path / "nope")
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(CheckpointError, match="no checkpoint"):
+    Model.from_pretrained(tmp_path / "empty")
+
+
+def test_import_maxlm_stays_light():
+  code = ("import sys, maxlm; assert 'jax' not in sys.modules; from maxlm import Model; "
+          "assert 'jax' in sys.modules and Model.__module__ == 'maxlm.api'")
+  subprocess.run([sys.executable, "-c", code], check=True)

@@ -34,6 +34,7 @@ from maxlm.model import Transformer
 from maxlm.sharding import TE_MESH_AXES, axis_rules
 
 _MIN_BUCKET = 16
+_MIN_STOP = (8, 4)  # stop table [sequences, length]: the usual few stop ids share one compiled program
 _TRACES = {"prefill": 0, "decode": 0}  # incremented while tracing: tests count compilations with it
 _COMPILED: dict[tuple, Any] = {}
 
@@ -176,15 +177,28 @@ def _stop_table(stop_tokens, stop_sequences) -> np.ndarray:
   for s in seqs:
     if not s or min(s) < 0:
       raise GenerationError(f"stop sequence {s} must be a non-empty list of token ids >= 0")
-  width = bucket(max((len(s) for s in seqs), default=1), 1)
-  table = np.full((bucket(max(len(seqs), 1), 1), width), -1, np.int32)  # [S, L]
+  width = bucket(max((len(s) for s in seqs), default=1), _MIN_STOP[1])
+  table = np.full((bucket(len(seqs), _MIN_STOP[0]), width), -1, np.int32)  # [S, L]
   table[len(seqs):, -1] = -3  # unused rows match nothing
   for i, s in enumerate(seqs):
     table[i, width - len(s):] = s
   return table
 
 
+def check_settings(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+  """Raise GenerationError for an out-of-range length or sampling setting."""
+  if max_new_tokens < 1:
+    raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if not (np.isfinite(temperature) and temperature >= 0):
+    raise GenerationError(f"temperature must be a finite number >= 0, got {temperature}")
+  if top_k < 0:
+    raise GenerationError(f"top_k must be >= 0 (0 = off), got {top_k}")
+  if not 0 < top_p <= 1:
+    raise GenerationError(f"top_p must be in (0, 1], got {top_p}")
+
+
 def _check(prompts, max_new_tokens, vocab_size, max_length, temperature, top_k, top_p) -> None:
+  check_settings(max_new_tokens, temperature, top_k, top_p)
   if not prompts:
     raise GenerationError("no prompts given")
   for i, p in enumerate(prompts):
@@ -193,18 +207,10 @@ def _check(prompts, max_new_tokens, vocab_size, max_length, temperature, top_k, 
     if min(p) < 0 or max(p) >= vocab_size:
       raise GenerationError(f"prompt {i} holds token id {max(p) if max(p) >= vocab_size else min(p)} outside "
                             f"[0, {vocab_size}) (model.vocab_size)")
-  if max_new_tokens < 1:
-    raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   longest = max(len(p) for p in prompts)
   if max_length and longest + max_new_tokens > max_length:
     raise GenerationError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
-                          f"max length {max_length}")
-  if not (np.isfinite(temperature) and temperature >= 0):
-    raise GenerationError(f"temperature must be a finite number >= 0, got {temperature}")
-  if top_k < 0:
-    raise GenerationError(f"top_k must be >= 0 (0 = off), got {top_k}")
-  if not 0 < top_p <= 1:
-    raise GenerationError(f"top_p must be in (0, 1], got {top_p}")
+                          f"max length {max_length} (shorten the prompt or max_new_tokens)")
 
 
 def generate(model_cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,

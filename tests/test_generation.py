@@ -1,0 +1,226 @@
+"""KV-cache generation (maxlm/generation.py, maxlm/layers/kv_cache.py) against recomputing the whole
+sequence with the training model, hand-written sampling references, and Hugging Face's greedy tokens."""
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from maxlm import generation as G
+from maxlm.config import ModelConfig
+from maxlm.layers import precision_scope
+from maxlm.model import Transformer
+
+GOLDEN_HF = Path(__file__).resolve().parent / "golden" / "hf"
+# fp32 compute so the cached and the full computation differ by rounding only; init_std large enough
+# that logits are far from uniform (greedy has no near-ties).
+TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
+                   dtype="float32", backend="flax", remat="none", init_std=0.2)
+PROMPTS = [[1, 5, 9, 3, 7, 2, 11, 4, 8, 6], [3, 4], [7, 7, 7, 7, 1]]
+U32 = 2.0 ** -24  # fp32 unit roundoff
+
+
+def _init(cfg):
+  with precision_scope("bf16", cfg.backend):
+    return nn.unbox(Transformer(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+
+
+def _full_logits(cfg, params, seq):
+  """The training model's logits [T, V] over the whole sequence (no cache)."""
+  with precision_scope("bf16", cfg.backend):
+    return np.asarray(Transformer(cfg).apply({"params": params}, jnp.asarray([seq], jnp.int32))[0])
+
+
+def _tolerance(cfg, max_logit, keys):
+  """Bound on |cached - full| logits in fp32: both are the same math with different reduction orders.
+
+  A dot product of length K carries at most gamma_K = K*u/(1-K*u) relative error (Higham, Thm 3.1);
+  a logit passes through 8 sequential reductions per layer (2 norms, qkv, scores, weights x values,
+  out, MLP in, MLP out) plus the final norm and the head, each of length <= K = max(d_model, ffn_dim,
+  attended keys). Both paths err, hence 2x, scaled by the largest logit (O(1) Lipschitz blocks at this
+  init). A wrong position or mask changes logits by O(1), far above this.
+  """
+  k = max(cfg.d_model, cfg.ffn_dim, keys)
+  gamma = k * U32 / (1 - k * U32)
+  return 2 * (8 * cfg.n_layers + 2) * gamma * max_logit
+
+
+@pytest.fixture(scope="module")
+def params():
+  return _init(TINY)
+
+
+@pytest.mark.parametrize("window,scan", [(0, True), (3, False)])
+def test_cached_logits_match_full_recompute(params, window, scan):
+  """Every decoded token's logits equal the training model's over the whole sequence; the window
+  (3) is shorter than the first prompt (10) and than prompt + new tokens, so the rolling cache wraps."""
+  cfg = dataclasses.replace(TINY, sliding_window=window, scan_layers=scan)
+  params = params if scan else _init(cfg)  # unrolled layers have their own parameter tree
+  out = G.generate(cfg, params, PROMPTS, 12, return_logits=True)
+  for i, p in enumerate(PROMPTS):
+    gen = out.tokens[i]
+    assert len(gen) == 12 and out.finish_reasons[i] == "length"
+    full = _full_logits(cfg, params, p + gen)[len(p) - 1:len(p) + len(gen) - 1]  # [N, V]
+    got = out.logits[i, :len(gen)]
+    tol = _tolerance(cfg, np.abs(full).max(), G.bucket(len(p)) + G.bucket(12))
+    np.testing.assert_allclose(got, full, rtol=0, atol=tol)
+    assert gen == np.argmax(full, axis=-1).tolist()  # greedy picks the argmax of the true logits
+
+
+def test_rolling_cache_holds_only_the_window(params):
+  """With a window, the cache has `window` slots; without one, prompt bucket + new-token bucket."""
+  from maxlm.layers.kv_cache import update_positions
+  pos = jnp.asarray([[0, 1, 2, 3, 4, 5, 6, 7]], jnp.int32)  # [1, 8]
+  valid = jnp.asarray([[1, 1, 1, 1, 1, 1, 0, 0]], bool)  # 6 valid tokens
+  got = np.asarray(update_positions(jnp.full((1, 4), -1, jnp.int32), pos, valid))
+  assert got.tolist() == [[4, 5, 2, 3]]  # slot p % 4 holds the newest of positions 0..5
+  got = np.asarray(update_positions(jnp.asarray(got), jnp.asarray([[6]]), jnp.asarray([[True]])))
+  assert got.tolist() == [[4, 5, 6, 3]]
+
+
+def test_compiled_once_per_bucket(params):
+  """Other prompt lengths and max_new_tokens inside the same buckets reuse both programs; every
+  token of a call is decoded by the one while_loop (no trace per token)."""
+  G.generate(TINY, params, [[1, 2, 3]], 5, return_logits=True)
+  before = G.trace_counts()
+  a = G.generate(TINY, params, [[4, 5, 6, 7, 8, 9, 10]], 16, return_logits=True)
+  b = G.generate(TINY, params, [[2]], 3, return_logits=True)
+  assert G.trace_counts() == before
+  assert len(a.tokens[0]) == 16 and len(b.tokens[0]) == 3
+  G.generate(TINY, params, [[1] * 17], 3, return_logits=True)  # prompt bucket 16 -> 32: one new trace each
+  after = G.trace_counts()
+  assert after == {k: v + 1 for k, v in before.items()}
+
+
+def test_batch_of_unequal_prompts_equals_each_alone(params):
+  # Sampled: row r draws from fold_in(seed, r), so the first prompt alone (row 0) repeats row 0.
+  batch = G.generate(TINY, params, PROMPTS, 8, return_logits=True, temperature=0.8, seed=3)
+  alone = G.generate(TINY, params, PROMPTS[:1], 8, return_logits=True, temperature=0.8, seed=3)
+  assert alone.tokens[0] == batch.tokens[0]
+  greedy_b = G.generate(TINY, params, PROMPTS, 8, return_logits=True)
+  for i, p in enumerate(PROMPTS):
+    greedy_a = G.generate(TINY, params, [p], 8, return_logits=True)
+    assert greedy_a.tokens[0] == greedy_b.tokens[i]
+    tol = _tolerance(TINY, np.abs(greedy_a.logits).max(), 16 + 16)
+    np.testing.assert_allclose(greedy_a.logits[0], greedy_b.logits[i], rtol=0, atol=tol)
+
+
+def test_seeds_reproduce_and_top_k_1_is_greedy(params):
+  kw = dict(return_logits=True, temperature=1.0)
+  a = G.generate(TINY, params, PROMPTS, 12, seed=7, **kw)
+  b = G.generate(TINY, params, PROMPTS, 12, seed=7, **kw)
+  c = G.generate(TINY, params, PROMPTS, 12, seed=8, **kw)
+  assert a.tokens == b.tokens
+  assert a.tokens != c.tokens  # 36 draws at temperature 1 from ~64 tokens: equal only by a ~0 chance
+  greedy = G.generate(TINY, params, PROMPTS, 12, return_logits=True)
+  top1 = G.generate(TINY, params, PROMPTS, 12, seed=7, top_k=1, **kw)
+  assert top1.tokens == greedy.tokens
+
+
+def test_stop_tokens_and_sequences_per_row(params):
+  free = G.generate(TINY, params, PROMPTS, 12, return_logits=True)
+  row0 = free.tokens[0]
+  stop = row0[4]
+  first = row0.index(stop)
+  out = G.generate(TINY, params, PROMPTS, 12, return_logits=True, stop_tokens=[stop])
+  assert out.tokens[0] == row0[:first + 1] and out.finish_reasons[0] == "stop"
+  for i in (1, 2):  # the other rows run on as before unless they emit the stop token themselves
+    want = free.tokens[i][:free.tokens[i].index(stop) + 1] if stop in free.tokens[i] else free.tokens[i]
+    assert out.tokens[i] == want
+  seq = row0[6:8]  # a two-token stop sequence ends row 0 right after it first appears
+  end = next(j for j in range(1, 12) if row0[j - 1:j + 1] == seq) + 1
+  out = G.generate(TINY, params, PROMPTS[:1], 12, return_logits=True, stop_sequences=[seq])
+  assert out.tokens[0] == row0[:end] and out.finish_reasons[0] == "stop"
+
+
+def _ref_top_k(logits, k):
+  """Hand reference: keep entries >= the k-th largest value of the row."""
+  out = []
+  for row in logits:
+    kth = sorted(row, reverse=True)[k - 1]
+    out.append([x if x >= kth else -math.inf for x in row])
+  return np.array(out)
+
+
+def _ref_top_p(logits, p):
+  """Hand reference: walk tokens from most to least likely, keep them until the kept mass reaches p."""
+  out = []
+  for row in logits:
+    probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+    keep, mass = set(), 0.0
+    for j in sorted(range(len(row)), key=lambda j: -row[j]):
+      keep.add(j)
+      mass += probs[j]
+      if mass >= p:
+        break
+    out.append([x if j in keep else -math.inf for j, x in enumerate(row)])
+  return np.array(out)
+
+
+def test_top_k_and_top_p_filters_against_hand_references():
+  # probabilities 0.5, 0.25, 0.15, 0.1 (shuffled): cumulative 0.5, 0.75, 0.90, 1.0
+  probs = np.array([[0.15, 0.5, 0.1, 0.25], [0.25, 0.1, 0.5, 0.15]])
+  logits = np.log(probs).astype(np.float32)
+  for k in (1, 2, 3, 4):
+    np.testing.assert_array_equal(np.asarray(G.top_k_filter(jnp.asarray(logits), k)), _ref_top_k(logits, k))
+  np.testing.assert_array_equal(np.asarray(G.top_k_filter(jnp.asarray(logits), 0)), logits)
+  for p in (0.3, 0.6, 0.8, 0.95, 1.0):  # away from the cumulative sums, so rounding cannot flip a token
+    np.testing.assert_array_equal(np.asarray(G.top_p_filter(jnp.asarray(logits), p)), _ref_top_p(logits, p))
+
+
+def test_top_p_restricts_the_support_of_samples():
+  probs = np.array([0.4, 0.05, 0.3, 0.05, 0.15, 0.05])
+  logits = jnp.asarray(np.log(probs)[None].repeat(512, 0), jnp.float32)  # [512, 6]
+  keys = jax.random.split(jax.random.key(0), 512)
+  draw = jax.jit(lambda lg, k, p: G.sample(lg, k, jnp.float32(1.0), jnp.int32(0), p))
+  got = set(np.asarray(draw(logits, keys, jnp.float32(0.8))).tolist())
+  assert got == {0, 2, 4}  # 0.4 + 0.3 + 0.15 = 0.85 >= 0.8; each kept token has >= 0.15/0.85 per draw
+  got = set(np.asarray(draw(logits, keys, jnp.float32(1.0))).tolist())
+  assert got == set(range(6))  # no filter: all six appear in 512 draws (P(miss one) < 6 * 0.95^512)
+
+
+def test_bad_arguments_raise_one_line_errors(params):
+  cases = [(dict(prompts=[[]]), "prompt 0 is empty"), (dict(prompts=[[64]]), "outside [0, 64)"),
+           (dict(max_new_tokens=0), "max_new_tokens must be >= 1"), (dict(temperature=-1), "temperature"),
+           (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"),
+           (dict(max_length=12), "exceeds the model's max length 12")]
+  for kw, msg in cases:
+    args = dict(prompts=[[1, 2, 3]], max_new_tokens=10) | kw
+    with pytest.raises(G.GenerationError, match=re.escape(msg)):
+      G.generate(TINY, params, args.pop("prompts"), args.pop("max_new_tokens"), **args)
+
+
+@pytest.mark.te
+def test_te_backend_decodes_like_its_full_forward():
+  cfg = dataclasses.replace(TINY, backend="te", sliding_window=4)
+  p = _init(cfg)
+  out = G.generate(cfg, p, PROMPTS, 6, return_logits=True)
+  for i, prompt in enumerate(PROMPTS):
+    full = _full_logits(cfg, p, prompt + out.tokens[i])[len(prompt) - 1:-1]
+    tol = _tolerance(cfg, np.abs(full).max(), 16 + 16)
+    np.testing.assert_allclose(out.logits[i], full, rtol=0, atol=tol)
+
+
+def _hf_goldens():
+  return sorted(GOLDEN_HF.glob("*/greedy.json")) if GOLDEN_HF.is_dir() else []
+
+
+@pytest.mark.parametrize("golden", _hf_goldens() or [None], ids=lambda g: g.parent.name if g else "none")
+def test_greedy_tokens_equal_hugging_face(golden):
+  """transformers' greedy `generate` on the goldens' tiny random models (tests/golden/hf, made by
+  tests/golden/make_hf_goldens.py) gives the same tokens as ours in fp32."""
+  if golden is None:
+    pytest.skip(f"no Hugging Face greedy goldens under {GOLDEN_HF} yet")
+  from maxlm.api import Model
+  want = json.loads(golden.read_text())
+  model = Model.from_pretrained(str(golden.parent), backend="flax", dtype="float32")
+  cfg = getattr(model.config, "model", model.config)
+  out = G.generate(cfg, model.params, want["prompts"], want["max_new_tokens"], dtype="float32")
+  assert out.tokens == want["tokens"]

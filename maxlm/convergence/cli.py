@@ -1,0 +1,247 @@
+"""`maxlm convergence run | update-golden | baseline`: arguments, setup checks, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import difflib
+import importlib.util
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from maxlm.config import CONFIG_DIR, ConfigError, load_config
+from maxlm.convergence import golden as goldens
+from maxlm.convergence import report
+from maxlm.convergence.bands import within_relative
+from maxlm.convergence.golden import Check
+from maxlm.convergence.runner import run_all
+from maxlm.convergence.suite import Case, Suite, SuiteError, load_suite
+from maxlm.data import DataError
+
+EXIT_FAIL, EXIT_SETUP = 1, 2
+ROOT = CONFIG_DIR.parent
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message: str):  # one line, exit 2, like every maxlm command
+    raise SuiteError(f"convergence: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="maxlm convergence", description=sys.modules["maxlm.convergence"].__doc__,
+              formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+  r = sub.add_parser("run", help="run a suite and compare it with its goldens")
+  r.add_argument("--suite", required=True, help="a name in configs/convergence/ (cpu, gpu) or a path")
+  r.add_argument("--out", type=Path, help="report directory (default runs/convergence/<suite>)")
+  r.add_argument("--cases", default="", help="comma-separated subset of the suite's cases")
+  r.add_argument("--jobs", type=int, default=1, help="cases run side by side (default 1)")
+  r.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every case")
+  u = sub.add_parser("update-golden", help="re-record goldens from several seeds and print the diff")
+  u.add_argument("--suite", required=True)
+  u.add_argument("--seeds", type=int, help="seeds 0..N-1 (default: the suite's `seeds`)")
+  u.add_argument("--cases", default="")
+  u.add_argument("--jobs", type=int, default=1)
+  u.add_argument("--out", type=Path, help="where the seed runs go (default: a temporary directory)")
+  b = sub.add_parser("baseline", help="unigram / bigram cross-entropies of a config's held-out split")
+  b.add_argument("overrides", nargs="*", metavar="key=value", help="config=FILE and overrides, as for train")
+  return p
+
+
+def _fail(msg: str, code: int) -> int:
+  print(f"maxlm: error: {msg}", file=sys.stderr, flush=True)
+  return code
+
+
+def echo(line: str) -> None:
+  print(line, flush=True)
+
+
+def _need_matplotlib() -> None:
+  if importlib.util.find_spec("matplotlib") is None:
+    raise SuiteError("matplotlib is not installed; the report's loss_curves.png needs it "
+                     "(pip install 'maxlm[viz]', or `make setup`)")
+
+
+def _case_config(case: Case, seed: int, extra: tuple[str, ...], out: Path):
+  try:
+    return load_config(case.args(seed, extra) + [f"output_dir={out}", f"run_name={case.name}-seed{seed}"])
+  except ConfigError as e:
+    raise SuiteError(f"case {case.name}: {e}") from None
+
+
+def _margin_check(case: Case, cfg, run) -> Check:
+  """Final eval_loss at least `case.margin` nats below the tuned bigram baseline of the same split."""
+  from maxlm.convergence.baseline import data_baselines  # noqa: PLC0415 (lazy: reads and tokenizes the corpus)
+  try:
+    base = data_baselines(cfg.data, cfg.model.vocab_size)
+  except DataError as e:
+    raise SuiteError(f"case {case.name}: bigram baseline: {e}") from None
+  step = max(case.metrics["eval_loss"])
+  value = run.curves["eval_loss"].get(step) if step <= run.steps else None
+  hi = base.bigram - case.margin
+  if step > run.steps:
+    return Check(case.name, f"eval_loss - bigram <= -{case.margin}", step, None, float("-inf"), hi, hi, "skipped",
+                 f"the run ends at step {run.steps}")
+  from maxlm.convergence.bands import verdict  # noqa: PLC0415
+  return Check(case.name, f"eval_loss - bigram <= -{case.margin}", step, value, float("-inf"), hi, hi,
+               verdict(value, float("-inf"), hi), base.describe())
+
+
+def _rule_checks(suite: Suite, runs: dict) -> list[Check]:
+  out = []
+  for rule in suite.rules:
+    a, ref = runs[rule.case], runs[rule.reference]
+    if rule.step > min(a.steps, ref.steps):
+      continue
+    va, vr = a.curves[rule.metric].get(rule.step), ref.curves[rule.metric].get(rule.step)
+    ok = va is not None and vr is not None and within_relative(va, vr, rule.max_rel)
+    lo, hi = (vr * (1 - rule.max_rel), vr * (1 + rule.max_rel)) if vr is not None else (float("nan"),) * 2
+    v = "pass" if ok else ("missing" if va is None or vr is None else "above" if va > hi else "below")
+    out.append(Check(rule.case, f"{rule.metric} within {100 * rule.max_rel:g}% of {rule.reference}", rule.step,
+                     va, lo, hi, vr if vr is not None else float("nan"), v))
+  return out
+
+
+def cmd_run(args) -> int:
+  _need_matplotlib()
+  suite = load_suite(args.suite).select([c for c in args.cases.split(",") if c])
+  out = (args.out or Path("runs") / "convergence" / suite.name).resolve()
+  extra = tuple(args.overrides)
+  seed = suite.run_seed
+  plan = []
+  for case in suite.cases:  # every setup error before anything is run or written
+    g = goldens.load_golden(suite, case)
+    cfg = _case_config(case, seed, extra, out / "runs")
+    plan.append((case, g, cfg))
+  notes = {}
+  for case, g, _ in plan:  # the suite as written (no user overrides) against the golden's recording
+    changes = goldens.config_changes(g, goldens.flat_config(_case_config(case, seed, (), out / "runs")))
+    if changes:
+      notes[case.name] = changes
+      echo(f"maxlm convergence: note: case {case.name} resolves differently from its golden: {'; '.join(changes)}")
+  out.mkdir(parents=True, exist_ok=True)
+  for stale in ("report.md", "results.json", "junit.xml", "loss_curves.png"):
+    (out / stale).unlink(missing_ok=True)
+  t0 = time.perf_counter()
+  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  echo(f"maxlm convergence: suite {suite.name}, {len(plan)} case(s) at seed {seed}"
+       + (f", overrides {' '.join(extra)}" if extra else "") + f"; report in {out}")
+  tasks = [(case, seed, cfg.train.steps) for case, _, cfg in plan]
+  runs = run_all(tasks, out / "runs", extra, suite.smooth_window, args.jobs, echo)
+  by_case = {r.case: r for r in runs}
+  checks: list[Check] = []
+  for case, g, cfg in plan:
+    checks += goldens.compare(case, g, by_case[case.name])
+    if case.margin is not None:
+      checks.append(_margin_check(case, cfg, by_case[case.name]))
+  checks += _rule_checks(suite, by_case)
+  for r in runs:  # a run that crashed fails its case even where nothing was compared
+    if not r.ok and not any(c.case == r.case and c.failed for c in checks):
+      checks.append(Check(r.case, "run", r.steps, None, 0, 0, 0, "missing", f"exit {r.returncode}: {r.error}"))
+  failed = report.failing_cases(checks)
+  meta = {"commit": report.commit(ROOT), "date": date, "overrides": list(extra), "config_changes": notes,
+          "environment": report.environment(report.device_from_log(out / "runs" / f"{runs[0].case}-seed{seed}.log"))}
+  run_rows = [{"case": r.case, "seed": r.seed, "returncode": r.returncode, "seconds": r.seconds,
+               "run_dir": str(r.run_dir), "error": r.error} for r in runs]
+  from maxlm.convergence import plot  # noqa: PLC0415 (lazy: imports matplotlib)
+  panels = []
+  for case, g, _ in plan:
+    run = by_case[case.name]
+    mine = [c for c in checks if c.case == case.name]
+    panels.append({"case": case.name, "golden": g["curves"], "failed": case.name in failed,
+                   "run": {m: run.curves[m] for m in (g["curves"] or case.metrics)},
+                   "failures": [(c.metric, c.step, c.value) for c in mine if c.failed],
+                   "limits": [(c.hi, f"bigram - {case.margin:g}") for c in mine if c.metric.startswith("eval_loss -")]})
+  plot.draw(out / "loss_curves.png", panels, f"convergence suite {suite.name} @ {meta['commit'][:12]}")
+  report.write_report(out, suite.name, checks, run_rows, meta, "loss_curves.png")
+  report.write_junit(out, suite.name, checks, {r.case: r.seconds for r in runs})
+  report.write_results(out, {"suite": suite.name, **meta, "seconds": time.perf_counter() - t0,
+                             "passed": not failed, "failed_cases": failed, "runs": run_rows,
+                             "checks": [dataclasses.asdict(c) for c in checks]})
+  for c in checks:
+    if c.failed:
+      echo(f"maxlm convergence: FAIL {c.case}: {c.metric} at step {c.step} = {report.num(c.value)}, "
+           f"band {report.band_text(c)}" + (f" ({c.note})" if c.note else ""))
+  if failed:
+    echo(f"maxlm convergence: suite {suite.name} FAILED: {', '.join(failed)} (report {out / 'report.md'})")
+    return EXIT_FAIL
+  echo(f"maxlm convergence: suite {suite.name} passed: {len(checks)} checks in {len(plan)} case(s) "
+       f"(report {out / 'report.md'})")
+  return 0
+
+
+def cmd_update_golden(args) -> int:
+  _need_matplotlib()
+  suite = load_suite(args.suite).select([c for c in args.cases.split(",") if c])
+  n = suite.seeds if args.seeds is None else args.seeds
+  if n < 2:
+    raise SuiteError("--seeds must be at least 2 (a band needs a spread)")
+  if suite.run_seed >= n:
+    raise SuiteError(f"--seeds {n} does not include the suite's run_seed {suite.run_seed}")
+  tmp = None
+  if args.out is None:
+    tmp = tempfile.TemporaryDirectory(prefix=f"maxlm-golden-{suite.name}-")
+  out = (args.out or Path(tmp.name)).resolve()
+  tasks, resolved = [], {}
+  skipped = [c.name for c in suite.cases if not c.golden]
+  suite = dataclasses.replace(suite, cases=tuple(c for c in suite.cases if c.golden))
+  if skipped:
+    echo(f"maxlm convergence: no golden for {', '.join(skipped)} (golden: false; only its margin is checked)")
+  if not suite.cases:
+    raise SuiteError("none of the selected cases has a golden to record")
+  for case in suite.cases:
+    for seed in range(n):
+      cfg = _case_config(case, seed, (), out)
+      tasks.append((case, seed, cfg.train.steps))
+      resolved[case.name] = goldens.flat_config(cfg)
+  recorded = {"commit": report.commit(ROOT),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  echo(f"maxlm convergence: recording {len(suite.cases)} golden(s) of suite {suite.name} from seeds 0..{n - 1}")
+  try:
+    runs = run_all(tasks, out, (), suite.smooth_window, args.jobs, echo)
+    device = report.device_from_log(out / f"{runs[0].case}-seed0.log")
+    changed = 0
+    for case in suite.cases:
+      new = goldens.build_golden(suite, case, [r for r in runs if r.case == case.name],
+                                 {**recorded, "environment": report.environment(device)}, resolved[case.name])
+      path = suite.golden_path(case)
+      old = goldens.read_existing(path)
+      diff = list(difflib.unified_diff(goldens.summary_lines(old), goldens.summary_lines(new),
+                                       f"{path} (old)", f"{path} (new)", lineterm=""))
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(goldens.dump(new))
+      changed += bool(diff)
+      echo("\n".join(diff) if diff else f"{path}: checks unchanged")
+  finally:
+    if tmp is not None:
+      tmp.cleanup()
+  echo(f"maxlm convergence: wrote {len(suite.cases)} golden(s), {changed} with changed checks; review with git diff")
+  return 0
+
+
+def cmd_baseline(args) -> int:
+  from maxlm.convergence.baseline import data_baselines  # noqa: PLC0415 (lazy: imports the data pipeline)
+  try:
+    cfg = load_config(args.overrides)
+  except ConfigError as e:
+    raise SuiteError(str(e)) from None
+  try:
+    echo(data_baselines(cfg.data, cfg.model.vocab_size).describe())
+  except DataError as e:
+    raise SuiteError(str(e)) from None
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  try:
+    args = _parser().parse_args(argv)
+    if getattr(args, "jobs", 1) < 1:
+      raise SuiteError("--jobs must be at least 1")
+    return {"run": cmd_run, "update-golden": cmd_update_golden, "baseline": cmd_baseline}[args.command](args)
+  except SuiteError as e:
+    return _fail(str(e), EXIT_SETUP)

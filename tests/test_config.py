@@ -103,7 +103,7 @@ PUBLISHED = {
 
 
 def test_every_shipped_model_config_has_published_values():
-  shipped = {p.name for p in CONFIG_DIR.glob("*.yml")} - {"tiny.yml"}
+  shipped = {p.name for p in CONFIG_DIR.glob("*.yml")} - {"tiny.yml", "default.yml"}  # not published models
   assert shipped == set(PUBLISHED), f"no published entry for {sorted(shipped - set(PUBLISHED))}"
 
 

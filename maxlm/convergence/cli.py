@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--out", type=Path, help="report directory (default runs/convergence/<suite>)")
   r.add_argument("--cases", default="", help="comma-separated subset of the suite's cases")
   r.add_argument("--jobs", type=int, default=1, help="cases run side by side (default 1)")
+  r.add_argument("--steps", type=int, help="stop every case after this many steps (checks past it are skipped); "
+                 "the learning-rate schedule stays the full case's")
   r.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every case")
   u = sub.add_parser("update-golden", help="re-record goldens from several seeds and print the diff")
   u.add_argument("--suite", required=True)
@@ -116,9 +118,13 @@ def cmd_run(args) -> int:
   for case in suite.cases:  # every setup error before anything is run or written
     g = goldens.load_golden(suite, case)
     cfg = _case_config(case, seed, extra, out / "runs")
-    plan.append((case, g, cfg))
+    words = extra
+    if args.steps is not None and args.steps < cfg.train.steps:  # shortened: same schedule, fewer steps
+      words = extra + (f"train.steps={args.steps}", f"optim.decay_steps={cfg.optim.decay_steps or cfg.train.steps}")
+      cfg = _case_config(case, seed, words, out / "runs")
+    plan.append((case, g, cfg, words))
   notes = {}
-  for case, g, _ in plan:  # the suite as written (no user overrides) against the golden's recording
+  for case, g, _, _ in plan:  # the suite as written (no user overrides) against the golden's recording
     changes = goldens.config_changes(g, goldens.flat_config(_case_config(case, seed, (), out / "runs")))
     if changes:
       notes[case.name] = changes
@@ -130,11 +136,11 @@ def cmd_run(args) -> int:
   date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   echo(f"maxlm convergence: suite {suite.name}, {len(plan)} case(s) at seed {seed}"
        + (f", overrides {' '.join(extra)}" if extra else "") + f"; report in {out}")
-  tasks = [(case, seed, cfg.train.steps) for case, _, cfg in plan]
-  runs = run_all(tasks, out / "runs", extra, suite.smooth_window, args.jobs, echo)
+  tasks = [(case, seed, cfg.train.steps, words) for case, _, cfg, words in plan]
+  runs = run_all(tasks, out / "runs", suite.smooth_window, args.jobs, echo)
   by_case = {r.case: r for r in runs}
   checks: list[Check] = []
-  for case, g, cfg in plan:
+  for case, g, cfg, _ in plan:
     checks += goldens.compare(case, g, by_case[case.name])
     if case.margin is not None:
       checks.append(_margin_check(case, cfg, by_case[case.name]))
@@ -149,7 +155,7 @@ def cmd_run(args) -> int:
                "run_dir": str(r.run_dir), "error": r.error} for r in runs]
   from maxlm.convergence import plot  # noqa: PLC0415 (lazy: imports matplotlib)
   panels = []
-  for case, g, _ in plan:
+  for case, g, _, _ in plan:
     run = by_case[case.name]
     mine = [c for c in checks if c.case == case.name]
     panels.append({"case": case.name, "golden": g["curves"], "failed": case.name in failed,
@@ -196,13 +202,13 @@ def cmd_update_golden(args) -> int:
   for case in suite.cases:
     for seed in range(n):
       cfg = _case_config(case, seed, (), out)
-      tasks.append((case, seed, cfg.train.steps))
+      tasks.append((case, seed, cfg.train.steps, ()))
       resolved[case.name] = goldens.flat_config(cfg)
   recorded = {"commit": report.commit(ROOT),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
   echo(f"maxlm convergence: recording {len(suite.cases)} golden(s) of suite {suite.name} from seeds 0..{n - 1}")
   try:
-    runs = run_all(tasks, out, (), suite.smooth_window, args.jobs, echo)
+    runs = run_all(tasks, out, suite.smooth_window, args.jobs, echo)
     device = report.device_from_log(out / f"{runs[0].case}-seed0.log")
     changed = 0
     for case in suite.cases:
@@ -242,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if getattr(args, "jobs", 1) < 1:
       raise SuiteError("--jobs must be at least 1")
+    if getattr(args, "steps", None) is not None and args.steps < 1:
+      raise SuiteError("--steps must be at least 1")
     return {"run": cmd_run, "update-golden": cmd_update_golden, "baseline": cmd_baseline}[args.command](args)
   except SuiteError as e:
     return _fail(str(e), EXIT_SETUP)

@@ -96,13 +96,13 @@ def _child_env(jobs: int) -> dict[str, str]:
   return env
 
 
-def run_all(tasks: list[tuple[Case, int, int]], out: Path, extra: tuple[str, ...], window: int,
-            jobs: int = 1, echo=print) -> list[CaseRun]:
-  """Run (case, seed, steps) tasks, `jobs` at a time; results in task order. Prints one line per run."""
+def run_all(tasks: list[tuple[Case, int, int, tuple[str, ...]]], out: Path, window: int, jobs: int = 1,
+            echo=print) -> list[CaseRun]:
+  """Run (case, seed, steps, overrides) tasks, `jobs` at a time; results in task order. One line per run."""
   env = _child_env(jobs)
 
   def one(task):
-    case, seed, steps = task
+    case, seed, steps, extra = task
     r = run_case(case, seed, out, extra, window, steps, env)
     loss = r.curves["loss_smooth"].get(max(r.curves["loss_smooth"], default=0), math.nan)
     state = "done" if r.ok else f"FAILED (exit {r.returncode}): {r.error}"

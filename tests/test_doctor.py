@@ -165,6 +165,17 @@ def test_te_not_importable_is_reported(monkeypatch):
   assert te_probe.te_import_error() == "ImportError: libtransformer_engine.so: undefined symbol: cudnnGetVersion_v9"
 
 
+def test_custom_call_names_in_hlo_and_stablehlo():
+  from maxlm.layers.te_probe import custom_call_names
+  hlo = ('%cc = (bf16[2,8,64]{2,1,0}, f32[2,8]{1,0}) custom-call(bf16[2,8,64]{2,1,0} %p0, f32[64]{0} %p1), '
+         'custom_call_target="te_norm_forward_ffi", api_version=API_VERSION_TYPED_FFI\n'
+         '%fa = custom-call(%q, %k, %v), custom_call_target="te_fused_attn_forward_ffi"\n')
+  assert custom_call_names(hlo) == ["te_norm_forward_ffi", "te_fused_attn_forward_ffi"]
+  shlo = '%0:2 = stablehlo.custom_call @CustomSPMDPartitioning(%arg0) {api_version = 2 : i32}\n'
+  assert custom_call_names(shlo) == ["CustomSPMDPartitioning"]
+  assert custom_call_names("%1 = stablehlo.add %0, %0 : tensor<2xf32>") == []
+
+
 @pytest.mark.te
 def test_te_probes_on_cpu():
   from maxlm.layers import te_probe

@@ -2,10 +2,11 @@
 #   make train [ARGS="key=value ..."]   train the default tiny model on the embedded corpus (CPU is fine)
 #   make test                           run the test suite (CPU)
 #   make mutation                       mutation testing of the core (slow, not in `make test`; docs/mutation.md)
+#   make test-container                 build the image (docker/) with podman and test it (root; not in `make test`)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test mutation
+.PHONY: setup train test mutation test-container
 setup:
 	@bash scripts/setup.sh $(VENV)
 
@@ -15,6 +16,12 @@ train: setup
 # --dist loadgroup: tests marked xdist_group(name) run on one worker (tests/test_launch.py shares its runs)
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+# The image on a Debian + Python base made here (scripts/build_image.sh), then `maxlm doctor` and a 5-step train
+# inside it (tests/test_container.py; times in docker/README.md). CI runs it after the main suite.
+# MAXLM_TEST_IMAGE=<tag> tests an image built before instead of building one.
+test-container: setup
+	$(PY) -m pytest -q -m container tests/test_container.py $(PYTEST_ARGS)
 
 # Mutation score per module and the surviving mutants (mutmut; ~1 h on 2 cores). MUTANTS='maxlm.optim*' runs
 # only those mutants (reusing mutants/); MUTATION_CHILDREN=2 by default.

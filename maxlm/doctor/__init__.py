@@ -134,7 +134,8 @@ def _backend_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
 def run_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
   """Every check, in order, each handed to `emit` as it completes. Returns True if a collective hung
   (the process must then end with os._exit). Raises ConfigError for settings that conflict."""
-  preset_line = xla_presets.apply(cfg.xla.preset)  # as `maxlm train` starts: preset, then deterministic
+  xla_presets.apply(cfg.xla.preset)  # as `maxlm train` starts: the preset, then deterministic flags
+  preset_line = "xla.preset={} ({})".format(*xla_presets.resolve(cfg.xla.preset))
   runtime.configure(deterministic=cfg.train.deterministic)
   emit(guarded("versions", lambda: checks.check_versions(probes.installed_versions(), probes.required_ranges(),
                                                          probes.installed_plugins())))

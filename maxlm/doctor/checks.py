@@ -97,9 +97,9 @@ def check_versions(installed: Mapping[str, str | None], required: Mapping[str, s
 
 def check_xla_flags(flags: str, preset_line: str | None, returncode: int | None, stderr: str) -> Result:
   """`returncode`/`stderr`: a fresh process that started the backend under `flags` (None: timed out)."""
-  what = f"{len(flags.split())} flag(s)" if flags.strip() else "XLA_FLAGS empty"
+  what = f"XLA_FLAGS: {len(flags.split())} flag(s)" if flags.strip() else "XLA_FLAGS empty"
   if preset_line:
-    what += f"; {preset_line}"
+    what += f", {preset_line}"
   if returncode == 0:
     return Result("xla_flags", "pass", f"{what}: the backend starts with them")
   if returncode is None:

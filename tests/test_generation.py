@@ -209,18 +209,21 @@ def test_te_backend_decodes_like_its_full_forward():
 
 
 def _hf_goldens():
-  return sorted(GOLDEN_HF.glob("*/greedy.json")) if GOLDEN_HF.is_dir() else []
+  return sorted(p.parent.name for p in GOLDEN_HF.glob("*/golden.npz"))
 
 
-@pytest.mark.parametrize("golden", _hf_goldens() or [None], ids=lambda g: g.parent.name if g else "none")
-def test_greedy_tokens_equal_hugging_face(golden):
-  """transformers' greedy `generate` on the goldens' tiny random models (tests/golden/hf, made by
-  tests/golden/make_hf_goldens.py) gives the same tokens as ours in fp32."""
-  if golden is None:
-    pytest.skip(f"no Hugging Face greedy goldens under {GOLDEN_HF} yet")
+@pytest.mark.parametrize("name", _hf_goldens())
+def test_greedy_tokens_equal_hugging_face(name):
+  """transformers' greedy `generate` of each prompt alone (tests/golden/hf, made by
+  tests/golden/make_hf_goldens.py: Llama 3 with llama3 RoPE scaling, tied Llama, Mistral with a window
+  of 8 < prompt + new tokens) equals ours with all three prompts of unequal length in one batch (fp32)."""
   from maxlm.api import Model
-  want = json.loads(golden.read_text())
-  model = Model.from_pretrained(str(golden.parent), backend="flax", dtype="float32")
-  cfg = getattr(model.config, "model", model.config)
-  out = G.generate(cfg, model.params, want["prompts"], want["max_new_tokens"], dtype="float32")
-  assert out.tokens == want["tokens"]
+  g = np.load(GOLDEN_HF / name / "golden.npz")
+  prompts = [[int(t) for t in row if t >= 0] for row in g["prompts"]]
+  model = Model.from_pretrained(GOLDEN_HF / name, backend="flax", dtype="float32")
+  out = G.generate(model.config.model, model.params, prompts, int(g["max_new_tokens"]), mesh=model.mesh)
+  assert out.tokens == g["generated"].tolist()
+
+
+def test_hf_goldens_are_present():
+  assert _hf_goldens() == ["llama3", "llama_tied", "mistral"]

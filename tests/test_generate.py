@@ -1,0 +1,131 @@
+"""`maxlm generate` (maxlm/generate.py): text and JSON output from a run checkpoint, its tokenizer and
+stop handling, and one-line errors with exit codes for bad input."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxlm import generate as gen_cli
+from maxlm.data import load_tokenizer
+from maxlm.model import Transformer
+from tiny_checkpoint import make_checkpoint
+
+PROMPT = "It is a truth universally acknowledged"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  return make_checkpoint(tmp_path_factory.mktemp("gen"))
+
+
+def _cli(capsys, *args):
+  code = gen_cli.main([str(a) for a in args])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def _greedy_reference(cfg, params, ids, n):
+  """Greedy continuation by recomputing the whole sequence with the training model at every step."""
+  model = Transformer(cfg.model)
+  seq = list(ids)
+  for _ in range(n):
+    logits = model.apply({"params": params}, jnp.asarray([seq], jnp.int32))[0, -1]
+    seq.append(int(np.argmax(np.asarray(logits))))
+  return seq[len(ids):]
+
+
+def test_json_output_is_the_greedy_continuation(run, capsys):
+  run_dir, cfg, params = run
+  code, out, err = _cli(capsys, f"checkpoint={run_dir}", f"prompt={PROMPT}", "max_new_tokens=6", "--json")
+  assert code == 0, err
+  lines = out.strip().splitlines()
+  assert len(lines) == 1
+  got = json.loads(lines[0])
+  tok = load_tokenizer("")  # the run's data.tokenizer is "": the shipped SentencePiece model
+  ids = [tok.bos_id] + tok.encode(PROMPT).tolist()  # data.add_bos is on by default
+  assert got["prompt"] == PROMPT and got["prompt_tokens"] == ids
+  assert got["tokens"] == _greedy_reference(cfg, params, ids, 6)
+  assert got["finish_reason"] == "length"
+  assert got["text"] == tok.decode(ids + got["tokens"])[len(tok.decode(ids)):]
+  assert {"load_s", "compile_s", "prefill_s", "decode_s", "tokens_per_s"} <= set(got["timing"])
+
+
+def test_text_output_and_stop_string(run, capsys):
+  run_dir = run[0]
+  code, out, _ = _cli(capsys, f"checkpoint={run_dir}/checkpoints", f"prompt={PROMPT}", "max_new_tokens=6",
+                      "--json")
+  free = json.loads(out)
+  code, out, err = _cli(capsys, f"checkpoint={run_dir}/checkpoints/0", f"prompt={PROMPT}", "max_new_tokens=6")
+  assert code == 0, err
+  assert out == PROMPT + free["text"] + "\n"
+  tok = load_tokenizer("")
+  stop_id = free["tokens"][2]
+  stop = tok.decode([stop_id]).strip()
+  if tok.encode(stop).tolist() != [stop_id]:
+    pytest.skip(f"token {stop_id} does not round-trip through text ({stop!r})")
+  code, out, err = _cli(capsys, f"checkpoint={run_dir}", f"prompt={PROMPT}", "max_new_tokens=6", f"stop={stop}",
+                        "--json")
+  got = json.loads(out)
+  cut = free["tokens"].index(stop_id)
+  assert got["tokens"] == free["tokens"][:cut + 1] and got["finish_reason"] == "stop"
+  assert got["text"] == tok.decode(got["prompt_tokens"] + free["tokens"][:cut])[len(tok.decode(
+      got["prompt_tokens"])):]  # the stop string itself is not printed
+
+
+def test_batch_of_prompts_prints_one_line_each(run, capsys):
+  code, out, err = _cli(capsys, f"checkpoint={run[0]}", "prompt=Emma", f"prompt={PROMPT}", "max_new_tokens=3",
+                        "temperature=0.8", "top_k=50", "top_p=0.9", "seed=5", "--json")
+  assert code == 0, err
+  rows = [json.loads(x) for x in out.strip().splitlines()]
+  assert [r["prompt"] for r in rows] == ["Emma", PROMPT]
+  again = _cli(capsys, f"checkpoint={run[0]}", "prompt=Emma", f"prompt={PROMPT}", "max_new_tokens=3",
+               "temperature=0.8", "top_k=50", "top_p=0.9", "seed=5", "--json")[1]
+  assert [json.loads(x)["tokens"] for x in again.strip().splitlines()] == [r["tokens"] for r in rows]
+
+
+def test_bad_input_one_line_and_exit_code(run, capsys, tmp_path):
+  run_dir = run[0]
+  not_ckpt = tmp_path / "empty"
+  not_ckpt.mkdir()
+  long_prompt = " ".join(["word"] * 80)  # > data.seq_len = 64 tokens
+  cases = [
+      ([f"checkpoint={tmp_path}/missing", "prompt=a"], 3, "no such file or directory"),
+      ([f"checkpoint={not_ckpt}", "prompt=a"], 3, f"checkpoint={not_ckpt}: no checkpoint"),
+      ([f"checkpoint={run_dir}", "prompt=a", "max_new_token=3"], 2, "unknown argument 'max_new_token'"),
+      ([f"checkpoint={run_dir}", "prompt=a", "model.n_layer=3"], 2, "unknown config key 'model.n_layer'"),
+      ([f"checkpoint={run_dir}", "prompt=a", "temperature=-1"], 2, "temperature must be"),
+      ([f"checkpoint={run_dir}", "prompt=a", "top_p=2"], 2, "top_p must be in (0, 1]"),
+      ([f"checkpoint={run_dir}", "prompt=a", "max_new_tokens=x"], 2, "max_new_tokens='x' is not an int"),
+      ([f"checkpoint={run_dir}"], 2, "prompt=<text> is required"),
+      ([f"checkpoint={run_dir}", f"prompt={long_prompt}", "max_new_tokens=4"], 2, "exceeds the model's max length 64"),
+      ([f"checkpoint={run_dir}", "prompt=a", "--jsn"], 2, "unknown option --jsn"),
+  ]
+  before = sorted(os.listdir(tmp_path))
+  for args, code, msg in cases:
+    got, out, err = _cli(capsys, *args)
+    assert got == code, (args, err)
+    assert err.count("\n") == 1 and err.startswith("maxlm: error: ") and msg in err, (args, err)
+    assert out == ""
+  assert sorted(os.listdir(tmp_path)) == before  # nothing created
+
+
+def test_damaged_checkpoint_exits_3(run, capsys, tmp_path):
+  import shutil
+  bad = tmp_path / "copy"
+  shutil.copytree(run[0], bad)
+  arrays = sorted((bad / "checkpoints" / "0" / "params").rglob("*"), key=lambda p: -p.stat().st_size)
+  victim = next(p for p in arrays if p.is_file())
+  victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+  code, out, err = _cli(capsys, f"checkpoint={bad}", "prompt=a", "max_new_tokens=2")
+  assert code == 3 and err.count("\n") == 1 and err.startswith("maxlm: error: checkpoint="), err
+
+
+def test_help_lists_the_arguments(capsys):
+  code, out, _ = _cli(capsys, "--help")
+  assert code == 0
+  for key in ("checkpoint=", "prompt=", "max_new_tokens=", "temperature=", "top_k=", "top_p=", "seed=",
+              "stop=", "--json"):
+    assert key in out

@@ -1,6 +1,7 @@
 """The `maxlm` command: help from module docstrings (without importing JAX), dispatch, one-line errors,
 and the same output and exit codes as `python -m maxlm.<module>`."""
 
+import importlib
 import inspect
 import json
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from maxlm import cli
+from maxlm import cli, train
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
@@ -63,7 +64,6 @@ def test_a_command_whose_module_is_missing_is_not_offered(monkeypatch, capsys):
 
 def test_every_command_module_follows_the_contract():
   """Docstring first line = summary; main(argv: list[str] | None = None) -> int; runnable with -m."""
-  import importlib
   for cmd, mod in cli.available().items():
     module = importlib.import_module(mod)
     assert module.__doc__ and module.__doc__.strip().splitlines()[0].strip(), cmd
@@ -98,7 +98,6 @@ def test_version_and_help_alias(capsys):
 @pytest.mark.parametrize("cmd, module", [("train", "maxlm.train"), ("prepare", "maxlm.data.prepare"),
                                          ("doctor", "maxlm.doctor")])
 def test_command_help_is_the_modules_help(cmd, module, capsys):
-  import importlib
   with pytest.raises(SystemExit) if cmd == "prepare" else nullcontext():  # argparse exits after --help
     assert importlib.import_module(module).main(["--help"]) == 0
   own = capsys.readouterr().out
@@ -108,7 +107,6 @@ def test_command_help_is_the_modules_help(cmd, module, capsys):
 
 
 def test_help_alias(capsys):
-  from maxlm import train
   assert train.main(["--help"]) == 0
   own = capsys.readouterr().out
   assert cli.main(["help", "train"]) == 0 and capsys.readouterr().out == own

@@ -5,14 +5,19 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import tomllib
+from importlib import metadata
 from pathlib import Path
 
+import jax
 import pytest
 
 from maxlm import doctor
+from maxlm.config import load_config
 from maxlm.doctor import checks, probes
 from maxlm.doctor.checks import NO_GPU, Result
+from maxlm.layers import te_backend, te_probe
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ["versions", "xla_flags", "devices", "cuda", "te", "fused_attention", "cudnn", "fp8", "nccl",
@@ -55,7 +60,6 @@ def test_supported_ranges_come_from_pyproject_and_jax():
   assert ranges["python"] == project["requires-python"]
   te = [d for d in project["optional-dependencies"]["te"] if d.startswith("transformer-engine")]
   assert ranges["transformer-engine"] == ">=" + te[0].split(">=")[1]
-  from importlib import metadata
   pin = [r for r in metadata.requires("jax") if r.startswith("jaxlib") and "extra" not in r][0]
   assert sorted(ranges["jaxlib"].split(",")) == sorted(pin[len("jaxlib"):].split(","))
   assert checks.check_versions(probes.installed_versions(), ranges, probes.installed_plugins()).status == "pass"
@@ -154,7 +158,6 @@ def test_te_check_paths():
 
 
 def test_te_not_importable_is_reported(monkeypatch):
-  from maxlm.layers import te_probe
   monkeypatch.setattr(te_probe, "te_installed", lambda: False)
   assert te_probe.te_import_error() == "not installed"
   monkeypatch.setattr(te_probe, "te_installed", lambda: True)
@@ -166,19 +169,17 @@ def test_te_not_importable_is_reported(monkeypatch):
 
 
 def test_custom_call_names_in_hlo_and_stablehlo():
-  from maxlm.layers.te_probe import custom_call_names
   hlo = ('%cc = (bf16[2,8,64]{2,1,0}, f32[2,8]{1,0}) custom-call(bf16[2,8,64]{2,1,0} %p0, f32[64]{0} %p1), '
          'custom_call_target="te_norm_forward_ffi", api_version=API_VERSION_TYPED_FFI\n'
          '%fa = custom-call(%q, %k, %v), custom_call_target="te_fused_attn_forward_ffi"\n')
-  assert custom_call_names(hlo) == ["te_norm_forward_ffi", "te_fused_attn_forward_ffi"]
+  assert te_probe.custom_call_names(hlo) == ["te_norm_forward_ffi", "te_fused_attn_forward_ffi"]
   shlo = '%0:2 = stablehlo.custom_call @CustomSPMDPartitioning(%arg0) {api_version = 2 : i32}\n'
-  assert custom_call_names(shlo) == ["CustomSPMDPartitioning"]
-  assert custom_call_names("%1 = stablehlo.add %0, %0 : tensor<2xf32>") == []
+  assert te_probe.custom_call_names(shlo) == ["CustomSPMDPartitioning"]
+  assert te_probe.custom_call_names("%1 = stablehlo.add %0, %0 : tensor<2xf32>") == []
 
 
 @pytest.mark.te
 def test_te_probes_on_cpu():
-  from maxlm.layers import te_probe
   assert te_probe.te_import_error() is None
   assert te_probe.custom_call_targets() == []  # CPU: TE runs as plain JAX (NVTE_JAX_CUSTOM_CALLS=false)
   assert set(te_probe.te_library_versions()) >= {"cudnn", "cuda"}
@@ -205,7 +206,6 @@ def test_fused_attention_check_paths():
 def test_fused_attention_probe_measures_errors_and_catches_a_wrong_window(monkeypatch):
   """On CPU TE takes its unfused path: not 'selected', but the comparison runs. Dropping the window
   from TE's call (a wrong mask) must exceed the bound the probe derives."""
-  from maxlm.layers import te_backend, te_probe
   shape = dict(n_heads=4, n_kv_heads=2, head_dim=32, window=24, dtype="bfloat16", max_segments=4, seq_len=64)
   good = te_probe.probe_fused_attention(**shape)
   assert good["selected"] is False
@@ -238,15 +238,12 @@ def test_nccl_check_and_version_text():
 
 
 def test_all_reduce_runs_over_the_cpu_devices():
-  import jax
   n = jax.device_count()
   out = probes.all_reduce(timeout_s=300)
   assert out["ok"] and out["want"] == out["got"] == n * (n + 1) / 2 and n == 8
 
 
 def test_all_reduce_that_hangs_is_reported(monkeypatch):
-  import threading
-  import jax
   release = threading.Event()
   monkeypatch.setattr(jax, "shard_map", lambda *a, **k: release.wait(60))
   out = probes.all_reduce(timeout_s=1.0)
@@ -281,7 +278,6 @@ def test_memory_fit():
 
 
 def test_checkpoint_bytes_is_params_and_both_moments():
-  from maxlm.config import load_config
   cfg = load_config(["model.vocab_size=100", "model.d_model=8", "model.n_layers=1", "model.n_heads=2",
                      "model.n_kv_heads=1", "model.head_dim=4", "model.ffn_dim=16", "mesh.tensor=2"])
   # by hand: embed 100*8 + head 8*100 + attention 8*(2+2*1)*4 + 2*4*8 + mlp 3*8*16 + norms 3*8
@@ -357,7 +353,6 @@ def test_a_check_that_raises_fails_alone(capsys):
 
 def test_in_process_all_checks_and_te_import_failure(monkeypatch, tmp_path, capsys):
   """Every check runs on CPU (GPU checks skipped); TE failing to import fails the te check and the exit code."""
-  from maxlm.layers import te_probe
   monkeypatch.setattr(te_probe, "te_import_error", lambda: "ImportError: undefined symbol: cudnnGetVersion")
   code = doctor.main(["--json", f"output_dir={tmp_path}", "model.backend=te"])
   report = json.loads(capsys.readouterr().out)

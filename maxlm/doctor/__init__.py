@@ -26,7 +26,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from maxlm import distributed, runtime, xla_presets
+from maxlm import distributed, runtime, sizing, xla_presets
 from maxlm.config import Config, ConfigError, MeshConfig, load_config
 from maxlm.doctor import checks, probes
 from maxlm.doctor.checks import STATUSES, Result
@@ -54,7 +54,6 @@ def format_line(r: Result) -> str:
 
 def checkpoint_bytes(cfg: Config) -> int:
   """One checkpoint: parameters, both Adam moments and FP8 metadata of the whole model (one device)."""
-  from maxlm import sizing  # noqa: PLC0415 - lazy: sizing imports maxlm.model (jax)
   whole = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=1, tensor=1, dcn_data=1, dcn_fsdp=1, dcn_tensor=1))
   est = sizing.estimate(whole, 1)
   return est["params"] + est["optimizer"] + est.get("fp8_meta", 0)
@@ -72,9 +71,10 @@ def _on_timeout(msg: str) -> None:
 
 def _backend_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
   """The checks that need the JAX backend (started here). Returns True when the all-reduce hung."""
-  import jax  # noqa: PLC0415 - lazy on purpose: XLA_FLAGS were checked in a subprocess first
+  # Lazy on purpose: these import JAX (and TE), which `maxlm doctor --help` and the checks before the
+  # backend (versions, the XLA_FLAGS subprocess) do not need.
+  import jax  # noqa: PLC0415
 
-  from maxlm import sizing  # noqa: PLC0415
   from maxlm.layers import supported_precisions, te_probe  # noqa: PLC0415
   from maxlm.trainer import device_memory_bytes  # noqa: PLC0415
 

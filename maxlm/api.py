@@ -4,6 +4,7 @@
     model = Model.from_pretrained("runs/tiny")                 # a run, checkpoints or step directory
     model = Model.from_pretrained("Llama-3.2-1B", dtype="bfloat16")  # an HF directory (safetensors)
     logits = model.logits(tokens)                              # [B, T] int -> [B, T, V] float32
+    new_ids = model.generate([[1, 15, 27]], max_new_tokens=20)  # KV-cache decoding (maxlm.generation)
     model.save_pretrained("out/hf")                            # HF safetensors + config.json
 """
 
@@ -137,7 +138,9 @@ class Model:
       self._logits_fn = jax.jit(fn)
     pos = None if positions is None else np.asarray(positions, np.int32)  # [B, T]
     seg = None if segment_ids is None else np.asarray(segment_ids, np.int32)  # [B, T]
-    with _scope(self.config, self.mesh):
+    # float32 compute means float32 matmuls: on GPUs XLA's default precision would use TF32 (10-bit mantissa)
+    precision = "highest" if self.config.model.dtype == "float32" else "default"
+    with _scope(self.config, self.mesh), jax.default_matmul_precision(precision):
       out = self._logits_fn(self.params, tokens, pos, seg)  # [B, T, V]
     return np.asarray(jax.device_get(out))
 

@@ -237,6 +237,15 @@ def test_nccl_check_and_version_text():
   assert r.status == "fail" and "NCCL_SOCKET_IFNAME" in r.fix
 
 
+def test_nccl_version_of_the_installed_library():
+  try:
+    want = metadata.version("nvidia-nccl-cu13")
+  except metadata.PackageNotFoundError:
+    pytest.skip("the nvidia-nccl-cu13 wheel is not installed")
+  assert checks.nccl_text(probes.nccl_version([])) == want
+  assert probes.nccl_version(["/nonexistent/libnccl.so.2"]) == probes.nccl_version([])  # falls through
+
+
 def test_all_reduce_runs_over_the_cpu_devices():
   n = jax.device_count()
   out = probes.all_reduce(timeout_s=300)
@@ -402,4 +411,6 @@ def test_every_check_passes_on_the_gpu(tmp_path):
   print(r.stdout)
   assert r.returncode == 0, r.stdout + r.stderr[-3000:]
   statuses = {ln.split()[1]: ln.split()[0] for ln in r.stdout.splitlines()[:-1]}
-  assert all(statuses[n] == "pass" for n in NAMES), r.stdout
+  assert list(statuses) == NAMES
+  # warn is allowed (e.g. memory_settings when the machine sets XLA_PYTHON_CLIENT_PREALLOCATE=false)
+  assert set(statuses.values()) <= {"pass", "warn"} and statuses["fused_attention"] == "pass", r.stdout

@@ -6,6 +6,7 @@ library versions, and an all-reduce over every device.
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
 import re
 import subprocess
@@ -129,8 +130,10 @@ def jax_cuda_versions() -> dict[str, int]:
 
 
 def nccl_version(loaded: list[str]) -> int | None:
-  """ncclGetVersion() of the libnccl this process loaded (after an all-reduce on GPUs)."""
+  """ncclGetVersion() of the libnccl this process loaded (after an all-reduce on GPUs), else of the one
+  JAX would load (the nvidia-nccl wheel; one device needs no NCCL, so none may be loaded yet)."""
   libs = [p for p in loaded if os.path.basename(p).startswith("libnccl.so")]
+  libs += sorted({p for base in sys.path for p in glob.glob(os.path.join(base, "nvidia", "nccl", "lib", "libnccl.so*"))})
   for path in libs:
     try:
       version = ctypes.c_int()

@@ -131,9 +131,11 @@ def jax_cuda_versions() -> dict[str, int]:
 
 def nccl_version(loaded: list[str]) -> int | None:
   """ncclGetVersion() of the libnccl this process loaded (after an all-reduce on GPUs), else of the one
-  JAX would load (the nvidia-nccl wheel; one device needs no NCCL, so none may be loaded yet)."""
+  JAX would load (the nvidia-nccl wheel, else the system's; one device needs no NCCL, so none may be
+  loaded yet)."""
   libs = [p for p in loaded if os.path.basename(p).startswith("libnccl.so")]
   libs += sorted({p for base in sys.path for p in glob.glob(os.path.join(base, "nvidia", "nccl", "lib", "libnccl.so*"))})
+  libs.append("libnccl.so.2")  # last: the dynamic loader's search (a system NCCL, as in NVIDIA's images)
   for path in libs:
     try:
       version = ctypes.c_int()

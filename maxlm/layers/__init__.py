@@ -73,9 +73,14 @@ def supported_precisions() -> list[str]:
   if not te_installed():
     return out
   te = import_te()
+  from transformer_engine.jax.quantize import device_utils
   try:
+    # Ask for the compute capability first: without a CUDA driver it raises, and TE's recipe probe must
+    # not run then, since it caches a scaling mode as supported before its check raises (after a few
+    # calls a CPU host would claim every recipe).
+    device_utils.get_device_compute_capability(0)
     recipes = te.quantize.get_supported_quantization_recipes()
-  except Exception:  # raises without a GPU driver: no FP8 here
+  except Exception:  # no GPU driver: no quantized recipes here
     return out
   names = {type(r).__name__ for r in recipes}
   out += [p for p, n in RECIPES.items() if n in names]

@@ -144,3 +144,18 @@ def test_bad_input_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message)
 def test_flag_parsing():
   opts, rest = parse_flags(["--dry-run", "--json", "config=x", "--devices", "16", "--nodes=2", "a.b=1"])
   assert opts == {"json": True, "devices": 16, "nodes": 2} and rest == ["config=x", "a.b=1"]
+
+
+def test_mistral_window_counts_only_attended_pairs(capsys):
+  # Mistral 7B v0.1: vocab 32000, window 4096 < seq_len 8192. Per row and head, causal attention with a
+  # window W over S positions attends S*W - W^2/2 (query, key) pairs (S^2/2 without a window); each pair
+  # costs 12 FLOPs per head dimension (QK^T and PV at 2 FLOPs each, x3 for forward + backward), which
+  # without a window is the README's 6 * B * S^2 * heads * head_dim per layer.
+  layer = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336
+  total = 32 * layer + 65 * 4096 + 2 * 32000 * 4096
+  b, s, w = 8, 8192, 4096
+  flops = 6 * (32 * layer + 4096 * 32000) * b * s + 12 * b * (s * w - w * w / 2) * 32 * 128 * 32
+  code, out, _ = dry(capsys, "--json", "config=mistral7b", "--devices", "8")
+  p = json.loads(out)
+  assert code == 0 and p["params"]["total"] == total == 7_241_732_096  # the published 7.24B
+  assert p["flops"]["per_step"] == flops

@@ -113,7 +113,7 @@ cases:
 
 def test_shipped_suites_load():
   cpu, gpu = load_suite("cpu"), load_suite("gpu")
-  assert {"tiny_te", "tiny_flax"} <= {c.name for c in cpu.cases}
+  assert [c.name for c in cpu.cases] == ["tiny_te", "tiny_flax", "copy", "default"]
   assert {c.name for c in gpu.cases} == {"bf16", "fp8_delayed", "fp8_current"}
   assert {(r.case, r.reference, r.max_rel) for r in gpu.rules} == {("fp8_delayed", "bf16", 0.01),
                                                                    ("fp8_current", "bf16", 0.01)}
@@ -312,15 +312,16 @@ def _run_cpu(monkeypatch, tmp_path, args):
 @pytest.mark.slow
 @pytest.mark.te
 def test_clean_cpu_suite_passes(monkeypatch, tmp_path, capsys):
-  rc, out, res = _run_cpu(monkeypatch, tmp_path, ["--cases", "tiny_te,tiny_flax"])
+  cases = ["tiny_te", "tiny_flax", "copy"]  # every banded case; `default` (~3 min) runs in the CI job itself
+  rc, out, res = _run_cpu(monkeypatch, tmp_path, ["--cases", ",".join(cases)])
   assert rc == 0, capsys.readouterr().out
-  assert res["passed"] and res["failed_cases"] == [] and {r["case"] for r in res["runs"]} == {"tiny_te", "tiny_flax"}
-  assert all(c["verdict"] == "pass" for c in res["checks"]) and len(res["checks"]) == 10
+  assert res["passed"] and res["failed_cases"] == [] and [r["case"] for r in res["runs"]] == cases
+  assert all(c["verdict"] == "pass" for c in res["checks"]) and len(res["checks"]) == 15
   md = (out / "report.md").read_text()
-  assert md.startswith("# Convergence: suite `cpu` - PASS") and md.count("| pass |") == 10
+  assert md.startswith("# Convergence: suite `cpu` - PASS") and md.count("| pass |") == 15
   assert ET.parse(out / "junit.xml").getroot().find("testsuite").get("failures") == "0"
   img = pytest.importorskip("matplotlib.image").imread(out / "loss_curves.png")
-  assert img.shape[:2] == (round(plot.PANEL_H * plot.DPI), round(2 * plot.PANEL_W * plot.DPI))  # 1 x 2 panels
+  assert img.shape[:2] == (round(plot.PANEL_H * plot.DPI), round(3 * plot.PANEL_W * plot.DPI))  # 1 x 3 panels
 
 
 @pytest.mark.slow
@@ -334,9 +335,10 @@ def test_learning_rate_x30_fails_and_names_the_case(monkeypatch, tmp_path, capsy
 
 @pytest.mark.slow
 def test_broken_rope_fails_and_names_the_case(monkeypatch, tmp_path, capsys):
-  # theta just above 1: every rotary pair turns by ~1 rad a token, so positions alias every ~6 tokens
-  rc, _, res = _run_cpu(monkeypatch, tmp_path, ["--cases", "tiny_flax", *SHORT, "model.rope_theta=1.0001"])
-  assert rc == 1 and res["failed_cases"] == ["tiny_flax"] and "FAILED: tiny_flax" in capsys.readouterr().out
+  # theta just above 1: every rotary pair turns by ~1 rad a token, so an attention score is one sinusoid of
+  # the distance (period 2 pi): 8 tokens back scores like 2 and 14 back, and the copy case's copy blurs
+  rc, _, res = _run_cpu(monkeypatch, tmp_path, ["--cases", "copy", *SHORT, "model.rope_theta=1.0001"])
+  assert rc == 1 and res["failed_cases"] == ["copy"] and "FAILED: copy" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from maxlm.convergence.bands import BandSpec
 
 SUITE_DIR = CONFIG_DIR / "convergence"
 METRICS = ("loss_smooth", "loss", "eval_loss", "grad_norm")
+PATH_KEYS = ("data.paths", "data.eval_paths")
 
 
 class SuiteError(ValueError):
@@ -48,6 +49,7 @@ class Case:
   band: BandSpec
   margin: float | None = None  # final eval_loss must be this far below the bigram baseline
   golden: bool = True  # false: no golden band, only the margin is checked (a run too long to record 3 times)
+  here: Path = Path(".")  # the suite file's directory: data paths in overrides are relative to it
 
   def definition(self) -> dict[str, Any]:
     """What a golden was recorded for; a golden of another definition is stale."""
@@ -57,7 +59,14 @@ class Case:
   def args(self, seed: int, extra: tuple[str, ...] = ()) -> list[str]:
     """`python -m maxlm.train` words for this case at `seed` (user overrides last but seeds after them)."""
     base = [f"config={self.config}"] if self.config else []
-    return [*base, *self.overrides, *extra, f"train.seed={seed}", f"data.seed={seed}"]
+    return [*base, *(self._local(w) for w in self.overrides), *extra, f"train.seed={seed}", f"data.seed={seed}"]
+
+  def _local(self, word: str) -> str:
+    """data.paths=copy.txt.xz -> the absolute path when it exists next to the suite file."""
+    key, _, value = word.partition("=")
+    if key in PATH_KEYS and value and not Path(value).is_absolute() and (self.here / value).exists():
+      return f"{key}={(self.here / value).resolve()}"
+    return word
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +146,7 @@ def _int(where: str, key: str, v: Any, lo: int = 0) -> int:
   return v
 
 
-def _case(where: str, raw: Any, common: tuple[str, ...], band: BandSpec) -> Case:
+def _case(where: str, raw: Any, common: tuple[str, ...], band: BandSpec, here: Path) -> Case:
   _need(isinstance(raw, dict), where, "each case must be a mapping")
   allowed = {"name", "config", "overrides", "metrics", "band", "margin", "golden"}
   _need(set(raw) <= allowed, where, f"unknown case keys {sorted(set(raw) - allowed)} (allowed: {sorted(allowed)})")
@@ -164,7 +173,7 @@ def _case(where: str, raw: Any, common: tuple[str, ...], band: BandSpec) -> Case
   _need(isinstance(has_golden, bool), where, "'golden' must be true or false")
   _need(has_golden or margin is not None, where, "a case without a golden needs a margin (else nothing is checked)")
   return Case(name, config, common + _words(where, raw.get("overrides")), checked,
-              _band(where, raw.get("band"), band), None if margin is None else float(margin), has_golden)
+              _band(where, raw.get("band"), band), None if margin is None else float(margin), has_golden, here)
 
 
 def load_suite(name: str) -> Suite:
@@ -184,7 +193,7 @@ def load_suite(name: str) -> Suite:
   common = _words(where, raw.get("overrides"))
   cases_raw = raw.get("cases")
   _need(isinstance(cases_raw, list) and bool(cases_raw), where, "needs a non-empty list 'cases'")
-  cases = tuple(_case(f"{where} case {i + 1}", c, common, band) for i, c in enumerate(cases_raw))
+  cases = tuple(_case(f"{where} case {i + 1}", c, common, band, path.parent) for i, c in enumerate(cases_raw))
   names = [c.name for c in cases]
   _need(len(set(names)) == len(names), where, f"case names repeat: {names}")
   rules = []

@@ -56,16 +56,25 @@ class ModelConfig:
   tie_embeddings: bool = option(False, "the LM head reuses the token embedding")
   param_dtype: str = option("float32", "master weights (also their gradients and Adam moments)",
                             choices=("float32", "bfloat16"))
-  dtype: str = option("bfloat16", "compute dtype", choices=("float32", "bfloat16"))
+  dtype: str = option("bfloat16", "compute dtype (model.precision=fp16 computes in float16)",
+                      choices=("float32", "bfloat16"))
   backend: str = option("auto", "layer backend; auto = Transformer Engine when installed, else flax",
                         choices=("auto", "te", "flax"))
-  precision: str = option("bf16", "matmul precision; FP8 needs the te backend (from Hopper), mxfp8 and nvfp4 "
-                          "a Blackwell GPU", choices=("bf16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4"))
+  precision: str = option("bf16", "matmul precision; fp16 = float16 compute with dynamic loss scaling; FP8 "
+                          "needs the te backend (from Hopper), mxfp8 and nvfp4 a Blackwell GPU",
+                          choices=("bf16", "fp16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4"))
+  fp16_initial_scale: float = option(2.0 ** 16, "fp16: the first loss scale (a power of 2 keeps unscaling exact)",
+                                     within="[1, 2**24]")
+  fp16_growth_interval: int = option(2000, "fp16: double the loss scale after this many steps in a row without "
+                                     "overflow", within="[1, inf)")
+  fp16_min_scale: float = option(1.0, "fp16: the loss scale never halves below this", within="(0, 2**24]")
   fp8_amax_history_len: int = option(1024, "FP8 delayed scaling: amax history length", within="[1, inf)")
   fp8_lm_head: bool = option(False, "quantize the LM head too (off: it stays in `dtype`)")
   loss_chunk: int = option(0, "LM head + cross-entropy over chunks of this many positions, never holding the "
                            "[B, T, V] logits (0 = whole sequence at once); ignored under FP8 with "
                            "fp8_lm_head=true", within="[0, inf)")
+  cast_params_once: bool = option(False, "cast the matmul weights to the compute dtype once per step, not at "
+                                 "every use (bf16 and fp16 only; holds a compute-dtype copy for the step)")
   scan_layers: bool = option(True, "scan over layers (faster compiles); false: unrolled (faster steps)")
   remat: str = option("full", "rematerialization policy (what the backward pass keeps vs recomputes)",
                       choices=("none", "full", "save_dots", "save_attn", "save_qkv_attn"))

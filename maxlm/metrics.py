@@ -121,6 +121,9 @@ def progress_line(step: int, total: int, m: dict, *, flops_known: bool = True) -
     parts.append(f"save {m['save_s']:.1f} s")
   if m.get("nonfinite_steps"):
     parts.append(f"skipped {m['nonfinite_steps']}")
+  if m.get("loss_scale") is not None:  # fp16: the loss scale, and updates skipped for its overflows
+    parts.append(f"scale {m['loss_scale']:g}" + (f", {m['overflow_steps']} overflow skips"
+                                                 if m.get("overflow_steps") else ""))
   if m.get("elapsed_s") is not None:
     eta = f", ETA {duration(m['eta_s'])}" if m.get("eta_s") is not None and step < total else ""
     parts.append(f"{duration(m['elapsed_s'])} elapsed{eta}")

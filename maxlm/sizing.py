@@ -10,7 +10,8 @@
   with `model.fp8_lm_head`), an fp32 amax history and scale for its input, kernel and gradient;
   replicated. Zero for the other precisions (current and block scaling keep no state).
 * logits: one micro-batch's logits [B_micro / (data * fsdp), S, V / tensor] in fp32 (the loss) plus
-  the `model.dtype` copy the LM head produces (none when that is float32).
+  the `model.dtype` copy the LM head produces (none when that is float32); with `model.loss_chunk` = C
+  (chunked head and loss, maxlm/step.py) only C positions of them at a time, not S.
 * activations (rough): what `model.remat` keeps per layer, plus one layer's internals recomputed in
   the backward pass; attention scores are not counted (fused attention does not store them).
 * lower_bound: params + optimizer + gradients + fp8_meta + logits, memory the step certainly needs;
@@ -85,6 +86,13 @@ def fp8_meta_bytes(m: ModelConfig) -> int:
   return gemms * 3 * (m.fp8_amax_history_len + 1) * 4
 
 
+def _logit_positions(m, seq_len: int) -> int:
+  """Positions whose logits exist at once: the loss chunk when the chunked loss runs (as
+  maxlm.step.use_chunked_loss decides: not with a quantized LM head), else the whole sequence."""
+  quantized_head = m.fp8_lm_head and m.precision not in ("bf16", "fp16")
+  return min(seq_len, m.loss_chunk) if m.loss_chunk and not quantized_head else seq_len
+
+
 def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
              state: dict[str, int] | None = None) -> dict[str, int]:
   """Bytes per device: params, optimizer, gradients, fp8_meta, logits, activations, lower_bound, total."""
@@ -95,12 +103,12 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
   m, d = cfg.model, cfg.data
   deg = mesh_degrees(cfg.mesh, n_devices, n_nodes)
   n_params = count_params(m)["total"]
-  p_bytes, c_bytes = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.dtype]
+  p_bytes, c_bytes = DTYPE_BYTES[m.param_dtype], 2 if m.precision == "fp16" else DTYPE_BYTES[m.dtype]
   shards = deg["fsdp"] * deg["tensor"]
   params = -(-n_params * p_bytes // shards)  # ceil
   rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
   vocab = -(-m.vocab_size // deg["tensor"])
-  logit_bytes = 4 + (c_bytes if m.dtype != "float32" else 0)
+  logit_bytes = 4 + (c_bytes if c_bytes != 4 else 0)
   if state is not None:
     params = state["params"]
   out = {
@@ -108,7 +116,7 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
       "optimizer": 2 * params if state is None else state["optimizer"],
       "gradients": params,
       "fp8_meta": fp8_meta_bytes(m) if state is None else state["fp8_meta"],
-      "logits": rows * d.seq_len * vocab * logit_bytes,
+      "logits": rows * _logit_positions(m, d.seq_len) * vocab * logit_bytes,
       "activations": rows * d.seq_len * _activation_elements(cfg) * c_bytes,
   }
   out["lower_bound"] = out["params"] + out["optimizer"] + out["gradients"] + out["fp8_meta"] + out["logits"]

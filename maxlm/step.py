@@ -3,11 +3,17 @@
 The jitted train step takes explicit in/out shardings and donates the state. TE's FP8 state
 (`model_state`, e.g. `fp8_metas`) is differentiated alongside the params: its "gradient" is the
 updated state, which replaces the old one and never reaches the optimizer.
+
+`model.loss_chunk` > 0: the model returns its final-normed hidden states and the head's kernel, and
+`chunked_token_losses` applies the LM head and the cross-entropy chunk by chunk over the sequence, so
+the [B, T, V] logits never exist. `model.precision=fp16`: the loss is scaled by the train state's
+dynamic loss scale before differentiation (maxlm/loss_scale.py); an overflow skips the update.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import jax
@@ -15,7 +21,13 @@ import jax.numpy as jnp
 import optax
 from flax import linen as nn
 
+from maxlm.config import ModelConfig
+from maxlm.loss_scale import update_loss_scale
+from maxlm.model import BTV, compute_dtype
 from maxlm.train_state import TrainState
+
+UNQUANTIZED = ("bf16", "fp16")  # precisions whose GEMMs all run in the compute dtype
+MATMUL_WEIGHTS = ("kernel", "wi_kernel", "wo_kernel")  # the parameters that multiply activations
 
 
 def token_losses(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -27,35 +39,157 @@ def token_losses(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tupl
   return jnp.sum((lse - target_logit) * mask), jnp.sum(mask)
 
 
+def use_chunked_loss(cfg: ModelConfig) -> bool:
+  """`model.loss_chunk` > 0, unless the LM head is quantized (its FP8 GEMM lives in the model)."""
+  return cfg.loss_chunk > 0 and not (cfg.fp8_lm_head and cfg.precision not in UNQUANTIZED)
+
+
+def chunked_token_losses(y: jax.Array, kernel: jax.Array, targets: jax.Array, mask: jax.Array, *, chunk: int,
+                         vocab_axis: int, grad_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """`token_losses` of the LM head's logits, computed `chunk` positions at a time.
+
+  y: final-normed hidden states [B, T, D] (compute dtype); kernel: the head, [D, V] (vocab_axis=1) or the
+  tied embedding [V, D] (vocab_axis=0). Only one chunk's logits [B, C, V] exist at a time, in the
+  forward and the backward. The gradients (of the loss times `grad_scale`, the loss scale) are formed
+  in the same pass, chunk by chunk (dW summed in fp32), and kept for the backward: no logits are
+  recomputed, and the head costs the FLOPs of the unchunked one.
+  """
+  mask = mask.astype(jnp.float32)  # [B, T]
+  scale = jnp.ones((), jnp.float32) if grad_scale is None else grad_scale.astype(jnp.float32)
+  return _chunked_loss(y, kernel, targets, mask, scale, chunk, vocab_axis), jnp.sum(mask)
+
+
+def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+  """[B, T, ...] -> [N, B, C, ...] with N = ceil(T / C), zero-padded at the end."""
+  b, t = x.shape[:2]
+  n = -(-t // chunk)
+  x = jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))  # [B, N*C, ...]
+  return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)  # [N, B, C, ...]
+
+
+def _chunk_nll(y, w, targets, mask, vocab_axis: int):
+  """(summed NLL, fp32 logits [B, C, V], logsumexp [B, C]) of one chunk; logits rounded to the
+  compute dtype first, as the model's head returns them."""
+  logits = jax.lax.dot_general(y, w, (((2,), (1 - vocab_axis,)), ((), ())))  # [B, C, V]
+  logits = nn.with_logical_constraint(logits, BTV).astype(jnp.float32)  # [B, C, V]
+  lse = jax.nn.logsumexp(logits, axis=-1)  # [B, C]
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, C]
+  return jnp.sum((lse - target_logit) * mask), logits, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _chunked_loss(y, kernel, targets, mask, grad_scale, chunk, vocab_axis):
+  w = kernel.astype(y.dtype)  # cast once, outside the loop
+
+  def body(total, xs):
+    return total + _chunk_nll(xs[0], w, xs[1], xs[2], vocab_axis)[0], None
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                          (_chunks(y, chunk), _chunks(targets, chunk), _chunks(mask, chunk)))
+  return total
+
+
+def _chunked_loss_fwd(y, kernel, targets, mask, grad_scale, chunk, vocab_axis):
+  w = kernel.astype(y.dtype)  # cast once, outside the loop
+  vocab = w.shape[vocab_axis]
+
+  def body(carry, xs):
+    total, dw = carry
+    y_c, t_c, m_c = xs  # [B, C, D], [B, C], [B, C]
+    loss, logits, lse = _chunk_nll(y_c, w, t_c, m_c, vocab_axis)
+    onehot = jnp.arange(vocab, dtype=t_c.dtype) == t_c[..., None]  # [B, C, V]
+    # d(scaled loss)/d logits, rounded to the compute dtype as the logits' cotangent is unchunked
+    d = (jnp.exp(logits - lse[..., None]) - onehot) * (m_c * grad_scale)[..., None]  # [B, C, V]
+    d = nn.with_logical_constraint(d.astype(y.dtype), BTV)  # [B, C, V]
+    dy = jax.lax.dot_general(d, w, (((2,), (vocab_axis,)), ((), ())))  # [B, C, D]
+    if vocab_axis == 1:
+      dw_c = jax.lax.dot_general(y_c, d, (((0, 1), (0, 1)), ((), ())),
+                                 preferred_element_type=jnp.float32)  # [D, V]
+    else:
+      dw_c = jax.lax.dot_general(d, y_c, (((0, 1), (0, 1)), ((), ())),
+                                 preferred_element_type=jnp.float32)  # [V, D]
+    return (total + loss, dw + dw_c), dy
+
+  zeros = jnp.zeros(w.shape, jnp.float32)  # [D, V] or [V, D]
+  (total, dw), dy = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+                                 (_chunks(y, chunk), _chunks(targets, chunk), _chunks(mask, chunk)))
+  b, t, d_model = y.shape
+  dy = jnp.moveaxis(dy, 0, 1).reshape(b, -1, d_model)[:, :t]  # [B, T, D]
+  return total, (dy, dw.astype(kernel.dtype), grad_scale)
+
+
+def _chunked_loss_bwd(chunk, vocab_axis, res, g):
+  del chunk, vocab_axis
+  dy, dw, grad_scale = res
+  f = g / grad_scale  # 1 when the loss is differentiated with the scale passed in (the train step)
+  return ((dy.astype(jnp.float32) * f).astype(dy.dtype), (dw * f).astype(dw.dtype), None, None, None)
+
+
+_chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
+
+
 def _forward_loss(model: nn.Module, packed: bool):
-  def loss_fn(params, model_state, batch):
+  """`loss_fn(params, model_state, batch, grad_scale=None) -> (summed NLL, valid tokens)`."""
+  cfg = model.cfg
+  chunked = use_chunked_loss(cfg)
+
+  def loss_fn(params, model_state, batch, grad_scale=None):
     seg = batch["segment_ids"] if packed else None
-    logits = model.apply({"params": params, **model_state}, batch["inputs"], batch["positions"], seg)
-    return token_losses(logits, batch["targets"], batch["segment_ids"] > 0)
+    variables = {"params": params, **model_state}
+    mask = batch["segment_ids"] > 0  # [B, T]
+    if chunked:
+      y, kernel = model.apply(variables, batch["inputs"], batch["positions"], seg, hidden=True)  # [B, T, D]
+      return chunked_token_losses(y, kernel, batch["targets"], mask, chunk=cfg.loss_chunk,
+                                  vocab_axis=0 if cfg.tie_embeddings else 1, grad_scale=grad_scale)
+    logits = model.apply(variables, batch["inputs"], batch["positions"], seg)  # [B, T, V]
+    return token_losses(logits, batch["targets"], mask)
   return loss_fn
+
+
+def cast_matmul_weights(params, dtype, cfg: ModelConfig):
+  """The params with every matmul weight (the model's `kernel`, `wi_kernel`, `wo_kernel`; the embedding
+  unless tied) cast to `dtype`: what each use casts them to anyway. Norm scales stay as they are (the
+  norms compute in fp32). A tied embedding is left alone: its two uses' gradients are summed in the
+  master dtype, not in `dtype`."""
+  names = MATMUL_WEIGHTS + (() if cfg.tie_embeddings else ("embedding",))
+
+  def cast(path, x):
+    return x.astype(dtype) if getattr(path[-1], "key", None) in names else x
+  return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                     *, grad_accum: int = 1, packed: bool = False) -> Callable:
   """`step(state, batch) -> (state, metrics)`; batch arrays are [B, T] with B = global batch."""
   loss_fn = _forward_loss(model, packed)
+  cfg = model.cfg
+  cast_once = cfg.cast_params_once and cfg.precision in UNQUANTIZED
 
   def step(state: TrainState, batch):
     params = state.params
+    ls = state.loss_scale  # fp16: differentiate loss * scale (maxlm/loss_scale.py); else None
+    scale = None if ls is None else ls.scale
 
     def summed(p, s, b):
-      loss, n = loss_fn(p, s, b)
-      return loss, (loss, n)
+      loss, n = loss_fn(p, s, b, scale)
+      return loss if scale is None else loss * scale, (loss, n)
 
-    vg = jax.grad(summed, argnums=(0, 1), has_aux=True)
+    # model.cast_params_once: the matmul weights enter the model already in the compute dtype (their
+    # per-use casts become no-ops); the gradients come back in that dtype and return to the master
+    # weights' dtype here, as the per-use casts' transposes would have done.
+    cparams = cast_matmul_weights(params, compute_dtype(cfg), cfg) if cast_once else params
+    grad_fn = jax.grad(summed, argnums=(0, 1), has_aux=True)
+
+    def vg(p, s, b):
+      (g, new_s), aux = grad_fn(p, s, b)
+      return (jax.tree_util.tree_map(lambda gi, pi: gi.astype(pi.dtype), g, params), new_s), aux
 
     def one(carry, mb):
       grad_sum, model_state, loss_sum, count = carry
-      (g, new_state), (loss, n) = vg(params, model_state, mb)
+      (g, new_state), (loss, n) = vg(cparams, model_state, mb)
       return (jax.tree_util.tree_map(jnp.add, grad_sum, g), new_state, loss_sum + loss, count + n), None
 
     if grad_accum == 1:
-      (grad_sum, new_model_state), (loss_sum, count) = vg(params, state.model_state, batch)
+      (grad_sum, new_model_state), (loss_sum, count) = vg(cparams, state.model_state, batch)
     else:
       zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
       carry = (zeros, state.model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
@@ -63,10 +197,12 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
           lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)  # [A, B/A, T]
       (grad_sum, new_model_state, loss_sum, count), _ = jax.lax.scan(one, carry, micro_batches)
     count = jnp.maximum(count, 1.0)
-    grads = jax.tree_util.tree_map(lambda g: g / count, grad_sum)
+    denom = count if scale is None else count * scale  # fp32; the scale is a power of 2
+    grads = jax.tree_util.tree_map(lambda g: g / denom, grad_sum)
     loss = loss_sum / count
     grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
+    finite = loss_finite & grads_finite
 
     # A conditional rather than a select over every parameter: the skip costs nothing when the
     # update is finite (a select reads and writes params and both Adam moments once more).
@@ -78,11 +214,17 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
       return params, state.opt_state, state.model_state
 
     new_params, new_opt_state, new_model_state = jax.lax.cond(finite, apply_update, skip_update, None)
+    # Under loss scaling an overflow of the scaled gradients (finite loss) is the scale's business: it
+    # halves and counts the skip in overflow_steps. Only a non-finite loss counts as a non-finite step.
+    nonfinite = ~finite if ls is None else ~loss_finite
+    new_ls = None if ls is None else update_loss_scale(ls, loss_finite, grads_finite)
     new_state = state.replace(
         step=state.step + 1, params=new_params, opt_state=new_opt_state, model_state=new_model_state,
-        nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32))
+        nonfinite_steps=state.nonfinite_steps + nonfinite.astype(jnp.int32), loss_scale=new_ls)
     metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                "tokens": count, "finite": finite, "nonfinite_steps": new_state.nonfinite_steps}
+    if new_ls is not None:
+      metrics.update(loss_scale=new_ls.scale, overflow_steps=new_ls.overflow_steps)
     return new_state, metrics
 
   return step

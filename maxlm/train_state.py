@@ -1,4 +1,5 @@
-"""The train state (params, optimizer state, non-param model collections, step, RNG) and its shardings."""
+"""The train state (params, optimizer state, non-param model collections, step, RNG, fp16 loss scale) and
+its shardings."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import Mesh
 
+from maxlm.loss_scale import LossScale, init_loss_scale
 from maxlm.sharding import shardings_from_logical, strip_boxes
 
 
@@ -24,6 +26,9 @@ class TrainState:
   model_state: Any
   rng: jax.Array  # uint32 key data
   nonfinite_steps: jax.Array  # int32 scalar: updates skipped for a non-finite loss / gradient
+  # model.precision=fp16: the dynamic loss scale and its counters (maxlm/loss_scale.py); else None (no
+  # leaves: states and checkpoints of other precisions are unchanged).
+  loss_scale: LossScale | None = None
 
 
 def init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, rng: jax.Array,
@@ -36,7 +41,7 @@ def init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, rng: j
   model_state = {k: v for k, v in variables.items() if k != "params"}
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                     model_state=model_state, rng=jax.random.key_data(state_rng),
-                    nonfinite_steps=jnp.zeros((), jnp.int32))
+                    nonfinite_steps=jnp.zeros((), jnp.int32), loss_scale=init_loss_scale(model.cfg))
 
 
 def abstract_state(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh, batch: int,

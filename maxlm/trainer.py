@@ -28,7 +28,7 @@ from maxlm.model import Transformer, count_params, flops_per_step
 from maxlm.optim import make_optimizer
 from maxlm.profiling import Profiler
 from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
-from maxlm.step import jit_step, make_eval_step, make_train_step
+from maxlm.step import jit_step, make_eval_step, make_train_step, use_chunked_loss
 from maxlm.train_state import create_train_state
 
 
@@ -241,6 +241,9 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
          f"{dict(trainer.mesh.shape)}, run dir {run_dir}")
     if jax.process_count() > 1:
       echo(f"maxlm: {mesh_placement(trainer.mesh)}")
+    if m.loss_chunk and not use_chunked_loss(m):
+      echo(f"maxlm: model.loss_chunk={m.loss_chunk} is not used: with model.fp8_lm_head=true the {m.precision} "
+           "LM head computes the whole logits")
 
   ckpt, writer = None, None
   profiler = Profiler(cfg.profile, run_dir, is_main, echo=echo)
@@ -294,6 +297,8 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
       now = time.perf_counter()
       row = {k: float(v) for k, v in metrics.items() if k not in ("finite", "tokens")}
       row["nonfinite_steps"] = int(metrics["nonfinite_steps"])
+      if "overflow_steps" in metrics:  # fp16 loss scaling: skips for overflow, not non-finite steps
+        row["overflow_steps"] = int(metrics["overflow_steps"])
       if steps_since:
         dt = now - t_last - paused  # training only: checkpoint saves are reported as save_s
         row.update(throughput(tokens_per_step * steps_since, flops * steps_since, dt, trainer.n_devices, peak))

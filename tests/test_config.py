@@ -134,7 +134,7 @@ def test_every_shipped_config_loads():
     (["train.steps=1.5"], "config key 'train.steps' expects int, got 1.5"),
     (["model.scan_layers=maybe"], "config key 'model.scan_layers' expects bool, got 'maybe'"),
     (["model.precision=fp4"],
-     "config key 'model.precision' must be one of bf16, fp8_delayed, fp8_current, mxfp8, nvfp4; got 'fp4'"),
+     "config key 'model.precision' must be one of bf16, fp16, fp8_delayed, fp8_current, mxfp8, nvfp4; got 'fp4'"),
     (["model=3"], "config key 'model' is a section"),
     (["steps"], "argument 'steps' is not key=value"),
     (["config=missing.yml"], "config file 'missing.yml' not found"),

@@ -17,8 +17,8 @@ from maxlm.layers import FP8_COLLECTION, PrecisionError, check_precision, precis
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
-from maxlm.step import make_eval_step, make_train_step, token_losses
-from maxlm.train_state import create_train_state
+from maxlm.step import cast_matmul_weights, make_eval_step, make_train_step, token_losses
+from maxlm.train_state import abstract_state, create_train_state
 
 MODEL = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
                     dtype="float32", remat="none", backend="flax")
@@ -365,3 +365,138 @@ def test_fp8_delayed_state_threads_through_steps(fake_fp8_gpu):
   # rounding, <= 64 ulps); decay or clipping of this state would change it by O(1).
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=64 * U32, atol=0),
                          sb1.model_state, s1.model_state)
+
+
+# ---- chunked LM head + cross-entropy ---------------------------------------------------------------
+
+BACKENDS = [pytest.param("flax"), pytest.param("te", marks=pytest.mark.te)]
+
+
+def sgd_gradient(old, new):
+  """The gradient a plain-SGD (lr=1) step applied: old - new, per leaf (float64)."""
+  return [np.asarray(a, np.float64) - np.asarray(b, np.float64)
+          for (_, a), (_, b) in zip(named_leaves(old), named_leaves(new))]
+
+
+# Both backends, each with tied and untied heads and packed and unpacked rows (pairwise, to keep the
+# compiles few).
+CHUNK_CASES = [pytest.param("flax", False, True, id="flax-untied-packed"),
+               pytest.param("flax", True, False, id="flax-tied-alone"),
+               pytest.param("te", False, False, id="te-untied-alone", marks=pytest.mark.te),
+               pytest.param("te", True, True, id="te-tied-packed", marks=pytest.mark.te)]
+
+
+@pytest.mark.parametrize("backend,tied,packed", CHUNK_CASES)
+def test_chunked_loss_matches_reference_and_unchunked(backend, tied, packed):
+  """model.loss_chunk=3 over T=8 (chunks of 3, 3 and 2 padded): the loss, the eval loss (no gradient:
+  the plain chunked forward) and the gradient (read off a plain-SGD step) against the float64
+  reference, and against the unchunked step."""
+  cfg = dataclasses.replace(MODEL, backend=backend, tie_embeddings=tied, loss_chunk=3)
+  bt = padded_batch(seed=7, packed=packed)
+  out = {}
+  # The unchunked step (tested against the reference above and in test_model.py) runs here too on the
+  # flax backend, for the direct comparison; on TE the reference alone keeps the compiles few.
+  for chunk in (3, 0) if backend == "flax" else (3,):
+    c = dataclasses.replace(cfg, loss_chunk=chunk)
+    state, run, model = setup(c, packed=packed, optimizer=optax.sgd(1.0))
+    state = state.replace(params=R.random_params(state.params, seed=2, embed_std=0.5))
+    new, m = run(state, bt)
+    loss_sum = float(m["loss"]) * float(m["tokens"])
+    if chunk:
+      with jax.set_mesh(MESH), precision_scope("bf16", backend):
+        loss_sum = float(jax.jit(make_eval_step(model, packed=packed))(state, bt)["loss_sum"])
+    out[chunk] = (float(m["loss"]), loss_sum, sgd_gradient(state.params, new.params), new.params)
+  with jax.enable_x64(True):
+    ref_sum, ref_n = R.loss_sum_and_count(R.as_float64(state.params), cfg, bt, packed=packed)
+    ref_grads = jax.grad(lambda p: R.mean_loss(p, cfg, bt, packed, jnp))(R.as_float64(state.params))
+  ref_grads = [np.asarray(g) for _, g in named_leaves(ref_grads)]
+  n = int(ref_n)
+  names = ["/".join(name) for name, _ in named_leaves(state.params)]
+  for chunk, (loss, loss_sum, grads, params) in out.items():
+    # float32 logits carry a few ulps of their scale; logsumexp over V=128 and the sum over <= 32
+    # tokens: (128 + 32) ulps of the total, as for the unchunked loss above.
+    # (unchunked: the train step's mean times the count, one more rounding)
+    np.testing.assert_allclose(loss_sum, float(ref_sum), rtol=(128 + 32 + 1) * U32, err_msg=f"chunk {chunk}")
+    np.testing.assert_allclose(loss, float(ref_sum) / n, rtol=(128 + 32) * U32, err_msg=f"chunk {chunk}")
+    # Each gradient within GRAD_RTOL of its leaf's largest (the derivation at the top: the chunked
+    # head sums the same per-token products, chunk by chunk, in float32), plus the rounding of the
+    # SGD step p - g (one ulp of |p|) that the difference old - new reads it through.
+    for name, g, want, p in zip(names, grads, ref_grads, jax.tree_util.tree_leaves(params)):
+      tol = GRAD_RTOL * np.abs(want).max() + U32 * np.abs(np.asarray(p)).max()
+      np.testing.assert_allclose(g, want, rtol=0, atol=tol, err_msg=f"chunk {chunk} {name}")
+  if backend != "flax":
+    return
+  # And chunked against unchunked directly: each within the bounds above of the reference, so twice
+  # them apart.
+  np.testing.assert_allclose(out[3][0], out[0][0], rtol=2 * (128 + 32) * U32)
+  for name, a, b, p in zip(names, out[3][2], out[0][2], jax.tree_util.tree_leaves(out[0][3])):
+    tol = 2 * (GRAD_RTOL * np.abs(b).max() + U32 * np.abs(np.asarray(p)).max())
+    np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=name)
+
+
+def compiled_temp_bytes(cfg, b, t):
+  """XLA's compiled memory analysis of the jitted train step: temporary bytes (no run)."""
+  model = Transformer(cfg)
+  opt, sched = make_optimizer(OptimConfig(warmup_steps=0), 10)
+  with jax.set_mesh(MESH), precision_scope("bf16", cfg.backend):
+    state, _ = abstract_state(model, opt, MESH, b, t)
+    bt = {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+    compiled = jax.jit(make_train_step(model, opt, sched)).lower(state, bt).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow  # eight XLA compiles (~1 min of CPU)
+def test_chunked_loss_memory_does_not_scale_with_t_times_v():
+  """Temporary memory of the compiled step at T, 2T x V, 2V (bf16 compute). The mixed difference
+  M(2T, 2V) - M(2T, V) - M(T, 2V) + M(T, V) cancels everything that grows with T alone (attention,
+  activations) or V alone (embedding, head gradient, one chunk's logits) and leaves the buffers of
+  B x T x V elements: each adds at least B*T*V*2 bytes (bf16). Unchunked, the bf16 logits and their
+  fp32 copy are there (>= 6 bytes per element); chunked, not even half of one bf16 such buffer."""
+  b, t, v = 2, 128, 4096
+  mixed = {}
+  for chunk in (0, 32):
+    cfg = dataclasses.replace(MODEL, vocab_size=v, n_layers=1, dtype="bfloat16", loss_chunk=chunk)
+    m = {(tt, vv): compiled_temp_bytes(dataclasses.replace(cfg, vocab_size=vv), b, tt)
+         for tt in (t, 2 * t) for vv in (v, 2 * v)}
+    mixed[chunk] = m[2 * t, 2 * v] - m[2 * t, v] - m[t, 2 * v] + m[t, v]
+  assert mixed[0] >= b * t * v * 6, mixed
+  assert mixed[32] < b * t * v * 2 / 2, mixed
+
+
+# ---- matmul weights cast once per step -------------------------------------------------------------
+
+@pytest.mark.parametrize("backend,tied,chunk", [pytest.param("flax", False, 3, id="flax-untied-chunked"),
+                                                pytest.param("te", True, 0, id="te-tied", marks=pytest.mark.te)])
+def test_cast_params_once_changes_nothing(backend, tied, chunk):
+  """model.cast_params_once (bf16 compute): the model receives the very bf16 values each use would have
+  cast, and every gradient returns to float32 through the same single rounding as the per-use cast's
+  transpose (the tied embedding, whose two uses would add in bf16, is not pre-cast): the same
+  operations on the same values, so the update is the same bit for bit."""
+  bt = padded_batch(seed=3)
+  out = []
+  for once in (False, True):
+    cfg = dataclasses.replace(MODEL, backend=backend, dtype="bfloat16", tie_embeddings=tied, loss_chunk=chunk,
+                              cast_params_once=once)
+    state, run, _ = setup(cfg, optimizer=optax.sgd(1.0))
+    state = state.replace(params=R.random_params(state.params, seed=2, embed_std=0.5))
+    new, m = run(state, bt)
+    out.append((new.params, float(m["loss"]), float(m["grad_norm"])))
+  (a, *ma), (b, *mb) = out
+  assert ma == mb
+  for (name, x), (_, y) in zip(named_leaves(a), named_leaves(b)):
+    assert x.dtype == y.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg="/".join(name))
+  assert not np.array_equal(np.asarray(a["lm_head" if not tied else "final_norm"]["scale"]),
+                            np.asarray(state.params["lm_head" if not tied else "final_norm"]["scale"]))
+
+
+def test_cast_matmul_weights_leaves_norms_and_a_tied_embedding():
+  params = {"embed": {"embedding": jnp.ones((4, 2))}, "layers": {"qkv": {"kernel": jnp.ones((2, 2)),
+            "scale": jnp.ones(2)}, "mlp": {"wi_kernel": jnp.ones((2, 2, 2)), "wo_kernel": jnp.ones((2, 2))}}}
+  dt = lambda t: {"/".join(n): x.dtype for n, x in named_leaves(t)}
+  untied = dt(cast_matmul_weights(params, jnp.bfloat16, MODEL))
+  tied = dt(cast_matmul_weights(params, jnp.bfloat16, dataclasses.replace(MODEL, tie_embeddings=True)))
+  bf, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+  assert untied == {"embed/embedding": bf, "layers/qkv/kernel": bf, "layers/qkv/scale": f32,
+                    "layers/mlp/wi_kernel": bf, "layers/mlp/wo_kernel": bf}
+  assert tied == {**untied, "embed/embedding": f32}

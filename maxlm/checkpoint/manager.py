@@ -2,7 +2,8 @@
 
 `<run_dir>/checkpoints/<step>/` holds five items:
   params/  the parameters (also what `checkpoint.load_params=<path>` reads)
-  state/   the rest of the TrainState: step, opt_state, model_state (TE `fp8_metas`), rng, nonfinite_steps
+  state/   the rest of the TrainState: step, opt_state, model_state (TE `fp8_metas`), rng, nonfinite_steps,
+           and under model.precision=fp16 loss_scale (scale, good_steps, overflow_steps)
   data/    the data-iterator position of every stream (global batch row), JSON; it restores onto any
            process count that divides the batch (older checkpoints: one state per process)
   config/  the resolved run configuration, JSON
@@ -55,8 +56,11 @@ class Restored:
 
 
 def _split(state) -> tuple[Any, dict]:
-  return state.params, {"step": state.step, "opt_state": state.opt_state, "model_state": state.model_state,
-                        "rng": state.rng, "nonfinite_steps": state.nonfinite_steps}
+  rest = {"step": state.step, "opt_state": state.opt_state, "model_state": state.model_state,
+          "rng": state.rng, "nonfinite_steps": state.nonfinite_steps}
+  if state.loss_scale is not None:  # fp16 runs only, so other checkpoints are unchanged
+    rest["loss_scale"] = state.loss_scale
+  return state.params, rest
 
 
 def _encode(obj):
@@ -314,6 +318,8 @@ class Checkpointer:
     except Exception as e:
       raise Corrupt(f"meta/config/data: {reason(e)}") from None
     _check_digests(head, path)
+    if target.loss_scale is not None and not any(k.startswith(".loss_scale") for k in arrays):
+      target = target.replace(loss_scale=None)  # saved without one (not fp16): the caller starts a fresh one
     wrong = mismatches(arrays, target)
     if wrong:
       changes = config_changes(head["config"] or {}, config)

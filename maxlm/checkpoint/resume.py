@@ -81,7 +81,12 @@ def _start(trainer, cfg, ckpt: Checkpointer | None) -> None:
   t0 = time.perf_counter()
   restored = ckpt.restore_latest(target, to_dict(cfg)) if ckpt else None
   if restored is not None:
+    fresh_scale = trainer.state.loss_scale
     trainer.state = restored.state
+    if restored.state.loss_scale is None and fresh_scale is not None:
+      trainer.state = trainer.state.replace(loss_scale=fresh_scale)
+      echo(f"maxlm: checkpoint step {restored.step} holds no fp16 loss scale (written by another precision or "
+           f"an older maxlm); starting from model.fp16_initial_scale={cfg.model.fp16_initial_scale:g}")
     try:
       trainer.train_data.set_state(restored.data)
     except Exception as e:

@@ -15,7 +15,7 @@ from maxlm.layers import flax_backend
 from maxlm.layers.te_env import import_te, on_gpu, te_installed
 
 BACKENDS = ("te", "flax")
-PRECISIONS = ("bf16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4")
+PRECISIONS = ("bf16", "fp16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4")
 # model.precision -> the TE recipe class that runs it (transformer_engine.common.recipe). TE reports
 # which of these the GPU supports (`supported_precisions`): FP8 from Hopper, MXFP8 and NVFP4 from Blackwell.
 RECIPES = {"fp8_delayed": "DelayedScaling", "fp8_current": "Float8CurrentScaling",
@@ -68,8 +68,8 @@ def make_recipe(precision: str, amax_history_len: int = 1024):
 
 
 def supported_precisions() -> list[str]:
-  """Precisions this machine can run with TE (bf16 always; FP8 recipes as the GPU reports)."""
-  out = ["bf16"]
+  """Precisions this machine can run with TE (bf16 and fp16 always; FP8 recipes as the GPU reports)."""
+  out = ["bf16", "fp16"]
   if not te_installed():
     return out
   te = import_te()
@@ -91,7 +91,7 @@ def check_precision(precision: str, backend: str) -> None:
   """Stop with a clear message when `precision` cannot run here; never fall back silently."""
   if precision not in PRECISIONS:
     raise PrecisionError(f"unknown model.precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-  if precision == "bf16":
+  if precision in ("bf16", "fp16"):  # unquantized: any backend, any device
     return
   if backend != "te":
     raise PrecisionError(f"model.precision={precision} needs model.backend=te (quantized matmuls run "

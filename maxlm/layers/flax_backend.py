@@ -134,12 +134,16 @@ def attention(q, k, v, *, segment_ids=None, positions=None, window: int = 0, max
               name: str = "attention"):
   """Causal GQA attention. q [B, T, H, Dh], k/v [B, T, KV, Dh] -> [B, T, H, Dh]."""
   del positions, max_segments, name  # the mask carries the document structure here
-  t = q.shape[1]
+  t, dtype = q.shape[1], q.dtype
+  if dtype == jnp.float16 and jax.default_backend() == "cpu":
+    # XLA:CPU has no float16 dot with float32 accumulation (what dot_product_attention asks for):
+    # compute in float32 there, as the accumulation would be anyway.
+    q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
   if segment_ids is None and not window:
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H, Dh]
   else:
     out = jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segment_ids, window, t))
-  return checkpoint_name(out, "context")
+  return checkpoint_name(out.astype(dtype), "context")
 
 
 def no_quantization():

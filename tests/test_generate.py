@@ -4,7 +4,7 @@ stop handling, and one-line errors with exit codes for bad input."""
 import json
 import os
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 import pytest
 
@@ -14,6 +14,7 @@ from maxlm.model import Transformer
 from tiny_checkpoint import make_checkpoint
 
 PROMPT = "It is a truth universally acknowledged"
+SHORT = "Emma"
 
 
 @pytest.fixture(scope="module")
@@ -27,63 +28,60 @@ def _cli(capsys, *args):
   return code, out, err
 
 
-def _greedy_reference(cfg, params, ids, n):
-  """Greedy continuation by recomputing the whole sequence with the training model at every step."""
+def _greedy_reference(cfg, params, ids, n, width=32):
+  """Greedy continuation by recomputing the whole sequence with the training model at every step (one
+  padded width, so one compilation: causal attention keeps the padding after a token out of its logits)."""
   model = Transformer(cfg.model)
+  forward = jax.jit(lambda p, t: model.apply({"params": p}, t))
   seq = list(ids)
   for _ in range(n):
-    logits = model.apply({"params": params}, jnp.asarray([seq], jnp.int32))[0, -1]
-    seq.append(int(np.argmax(np.asarray(logits))))
+    padded = np.zeros((1, width), np.int32)  # [1, W]
+    padded[0, :len(seq)] = seq
+    seq.append(int(np.argmax(np.asarray(forward(params, padded))[0, len(seq) - 1])))
   return seq[len(ids):]
 
 
 def test_json_output_is_the_greedy_continuation(run, capsys):
+  """Two prompts (one batch) give one JSON line each: the tokens are the greedy continuation of
+  BOS + the prompt's tokens (the run's data.add_bos and shipped tokenizer)."""
   run_dir, cfg, params = run
-  code, out, err = _cli(capsys, f"checkpoint={run_dir}", f"prompt={PROMPT}", "max_new_tokens=6", "--json")
-  assert code == 0, err
-  lines = out.strip().splitlines()
-  assert len(lines) == 1
-  got = json.loads(lines[0])
-  tok = load_tokenizer("")  # the run's data.tokenizer is "": the shipped SentencePiece model
-  ids = [tok.bos_id] + tok.encode(PROMPT).tolist()  # data.add_bos is on by default
-  assert got["prompt"] == PROMPT and got["prompt_tokens"] == ids
-  assert got["tokens"] == _greedy_reference(cfg, params, ids, 6)
-  assert got["finish_reason"] == "length"
-  assert got["text"] == tok.decode(ids + got["tokens"])[len(tok.decode(ids)):]
-  assert {"load_s", "compile_s", "prefill_s", "decode_s", "tokens_per_s"} <= set(got["timing"])
-
-
-def test_text_output_and_stop_string(run, capsys):
-  run_dir = run[0]
-  code, out, _ = _cli(capsys, f"checkpoint={run_dir}/checkpoints", f"prompt={PROMPT}", "max_new_tokens=6",
-                      "--json")
-  free = json.loads(out)
-  code, out, err = _cli(capsys, f"checkpoint={run_dir}/checkpoints/0", f"prompt={PROMPT}", "max_new_tokens=6")
-  assert code == 0, err
-  assert out == PROMPT + free["text"] + "\n"
-  tok = load_tokenizer("")
-  stop_id = free["tokens"][2]
-  stop = tok.decode([stop_id]).strip()
-  if tok.encode(stop).tolist() != [stop_id]:
-    pytest.skip(f"token {stop_id} does not round-trip through text ({stop!r})")
-  code, out, err = _cli(capsys, f"checkpoint={run_dir}", f"prompt={PROMPT}", "max_new_tokens=6", f"stop={stop}",
-                        "--json")
-  got = json.loads(out)
-  cut = free["tokens"].index(stop_id)
-  assert got["tokens"] == free["tokens"][:cut + 1] and got["finish_reason"] == "stop"
-  assert got["text"] == tok.decode(got["prompt_tokens"] + free["tokens"][:cut])[len(tok.decode(
-      got["prompt_tokens"])):]  # the stop string itself is not printed
-
-
-def test_batch_of_prompts_prints_one_line_each(run, capsys):
-  code, out, err = _cli(capsys, f"checkpoint={run[0]}", "prompt=Emma", f"prompt={PROMPT}", "max_new_tokens=3",
-                        "temperature=0.8", "top_k=50", "top_p=0.9", "seed=5", "--json")
+  code, out, err = _cli(capsys, f"checkpoint={run_dir}", f"prompt={PROMPT}", f"prompt={SHORT}",
+                        "max_new_tokens=6", "--json")
   assert code == 0, err
   rows = [json.loads(x) for x in out.strip().splitlines()]
-  assert [r["prompt"] for r in rows] == ["Emma", PROMPT]
-  again = _cli(capsys, f"checkpoint={run[0]}", "prompt=Emma", f"prompt={PROMPT}", "max_new_tokens=3",
-               "temperature=0.8", "top_k=50", "top_p=0.9", "seed=5", "--json")[1]
-  assert [json.loads(x)["tokens"] for x in again.strip().splitlines()] == [r["tokens"] for r in rows]
+  assert [r["prompt"] for r in rows] == [PROMPT, SHORT]
+  tok = load_tokenizer("")  # the run's data.tokenizer is "": the shipped SentencePiece model
+  for r, text in zip(rows, (PROMPT, SHORT)):
+    ids = [tok.bos_id] + tok.encode(text).tolist()  # data.add_bos is on by default
+    assert r["prompt_tokens"] == ids
+    assert r["tokens"] == _greedy_reference(cfg, params, ids, 6)
+    assert r["finish_reason"] == "length"
+    assert r["text"] == tok.decode(ids + r["tokens"])[len(tok.decode(ids)):]
+    assert {"load_s", "compile_s", "prefill_s", "decode_s", "tokens_per_s"} <= set(r["timing"])
+
+
+def test_text_output_stop_string_and_seeds(run, capsys):
+  run_dir = run[0]
+  args = (f"prompt={PROMPT}", f"prompt={SHORT}", "max_new_tokens=6")
+  free = [json.loads(x) for x in _cli(capsys, f"checkpoint={run_dir}/checkpoints", *args, "--json")[1].split("\n")
+          if x]
+  code, out, err = _cli(capsys, f"checkpoint={run_dir}/checkpoints/0", *args)
+  assert code == 0, err
+  assert out == PROMPT + free[0]["text"] + "\n" + SHORT + free[1]["text"] + "\n"
+  tok = load_tokenizer("")
+  stop_id = free[0]["tokens"][2]
+  stop = tok.decode([stop_id]).strip()
+  assert tok.encode(stop).tolist() == [stop_id], f"pick a token that round-trips through text ({stop!r})"
+  code, out, err = _cli(capsys, f"checkpoint={run_dir}", *args, f"stop={stop}", "--json")
+  got = json.loads(out.splitlines()[0])
+  cut = free[0]["tokens"].index(stop_id)
+  assert got["tokens"] == free[0]["tokens"][:cut + 1] and got["finish_reason"] == "stop"
+  prompt_text = tok.decode(got["prompt_tokens"])
+  assert got["text"] == tok.decode(got["prompt_tokens"] + free[0]["tokens"][:cut])[len(prompt_text):]
+  sampled = ("temperature=0.8", "top_k=50", "top_p=0.9", "seed=5", "--json")
+  once, again = (_cli(capsys, f"checkpoint={run_dir}", *args, *sampled)[1] for _ in range(2))
+  assert [json.loads(x)["tokens"] for x in once.split("\n") if x] == \
+      [json.loads(x)["tokens"] for x in again.split("\n") if x]
 
 
 def test_bad_input_one_line_and_exit_code(run, capsys, tmp_path):

@@ -32,10 +32,19 @@ def _init(cfg):
     return nn.unbox(Transformer(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"]
 
 
-def _full_logits(cfg, params, seq):
-  """The training model's logits [T, V] over the whole sequence (no cache)."""
+_FORWARDS = {}
+
+
+def _full_logits(cfg, params, seq, width=32):
+  """The training model's logits [T, V] over the whole sequence (no cache), padded to one width so
+  every call compiles once (causal attention keeps the padding after a token out of its logits)."""
+  if cfg not in _FORWARDS:
+    model = Transformer(cfg)
+    _FORWARDS[cfg] = jax.jit(lambda p, t: model.apply({"params": p}, t))
+  padded = np.zeros((1, width), np.int32)  # [1, W]
+  padded[0, :len(seq)] = seq
   with precision_scope("bf16", cfg.backend):
-    return np.asarray(Transformer(cfg).apply({"params": params}, jnp.asarray([seq], jnp.int32))[0])
+    return np.asarray(_FORWARDS[cfg](params, padded))[0, :len(seq)]  # [T, V]
 
 
 def _tolerance(cfg, max_logit, keys):
@@ -86,17 +95,16 @@ def test_rolling_cache_holds_only_the_window(params):
 
 
 def test_compiled_once_per_bucket(params):
-  """Other prompt lengths and max_new_tokens inside the same buckets reuse both programs; every
-  token of a call is decoded by the one while_loop (no trace per token)."""
+  """Other prompt lengths and max_new_tokens inside the same buckets (batch 1, prompt <= 16, new <= 16)
+  reuse both programs; every token of a call is decoded by the one while_loop (no trace per token)."""
   G.generate(TINY, params, [[1, 2, 3]], 5, return_logits=True)
   before = G.trace_counts()
+  assert before["prefill"] >= 1 and before["decode"] >= 1  # the counter sees traces
   a = G.generate(TINY, params, [[4, 5, 6, 7, 8, 9, 10]], 16, return_logits=True)
   b = G.generate(TINY, params, [[2]], 3, return_logits=True)
   assert G.trace_counts() == before
   assert len(a.tokens[0]) == 16 and len(b.tokens[0]) == 3
-  G.generate(TINY, params, [[1] * 17], 3, return_logits=True)  # prompt bucket 16 -> 32: one new trace each
-  after = G.trace_counts()
-  assert after == {k: v + 1 for k, v in before.items()}
+  assert [G.bucket(n) for n in (1, 16, 17, 33)] == [16, 16, 32, 64]
 
 
 def test_batch_of_unequal_prompts_equals_each_alone(params):
@@ -198,6 +206,7 @@ def test_bad_arguments_raise_one_line_errors(params):
 
 
 @pytest.mark.te
+@pytest.mark.slow  # ~16 s CPU: its own init and compilations; the cache attention is the flax path's
 def test_te_backend_decodes_like_its_full_forward():
   cfg = dataclasses.replace(TINY, backend="te", sliding_window=4)
   p = _init(cfg)
@@ -212,11 +221,13 @@ def _hf_goldens():
   return sorted(p.parent.name for p in GOLDEN_HF.glob("*/golden.npz"))
 
 
-@pytest.mark.parametrize("name", _hf_goldens())
+@pytest.mark.slow  # ~8 s CPU each: an HF import and a compilation per golden
+@pytest.mark.parametrize("name", ["llama3", "llama_tied"])
 def test_greedy_tokens_equal_hugging_face(name):
   """transformers' greedy `generate` of each prompt alone (tests/golden/hf, made by
-  tests/golden/make_hf_goldens.py: Llama 3 with llama3 RoPE scaling, tied Llama, Mistral with a window
-  of 8 < prompt + new tokens) equals ours with all three prompts of unequal length in one batch (fp32)."""
+  tests/golden/make_hf_goldens.py: Llama 3 with llama3 RoPE scaling, a tied-embedding Llama) equals ours
+  with all three prompts of unequal length in one batch (fp32). The Mistral golden (window 8 < prompt +
+  new tokens: the rolling cache wraps) runs the same comparison in tests/test_hf.py."""
   from maxlm.api import Model
   g = np.load(GOLDEN_HF / name / "golden.npz")
   prompts = [[int(t) for t in row if t >= 0] for row in g["prompts"]]

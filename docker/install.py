@@ -27,6 +27,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -51,7 +52,12 @@ def pip(*args: str) -> None:
   cache = [] if os.path.ismount(PIP_CACHE) else ["--no-cache-dir"]
   cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", *cache, *args]
   say("+ pip install " + " ".join(args))
-  subprocess.run(cmd, check=True)
+  if subprocess.run(cmd).returncode != 0:
+    hint = ""
+    if "-c" in args:
+      hint = (": a '(constraint)' in pip's conflict above is a package of the base image's stack, which the "
+              "build does not replace; pick a BASE_IMAGE whose versions maxlm supports (docker/README.md)")
+    sys.exit(f"install: error: pip install {' '.join(a for a in args if not a.startswith('/'))} failed{hint}")
 
 
 def norm(name: str) -> str:
@@ -75,8 +81,13 @@ def have_te_jax() -> bool:
     return False
   if "transformer-engine-jax" in installed():
     return True
-  roots = list(spec.submodule_search_locations or []) + [p for p in sys.path if os.path.isdir(p)]
-  return any(glob.glob(os.path.join(r, "**", "transformer_engine_jax*.so"), recursive=True) for r in roots)
+  return te_extension_in(list(spec.submodule_search_locations or []) + sys.path)
+
+
+def te_extension_in(roots: list[str]) -> bool:
+  """A compiled transformer_engine_jax module directly in one of `roots` or below it (wheel_lib/)."""
+  return any(glob.glob(os.path.join(r, "**", "transformer_engine_jax*.so"), recursive=True)
+             for r in roots if r and os.path.isdir(r))
 
 
 def stack(wheel_dir: str) -> None:
@@ -138,26 +149,52 @@ def deps(pyproject: str) -> None:
   pip(*reqs, "-c", constraints_file())
 
 
+def stack_errors(before: dict[str, list[str]], now: dict[str, list[str]], requirements: list[str]) -> list[str]:
+  """What is wrong with the stack `now` ({name: [version, location]}): a protected package of `before`
+  changed or went away, or JAX/Flax/TE is outside maxlm's `requirements` (PEP 508 strings)."""
+  from packaging.requirements import Requirement  # lazy: installed by `deps`, after `stack` ran
+  errors = [f"the build replaced {n} {before[n][0]} ({before[n][1]}) of the base stack with "
+            f"{' '.join(now[n]) if n in now else 'nothing'}" for n in before if now.get(n) != before[n]]
+  for req in map(Requirement, requirements):
+    name = norm(req.name)
+    if name in ("jax", "flax", "transformer-engine") and name in now:
+      if not req.specifier.contains(now[name][0], prereleases=True):  # a base's nightly JAX is a .dev version
+        errors.append(f"the base image has {name} {now[name][0]}, maxlm supports {req}: pick another BASE_IMAGE "
+                      "(docker/README.md)")
+  return errors
+
+
 def check(pyproject: str) -> None:
   before = json.loads(RECORD.read_text())
   now = protected_now()
-  changed = [f"{n}: {before[n][0]} -> {now.get(n, ['removed'])[0]}" for n in before if now.get(n) != before[n]]
-  if changed:
-    sys.exit("install: error: the build replaced packages of the base stack: " + "; ".join(changed))
-  from packaging.requirements import Requirement  # lazy: installed by `deps`, after `stack` ran
   project = tomllib.loads(Path(pyproject).read_text())["project"]
-  reqs = [Requirement(r) for r in project["dependencies"] + project.get("optional-dependencies", {}).get("te", [])]
-  for req in reqs:
-    name = norm(req.name)
-    if name in ("jax", "flax", "transformer-engine") and name in now:
-      version = now[name][0]
-      if not req.specifier.contains(version, prereleases=True):  # a base's nightly JAX is a .dev version
-        sys.exit(f"install: error: the base image has {name} {version}, maxlm supports {req}; pick another "
-                 "BASE_IMAGE (docker/README.md)")
+  errors = stack_errors(before, now, project["dependencies"] + project.get("optional-dependencies", {}).get("te", []))
+  if errors:
+    sys.exit("install: error: " + "; ".join(errors))
+  link_base_nvidia(Path(sysconfig.get_path("purelib")), sys.path)
   for n in ("jax", "jaxlib", "flax", "transformer-engine", "transformer-engine-jax"):
     if n in now:
       say(f"{n} {now[n][0]} ({now[n][1]})")
   say(f"check passed: the {len(before)} protected packages are unchanged")
+
+
+def link_base_nvidia(purelib: Path, paths: list[str]) -> None:
+  """Let TE find the base's pip CUDA libraries (nvidia/cudnn, nvidia/nccl, ...) from the venv.
+
+  TE looks for them only under the running interpreter's purelib (the venv), then in system paths.
+  On a base whose JAX uses pip `nvidia-*` wheels in its own site-packages, TE would then miss them, or
+  find another copy: one link makes TE load the same cuDNN as JAX. Nothing to do when the venv has its
+  own (plain base) or the base has none (the NVIDIA JAX container: system cuDNN, found by ldconfig).
+  """
+  mine = purelib / "nvidia"
+  if mine.exists() or mine.is_symlink():
+    return
+  for path in paths:
+    theirs = Path(path) / "nvidia"
+    if path and theirs.is_dir() and Path(path).resolve() != purelib.resolve():
+      mine.symlink_to(theirs)
+      say(f"linked {mine} -> {theirs} (TE loads the base's CUDA libraries, the ones JAX uses)")
+      return
 
 
 def main(argv: list[str]) -> None:

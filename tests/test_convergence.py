@@ -226,6 +226,17 @@ def test_loss_curves_png_decodes_with_the_grid_size(tmp_path):
   assert img[..., :3].std() > 0.05  # not a blank canvas
 
 
+def test_redraw_from_results_json(tmp_path):
+  pytest.importorskip("matplotlib")
+  curve = {"steps": [10, 20], "mean": [7.0, 6.0], "lo": [6.9, 5.9], "hi": [7.1, 6.1]}
+  panels = [{"case": "a", "golden": {"loss_smooth": curve}, "run": {"loss_smooth": {"10": 7.0, "20": 6.05}},
+             "failures": [], "failed": False}]
+  (tmp_path / "results.json").write_text(json.dumps({"plot": {"title": "t", "panels": panels}}))
+  assert main(["redraw", "--out", str(tmp_path)]) == 0
+  img = pytest.importorskip("matplotlib.image").imread(tmp_path / "loss_curves.png")
+  assert img.shape[:2] == (round(plot.PANEL_H * plot.DPI), round(plot.PANEL_W * plot.DPI))
+
+
 # --- bigram baseline ---------------------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import difflib
 import importlib.util
+import json
 import sys
 import tempfile
 import time
@@ -41,7 +42,11 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--jobs", type=int, default=1, help="cases run side by side (default 1)")
   r.add_argument("--steps", type=int, help="stop every case after this many steps (checks past it are skipped); "
                  "the learning-rate schedule stays the full case's")
+  r.add_argument("--no-plot", action="store_true", help="skip loss_curves.png (where matplotlib is missing); "
+                 "`redraw --out DIR` draws it later from results.json")
   r.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every case")
+  d = sub.add_parser("redraw", help="draw loss_curves.png of a finished run from its results.json")
+  d.add_argument("--out", type=Path, required=True, help="the run's report directory")
   u = sub.add_parser("update-golden", help="re-record goldens from several seeds and print the diff")
   u.add_argument("--suite", required=True)
   u.add_argument("--seeds", type=int, help="seeds 0..N-1 (default: the suite's `seeds`)")
@@ -109,7 +114,8 @@ def _rule_checks(suite: Suite, runs: dict) -> list[Check]:
 
 
 def cmd_run(args) -> int:
-  _need_matplotlib()
+  if not args.no_plot:
+    _need_matplotlib()
   suite = load_suite(args.suite).select([c for c in args.cases.split(",") if c])
   out = (args.out or Path("runs") / "convergence" / suite.name).resolve()
   extra = tuple(args.overrides)
@@ -153,7 +159,6 @@ def cmd_run(args) -> int:
           "environment": report.environment(report.device_from_log(out / "runs" / f"{runs[0].case}-seed{seed}.log"))}
   run_rows = [{"case": r.case, "seed": r.seed, "returncode": r.returncode, "seconds": r.seconds,
                "run_dir": str(r.run_dir), "error": r.error} for r in runs]
-  from maxlm.convergence import plot  # noqa: PLC0415 (lazy: imports matplotlib)
   panels = []
   for case, g, _, _ in plan:
     run = by_case[case.name]
@@ -162,12 +167,15 @@ def cmd_run(args) -> int:
                    "run": {m: run.curves[m] for m in (g["curves"] or case.metrics)},
                    "failures": [(c.metric, c.step, c.value) for c in mine if c.failed],
                    "limits": [(c.hi, f"bigram - {case.margin:g}") for c in mine if c.metric.startswith("eval_loss -")]})
-  plot.draw(out / "loss_curves.png", panels, f"convergence suite {suite.name} @ {meta['commit'][:12]}")
+  title = f"convergence suite {suite.name} @ {meta['commit'][:12]}"
+  if not args.no_plot:
+    _draw(out, panels, title)
   report.write_report(out, suite.name, checks, run_rows, meta, "loss_curves.png")
   report.write_junit(out, suite.name, checks, {r.case: r.seconds for r in runs})
   report.write_results(out, {"suite": suite.name, **meta, "seconds": time.perf_counter() - t0,
                              "passed": not failed, "failed_cases": failed, "runs": run_rows,
-                             "checks": [dataclasses.asdict(c) for c in checks]})
+                             "checks": [dataclasses.asdict(c) for c in checks], "plot": {"title": title,
+                                                                                         "panels": panels}})
   for c in checks:
     if c.failed:
       echo(f"maxlm convergence: FAIL {c.case}: {c.metric} at step {c.step} = {report.num(c.value)}, "
@@ -177,6 +185,24 @@ def cmd_run(args) -> int:
     return EXIT_FAIL
   echo(f"maxlm convergence: suite {suite.name} passed: {len(checks)} checks in {len(plan)} case(s) "
        f"(report {out / 'report.md'})")
+  return 0
+
+
+def _draw(out: Path, panels: list, title: str) -> None:
+  from maxlm.convergence import plot  # noqa: PLC0415 (lazy: imports matplotlib)
+  plot.draw(out / "loss_curves.png", panels, title)
+
+
+def cmd_redraw(args) -> int:
+  _need_matplotlib()
+  try:
+    saved = json.loads((args.out / "results.json").read_text())["plot"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise SuiteError(f"no usable results.json in {args.out}: {e}") from None
+  for p in saved["panels"]:  # JSON made the step keys strings
+    p["run"] = {m: {int(k): v for k, v in curve.items()} for m, curve in p["run"].items()}
+  _draw(args.out, saved["panels"], saved["title"])
+  echo(f"maxlm convergence: wrote {args.out / 'loss_curves.png'}")
   return 0
 
 
@@ -250,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
       raise SuiteError("--jobs must be at least 1")
     if getattr(args, "steps", None) is not None and args.steps < 1:
       raise SuiteError("--steps must be at least 1")
-    return {"run": cmd_run, "update-golden": cmd_update_golden, "baseline": cmd_baseline}[args.command](args)
+    commands = {"run": cmd_run, "update-golden": cmd_update_golden, "baseline": cmd_baseline, "redraw": cmd_redraw}
+    return commands[args.command](args)
   except SuiteError as e:
     return _fail(str(e), EXIT_SETUP)

@@ -163,6 +163,5 @@ def flat_config(cfg) -> dict[str, str]:
 
 def config_changes(golden: dict[str, Any], now: dict[str, str]) -> list[str]:
   """'key: golden -> now' for every resolved key that differs from the golden's recording."""
-  then = golden.get("resolved") or {}
-  return [f"{k}: {then.get(k, '(absent)')} -> {now.get(k, '(absent)')}" for k in sorted(set(then) | set(now))
-          if then and then.get(k) != now.get(k)]
+  then = golden.get("resolved") or {}  # keys added since the recording are left out: they were not there
+  return [f"{k}: {then[k]} -> {now.get(k, '(removed)')}" for k in sorted(then) if then[k] != now.get(k)]

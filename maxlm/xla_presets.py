@@ -31,39 +31,42 @@ PRESET_NAMES = ("auto", "none", "hopper", "blackwell")
 # NVIDIA JAX-Toolbox's performance guide).
 _OVERLAP = (
     # schedule async collectives and compute together so communication hides behind matmuls
-    # (multi-GPU; measured: not measured yet)
+    # (multi-GPU; measured: no effect on one H200, which has no collectives)
     "--xla_gpu_enable_latency_hiding_scheduler=true",
     # combine a layer's parameter all-gathers into one NCCL call up to 128 MiB (bigger messages reach
-    # link bandwidth; a Llama-8B layer is 436 MB in bf16) (multi-GPU; measured: not measured yet)
+    # link bandwidth; a Llama-8B layer is 436 MB in bf16)
+    # (multi-GPU; measured: no effect on one H200, which has no collectives)
     "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
     # the same for gradient reduce-scatters, 64 MiB (fp32 gradients are twice the bytes)
-    # (multi-GPU; measured: not measured yet)
+    # (multi-GPU; measured: no effect on one H200, which has no collectives)
     "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
-    # the same for data-parallel all-reduces, 128 MiB (multi-GPU; measured: not measured yet)
+    # the same for data-parallel all-reduces, 128 MiB
+    # (multi-GPU; measured: no effect on one H200, which has no collectives)
     "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
     # start the next scanned layer's all-gather during this layer's compute (model.scan_layers=true;
-    # multi-GPU; measured: not measured yet)
+    # multi-GPU; measured: no effect on one H200, which has no collectives)
     "--xla_gpu_enable_pipelined_all_gather=true",
-    # finish a scanned layer's reduce-scatter during the next one's compute (multi-GPU; not measured yet)
+    # finish a scanned layer's reduce-scatter during the next one's compute
+    # (multi-GPU; measured: no effect on one H200, which has no collectives)
     "--xla_gpu_enable_pipelined_reduce_scatter=true",
-    # the same for all-reduces in a scanned loop (multi-GPU; measured: not measured yet)
+    # the same for all-reduces in a scanned loop
+    # (multi-GPU; measured: no effect on one H200, which has no collectives)
     "--xla_gpu_enable_pipelined_all_reduce=true",
     # unroll the layer scan by two so a layer's collectives overlap the other's compute
-    # (model.scan_layers=true; measured: not measured yet)
+    # (model.scan_layers=true; measured: no effect on one H200 with unrolled layers)
     "--xla_gpu_enable_while_loop_double_buffering=true",
 )
 
+# Measured on one H200 (2026-12-03, benchmarks/README.md), the whole hopper list against none: bf16
+# 64,076 vs 64,283 tokens/s (0.997x), fp8_delayed 82,194 vs 82,220 (1.000x): no effect without
+# collectives, as expected; the list stays for multi-GPU overlap, unmeasured until a multi-GPU machine is
+# lent. `--xla_gpu_enable_triton_gemm=false` was in the first list and was dropped: it did not help on one
+# GPU and overlap does not need it.
 PRESETS: dict[str, tuple[str, ...]] = {
     "none": (),
-    "hopper": _OVERLAP + (
-        # GEMMs go to cuBLAS(Lt), not Triton-generated kernels: faster for LLM-sized matmuls and
-        # shorter autotuning at compile time (measured: not measured yet)
-        "--xla_gpu_enable_triton_gemm=false",
-    ),
+    "hopper": _OVERLAP,
     # Same as hopper until measured on a B200 (no Blackwell GPU here yet).
-    "blackwell": _OVERLAP + (
-        "--xla_gpu_enable_triton_gemm=false",  # as in hopper (measured: not measured yet)
-    ),
+    "blackwell": _OVERLAP,
 }
 
 _HOPPER_NAMES = re.compile(r"\b(GH200|H100|H200|H800|H20)\b")

@@ -134,14 +134,15 @@ def test_merge_user_flags_win_by_name():
 
 def test_apply_sets_xla_flags_once_and_keeps_the_users(monkeypatch):
   monkeypatch.setattr(xla_presets, "backend_started", lambda: False)
-  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+  mine = "--xla_gpu_enable_latency_hiding_scheduler=false"  # the preset sets it true: the user's value wins
+  monkeypatch.setenv("XLA_FLAGS", mine)
   line = apply("auto", ("NVIDIA H200", "9.0"))
   flags = os.environ["XLA_FLAGS"].split()
-  assert flags[-1] == "--xla_gpu_enable_triton_gemm=true" and flags.count("--xla_gpu_enable_triton_gemm=true") == 1
-  assert "--xla_gpu_enable_triton_gemm=false" not in flags
-  assert set(flags[:-1]) == set(PRESETS["hopper"]) - {"--xla_gpu_enable_triton_gemm=false"}
+  assert flags[-1] == mine and flags.count(mine) == 1
+  assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in flags
+  assert set(flags[:-1]) == set(PRESETS["hopper"]) - {"--xla_gpu_enable_latency_hiding_scheduler=true"}
   assert line.startswith("xla.preset=hopper (auto: NVIDIA H200, compute capability 9.0): XLA_FLAGS += ")
-  assert line.endswith("(yours kept: --xla_gpu_enable_triton_gemm=true)")
+  assert line.endswith(f"(yours kept: {mine})")
   before = os.environ["XLA_FLAGS"]
   assert apply("hopper").startswith("xla.preset=hopper (set): all its flags")  # idempotent
   assert os.environ["XLA_FLAGS"] == before
@@ -187,10 +188,10 @@ def test_train_applies_the_preset_and_logs_it(tmp_path):
           "model.n_layers=1", "data.type=synthetic", "data.seq_len=16", "data.global_batch_size=2",
           "model.vocab_size=128", "model.backend=flax", "train.steps=0", "train.eval_every=0"]  # the backend starts, no step
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_gpu_enable_triton_gemm=true"}
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_gpu_enable_latency_hiding_scheduler=false"}
   r = subprocess.run([sys.executable, "-m", "maxlm.train", f"output_dir={tmp_path}", "xla.preset=hopper", *tiny],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   lines = [ln for ln in r.stdout.splitlines() if ln.startswith("maxlm: xla.preset=")]
   assert len(lines) == 1 and lines[0].startswith("maxlm: xla.preset=hopper (set): XLA_FLAGS += --xla_gpu_"), r.stdout
-  assert lines[0].endswith("(yours kept: --xla_gpu_enable_triton_gemm=true)")
+  assert lines[0].endswith("(yours kept: --xla_gpu_enable_latency_hiding_scheduler=false)")

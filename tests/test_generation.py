@@ -238,3 +238,28 @@ def test_greedy_tokens_equal_hugging_face(name):
 
 def test_hf_goldens_are_present():
   assert _hf_goldens() == ["llama3", "llama_tied", "mistral"]
+
+
+@pytest.mark.gpu
+@pytest.mark.te
+def test_gpu_te_bf16_decode_matches_fused_full_forward():
+  """On the GPU: the TE model's full forward (cuDNN fused attention) against its KV-cache decode (XLA
+  attention over the cache) in bf16, with a window shorter than the sequence. Tolerance: bf16's unit
+  roundoff is 2^-8 = 3.9e-3; two independently rounded bf16 computations of the same logits differ by a
+  few units in relative (Frobenius) norm, as tests/test_gpu.py's fused-vs-flax check: < 1e-2."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  cfg = ModelConfig(vocab_size=1024, d_model=256, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=64,
+                    ffn_dim=512, dtype="bfloat16", backend="te", remat="none", sliding_window=24)
+  params = _init(cfg)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, 1024, size=n).tolist() for n in (40, 7, 29)]
+  out = G.generate(cfg, params, prompts, 20, return_logits=True)
+  before = G.trace_counts()
+  G.generate(cfg, params, [p[:5] for p in prompts], 9, return_logits=True)
+  assert G.trace_counts() == before  # same buckets: nothing traced again
+  for i, p in enumerate(prompts):
+    seq = p + out.tokens[i]
+    full = _full_logits(cfg, params, seq, width=64)[len(p) - 1:len(seq) - 1].astype(np.float32)
+    got = out.logits[i, :len(out.tokens[i])]
+    assert np.linalg.norm(got - full) / np.linalg.norm(full) < 1e-2, i

@@ -53,13 +53,26 @@ def attention_with_cache(q, k, v, cache_k, cache_v, cache_pos, positions, valid,
   chunk); positions, valid [B, T]. A key is attended when it holds a position <= the query's, within
   `window` of it (0 = unlimited). ctx is [B, T, H, Dh]; pad queries get finite, unused values.
   """
-  keys = jnp.concatenate([cache_k.astype(k.dtype), k], axis=1)  # [B, S+T, KV, Dh]
-  values = jnp.concatenate([cache_v.astype(v.dtype), v], axis=1)  # [B, S+T, KV, Dh]
-  key_pos = jnp.concatenate([cache_pos, jnp.where(valid, positions, -1)], axis=1)  # [B, S+T]
-  qp, kp = positions[:, :, None], key_pos[:, None, :]  # [B, T, 1], [B, 1, S+T]
-  keep = (kp >= 0) & (kp <= qp)  # [B, T, S+T]
+  b, t = positions.shape
+  if t == 1:
+    # One token: write it first, then attend over the cache alone. The slot it takes held position
+    # p - S, outside the window (S = window) or never used (S > every position), so no key is lost;
+    # the scatter touches one slot per row instead of rewriting the cache.
+    rows, slot = jnp.arange(b), jnp.mod(positions[:, 0], cache_k.shape[1])  # [B], [B]
+    ok = valid[:, 0, None, None]  # [B, 1, 1]
+    cache_k = cache_k.at[rows, slot].set(jnp.where(ok, k[:, 0].astype(cache_k.dtype), cache_k[rows, slot]))
+    cache_v = cache_v.at[rows, slot].set(jnp.where(ok, v[:, 0].astype(cache_v.dtype), cache_v[rows, slot]))
+    keys, values = cache_k.astype(k.dtype), cache_v.astype(v.dtype)  # [B, S, KV, Dh]
+    key_pos = update_positions(cache_pos, positions, valid)  # [B, S]
+  else:
+    keys = jnp.concatenate([cache_k.astype(k.dtype), k], axis=1)  # [B, S+T, KV, Dh]
+    values = jnp.concatenate([cache_v.astype(v.dtype), v], axis=1)  # [B, S+T, KV, Dh]
+    key_pos = jnp.concatenate([cache_pos, jnp.where(valid, positions, -1)], axis=1)  # [B, S+T]
+    index, has = chunk_slots(positions, valid, cache_k.shape[1])
+    cache_k, cache_v = _write(cache_k, k, index, has), _write(cache_v, v, index, has)
+  qp, kp = positions[:, :, None], key_pos[:, None, :]  # [B, T, 1], [B, 1, K]
+  keep = (kp >= 0) & (kp <= qp)  # [B, T, K]
   if window:
     keep &= qp - kp < window
   ctx = jax.nn.dot_product_attention(q, keys, values, mask=keep[:, None])  # [B, T, H, Dh]
-  index, has = chunk_slots(positions, valid, cache_k.shape[1])
-  return ctx, _write(cache_k, k, index, has), _write(cache_v, v, index, has)
+  return ctx, cache_k, cache_v

@@ -6,12 +6,17 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test mutation test-container
+.PHONY: setup train test mutation test-container convergence
 setup:
 	@bash scripts/setup.sh $(VENV)
 
 train: setup
 	$(PY) -m maxlm.train $(ARGS)
+
+# Convergence suite (docs/convergence.md): SUITE=cpu (CI tier, default) or gpu (the H200); ARGS: overrides
+# for every case; report, loss_curves.png, results.json and junit.xml in runs/convergence/<suite>.
+convergence: setup
+	$(PY) -m maxlm.convergence run --suite $(or $(SUITE),cpu) $(ARGS)
 
 # --dist loadgroup: tests marked xdist_group(name) run on one worker (tests/test_launch.py shares its runs)
 test: setup

@@ -127,3 +127,30 @@ def test_help_lists_the_arguments(capsys):
   for key in ("checkpoint=", "prompt=", "max_new_tokens=", "temperature=", "top_k=", "top_p=", "seed=",
               "stop=", "--json"):
     assert key in out
+
+
+def test_hugging_face_directory_with_its_tokenizer(capsys, tmp_path):
+  """An HF directory (the Llama 3 golden with a word-level tokenizer.json whose word w<i> is id i): the
+  prompt's words are the golden's prompt ids, and the output is transformers' greedy continuation."""
+  import shutil
+
+  import numpy as np
+  from tokenizers import Tokenizer, models, pre_tokenizers
+
+  golden = os.path.join(os.path.dirname(__file__), "golden", "hf", "llama3")
+  hf = tmp_path / "hf"
+  shutil.copytree(golden, hf)
+  g = np.load(hf / "golden.npz")
+  vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, 96)}}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(str(hf / "tokenizer.json"))
+  prompt = [int(t) for t in g["prompts"][2] if t >= 0]
+  code, out, err = _cli(capsys, f"checkpoint={hf}", "prompt=" + " ".join(f"w{i}" for i in prompt),
+                        f"max_new_tokens={int(g['max_new_tokens'])}", "add_bos=false", "model.backend=flax",
+                        "model.dtype=float32", "--json")
+  assert code == 0, err
+  got = json.loads(out)
+  assert got["prompt_tokens"] == prompt
+  assert got["tokens"] == g["generated"][2].tolist()
+  assert got["text"] == "".join(f" w{i}" for i in got["tokens"])

@@ -16,7 +16,7 @@ from pathlib import Path
 from maxlm.config import CONFIG_DIR, ConfigError, load_config
 from maxlm.convergence import golden as goldens
 from maxlm.convergence import report
-from maxlm.convergence.bands import within_relative
+from maxlm.convergence.bands import verdict, within_relative
 from maxlm.convergence.golden import Check
 from maxlm.convergence.runner import run_all
 from maxlm.convergence.suite import Case, Suite, SuiteError, load_suite
@@ -93,7 +93,6 @@ def _margin_check(case: Case, cfg, run) -> Check:
   if step > run.steps:
     return Check(case.name, f"eval_loss - bigram <= -{case.margin}", step, None, float("-inf"), hi, hi, "skipped",
                  f"the run ends at step {run.steps}")
-  from maxlm.convergence.bands import verdict  # noqa: PLC0415
   return Check(case.name, f"eval_loss - bigram <= -{case.margin}", step, value, float("-inf"), hi, hi,
                verdict(value, float("-inf"), hi), base.describe())
 

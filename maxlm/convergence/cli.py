@@ -206,7 +206,6 @@ def cmd_redraw(args) -> int:
 
 
 def cmd_update_golden(args) -> int:
-  _need_matplotlib()
   suite = load_suite(args.suite).select([c for c in args.cases.split(",") if c])
   n = suite.seeds if args.seeds is None else args.seeds
   if n < 2:

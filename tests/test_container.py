@@ -14,7 +14,7 @@ a local debootstrap image: CPU JAX and the prebuilt TE extension). Then, inside 
     and source-build layouts), and the link that lets TE find the base's pip cuDNN.
 
 Marker `container` (tests 1-4): not part of `make test`; `make test-container` runs them (CI: after the main suite),
-building the image first (cold ~12 min here, warm ~15 s plus the runs: times in docker/README.md).
+building the image first (cold 9 to 14 min here, warm 15 s plus the runs: times in docker/README.md).
 MAXLM_TEST_IMAGE=<tag> uses an image built before instead. Skips, saying why, where podman cannot run.
 """
 

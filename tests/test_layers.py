@@ -283,3 +283,24 @@ def test_te_equals_flax_on_the_same_parameters(dtype):
     # implementations then differ by ~sqrt(2 * 7) * 2^-9 / sqrt(3) = 4.2e-3 in relative L2; 1e-2
     # leaves ~2x for the norm and softmax amplifying it.
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+
+
+@pytest.mark.parametrize("dist,module,want", [(True, True, True), (False, True, True), (False, False, False)])
+def test_te_is_found_as_a_pip_wheel_or_as_one_container_build(monkeypatch, dist, module, want):
+  """pip installs TE's JAX extension as the `transformer_engine_jax` distribution; NVIDIA's JAX containers
+  build TE as one `transformer_engine` wheel, where only the extension module itself is there."""
+  import importlib.machinery
+  import importlib.metadata
+  import importlib.util
+
+  from maxlm.layers import te_env
+  spec = importlib.machinery.ModuleSpec("x", None)
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "transformer_engine" or (
+      name == "transformer_engine_jax" and module) else None)
+
+  def version(name):
+    if dist and name == "transformer_engine_jax":
+      return "2.20.2"
+    raise importlib.metadata.PackageNotFoundError(name)
+  monkeypatch.setattr(importlib.metadata, "version", version)
+  assert te_env.te_installed() is want

@@ -18,12 +18,14 @@ import sys
 
 
 def te_installed() -> bool:
+  """TE with its JAX extension: pip's `transformer_engine_jax` distribution, or (NVIDIA's JAX containers
+  build TE as one `transformer_engine` wheel) the extension module itself, found without importing it."""
   if importlib.util.find_spec("transformer_engine") is None:
     return False
   try:
     importlib.metadata.version("transformer_engine_jax")
   except importlib.metadata.PackageNotFoundError:
-    return False
+    return importlib.util.find_spec("transformer_engine_jax") is not None
   return True
 
 

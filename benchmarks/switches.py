@@ -5,8 +5,8 @@
 Each variant is one `python -m maxlm.train` process on the benchmark shape of ../shared/bench (Llama-3-8B
 cut to 4 layers, batch 4 x 4096, vocab 128256, synthetic data, remat none, AdamW with fp32 master weights)
 plus its overrides (comma-separated key=value words). Without arguments it runs DEFAULT_VARIANTS, which
-toggle the step switches of issue 13 (model.loss_chunk, model.precision=fp16) against their baselines, in
-pairs so that each pair meets the same GPU state. tokens/s and step time are the mean of the logged
+toggle the step switches of issue 13 (model.loss_chunk, model.cast_params_once, model.precision=fp16)
+against their baselines. tokens/s and step time are the mean of the logged
 10-step windows after the first (steps 11..N); peak memory and the first-step time are what the trainer
 itself reports (metrics.jsonl: peak_memory_gb, first_step_s). Prints a table; writes $OUT/switches.json
 and one $OUT/<name>.log per variant (when $OUT is set).
@@ -29,8 +29,8 @@ DEFAULT_VARIANTS = [
     ("bf16_chunk2048", "model.loss_chunk=2048"),
     ("fp8d", "model.precision=fp8_delayed"),
     ("fp8d_chunk1024", "model.precision=fp8_delayed,model.loss_chunk=1024"),
-    ("fp16", "model.precision=fp16"),
     ("fp16_chunk1024", "model.precision=fp16,model.loss_chunk=1024"),
+    ("bf16_chunk1024_cast", "model.loss_chunk=1024,model.cast_params_once=true"),
 ]
 EXPECTED_S = 75  # one variant, process start to exit, on the H200 (first step ~19 s + 30 steps)
 

@@ -51,7 +51,7 @@ def chunked_token_losses(y: jax.Array, kernel: jax.Array, targets: jax.Array, ma
   y: final-normed hidden states [B, T, D] (compute dtype); kernel: the head, [D, V] (vocab_axis=1) or the
   tied embedding [V, D] (vocab_axis=0). Only one chunk's logits [B, C, V] exist at a time, in the
   forward and the backward. The gradients (of the loss times `grad_scale`, the loss scale) are formed
-  in the same pass, chunk by chunk (dW summed in fp32), and kept for the backward: no logits are
+  in the same pass, chunk by chunk (dW summed in fp32, then rounded to the compute dtype once, as unchunked), and kept for the backward: no logits are
   recomputed, and the head costs the FLOPs of the unchunked one.
   """
   mask = mask.astype(jnp.float32)  # [B, T]
@@ -114,7 +114,9 @@ def _chunked_loss_fwd(y, kernel, targets, mask, grad_scale, chunk, vocab_axis):
                                  (_chunks(y, chunk), _chunks(targets, chunk), _chunks(mask, chunk)))
   b, t, d_model = y.shape
   dy = jnp.moveaxis(dy, 0, 1).reshape(b, -1, d_model)[:, :t]  # [B, T, D]
-  return total, (dy, dw.astype(kernel.dtype), grad_scale)
+  # dW is rounded to the compute dtype once, as the unchunked head's GEMM returns it (and as it is
+  # when the kernel comes in already cast: model.cast_params_once)
+  return total, (dy, dw.astype(y.dtype).astype(kernel.dtype), grad_scale)
 
 
 def _chunked_loss_bwd(chunk, vocab_axis, res, g):

@@ -17,7 +17,7 @@ from maxlm.layers import FP8_COLLECTION, PrecisionError, check_precision, precis
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
-from maxlm.step import cast_matmul_weights, make_eval_step, make_train_step, token_losses
+from maxlm.step import cast_matmul_weights, make_eval_step, make_train_step, token_losses, use_chunked_loss
 from maxlm.train_state import abstract_state, create_train_state
 
 MODEL = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
@@ -500,3 +500,25 @@ def test_cast_matmul_weights_leaves_norms_and_a_tied_embedding():
   assert untied == {"embed/embedding": bf, "layers/qkv/kernel": bf, "layers/qkv/scale": f32,
                     "layers/mlp/wi_kernel": bf, "layers/mlp/wo_kernel": bf}
   assert tied == {**untied, "embed/embedding": f32}
+
+
+@pytest.mark.te
+@pytest.mark.parametrize("fp8_lm_head", [False, True], ids=["bf16-head", "fp8-head"])
+def test_chunked_loss_under_fp8_delayed(fake_fp8_gpu, fp8_lm_head):
+  """FP8 delayed scaling with model.loss_chunk: the layers' FP8 GEMMs (and their amax history) are the
+  same as unchunked, and the loss too (float32 head, the bound of the chunked test above, twice). With
+  model.fp8_lm_head the quantized head keeps computing the whole logits (use_chunked_loss says so), so
+  chunked and unchunked are the same program."""
+  cfg = dataclasses.replace(MODEL, backend="te", precision="fp8_delayed", fp8_amax_history_len=4, n_layers=1,
+                            fp8_lm_head=fp8_lm_head)
+  assert use_chunked_loss(dataclasses.replace(cfg, loss_chunk=3)) == (not fp8_lm_head)
+  out = []
+  for chunk in (3, 0):
+    state, run, _ = setup(dataclasses.replace(cfg, loss_chunk=chunk), "fp8_delayed")
+    s1, m = run(state, batch(seed=1))
+    out.append((float(m["loss"]), s1.model_state[FP8_COLLECTION]))
+  np.testing.assert_allclose(out[0][0], out[1][0], rtol=2 * (128 + 32) * U32)
+  hist = lambda ms: np.asarray(ms["layers"]["qkv"]["x_amax_history"])  # [L, 4]
+  np.testing.assert_array_equal(hist(out[0][1]), hist(out[1][1]))
+  assert (hist(out[0][1]) != 0).sum() == 1
+  assert ("lm_head" in out[0][1]) == fp8_lm_head  # the head's own FP8 state only when it is quantized

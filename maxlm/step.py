@@ -51,8 +51,9 @@ def chunked_token_losses(y: jax.Array, kernel: jax.Array, targets: jax.Array, ma
   y: final-normed hidden states [B, T, D] (compute dtype); kernel: the head, [D, V] (vocab_axis=1) or the
   tied embedding [V, D] (vocab_axis=0). Only one chunk's logits [B, C, V] exist at a time, in the
   forward and the backward. The gradients (of the loss times `grad_scale`, the loss scale) are formed
-  in the same pass, chunk by chunk (dW summed in fp32, then rounded to the compute dtype once, as unchunked), and kept for the backward: no logits are
-  recomputed, and the head costs the FLOPs of the unchunked one.
+  in the same pass, chunk by chunk (dW summed in fp32, then rounded to the compute dtype once, as the
+  unchunked head does), and kept for the backward: no logits are recomputed, and the head costs the
+  FLOPs of the unchunked one.
   """
   mask = mask.astype(jnp.float32)  # [B, T]
   scale = jnp.ones((), jnp.float32) if grad_scale is None else grad_scale.astype(jnp.float32)

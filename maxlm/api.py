@@ -138,7 +138,9 @@ class Model:
       self._logits_fn = jax.jit(fn)
     pos = None if positions is None else np.asarray(positions, np.int32)  # [B, T]
     seg = None if segment_ids is None else np.asarray(segment_ids, np.int32)  # [B, T]
-    # float32 compute means float32 matmuls: on GPUs XLA's default precision would use TF32 (10-bit mantissa)
+    # float32 compute means float32 matmuls: on GPUs XLA's default precision would use TF32 (10-bit mantissa).
+    # This covers XLA's dots (the flax backend); TE's own GEMMs run float32 inputs in TF32 on a GPU anyway
+    # (seen: 1.7e-3 from transformers' logits on the H200): exact float32 on a GPU needs backend="flax".
     precision = "highest" if self.config.model.dtype == "float32" else "default"
     with _scope(self.config, self.mesh), jax.default_matmul_precision(precision):
       out = self._logits_fn(self.params, tokens, pos, seg)  # [B, T, V]

@@ -54,10 +54,13 @@ def _tolerance(cfg, max_logit, keys):
   a logit passes through 8 sequential reductions per layer (2 norms, qkv, scores, weights x values,
   out, MLP in, MLP out) plus the final norm and the head, each of length <= K = max(d_model, ffn_dim,
   attended keys). Both paths err, hence 2x, scaled by the largest logit (O(1) Lipschitz blocks at this
-  init). A wrong position or mask changes logits by O(1), far above this.
+  init). A wrong position or mask changes logits by O(1), far above this. On a GPU, float32 matmuls
+  round their inputs to TF32 (u = 2^-11; XLA's default precision, TE's GEMMs): each product then carries
+  up to 2 * 2^-11 more relative error (seen there: 3e-3 to 8e-3 against fp32-only bounds near 5e-4).
   """
   k = max(cfg.d_model, cfg.ffn_dim, keys)
-  gamma = k * U32 / (1 - k * U32)
+  tf32_inputs = 2 * 2.0 ** -11 if jax.default_backend() == "gpu" else 0.0
+  gamma = k * U32 / (1 - k * U32) + tf32_inputs
   return 2 * (8 * cfg.n_layers + 2) * gamma * max_logit
 
 
@@ -256,8 +259,9 @@ def test_gpu_te_bf16_decode_matches_fused_full_forward():
   prompts = [rng.integers(0, 1024, size=n).tolist() for n in (40, 7, 29)]
   out = G.generate(cfg, params, prompts, 20, return_logits=True)
   before = G.trace_counts()
-  G.generate(cfg, params, [p[:5] for p in prompts], 9, return_logits=True)
-  assert G.trace_counts() == before  # same buckets: nothing traced again
+  # same buckets (batch 3 -> 4, longest prompt 35 -> 64, 17 new -> 32): nothing is traced again
+  G.generate(cfg, params, [p[:35] for p in prompts], 17, return_logits=True)
+  assert G.trace_counts() == before
   for i, p in enumerate(prompts):
     seq = p + out.tokens[i]
     full = _full_logits(cfg, params, seq, width=64)[len(p) - 1:len(seq) - 1].astype(np.float32)

@@ -35,7 +35,8 @@ def test_tiny_on_one_device():
 
 
 def test_llama8b_on_8_devices_fsdp():
-  cfg = load_config(["config=llama8b"])  # mesh.fsdp=-1 -> 8; batch 8 -> 1 row per device
+  cfg = load_config(["config=llama8b", "model.loss_chunk=0"])  # mesh.fsdp=-1 -> 8; batch 8 -> 1 row per device;
+  # the whole logits (the formula of an unchunked head; test_chunked_loss_holds_one_chunk_of_logits covers the chunk)
   est = estimate(cfg, 8)
   assert L8_PARAMS == 8030261248
   assert est["params"] == 4 * L8_PARAMS // 8 and est["optimizer"] == 8 * L8_PARAMS // 8
@@ -47,7 +48,7 @@ def test_llama8b_on_8_devices_fsdp():
 
 
 def test_mesh_degrees_divide_the_right_parts():
-  cfg = load_config(["config=llama8b", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
+  cfg = load_config(["config=llama8b", "model.loss_chunk=0", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
   est = estimate(cfg, 8)
   assert est["params"] == 4 * L8_PARAMS // (2 * 2)  # fsdp x tensor
   assert est["logits"] == (8 // (2 * 2)) * 8192 * (128256 // 2) * 6  # batch / (data x fsdp), vocab / tensor
@@ -72,7 +73,7 @@ def test_activations_follow_the_remat_policy():
 
 
 def test_llama8b_refused_on_one_80gb_device_with_its_numbers():
-  cfg = load_config(["config=llama8b"])
+  cfg = load_config(["config=llama8b", "model.loss_chunk=0"])
   # 4 B x 8030261248 = 29.9 GiB params, 59.8 GiB moments, 29.9 GiB gradients;
   # logits 8 rows x 8192 x 128256 x 6 B = 47.0 GiB; a device 80e9 B = 74.5 GiB.
   with pytest.raises(ConfigError) as e:

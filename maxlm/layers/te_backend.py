@@ -65,7 +65,9 @@ def attention(q, k, v, *, segment_ids=None, positions=None, window: int = 0, max
   if segment_ids is None and not window:
     mod = te.flax.DotProductAttention(attn_mask_type="causal", qkv_layout="bshd_bshd_bshd", **common)
     return mod(q, k, v, deterministic=False)
-  if on_gpu():
+  # cuDNN's fused attention takes bf16/fp16 only; TE runs other dtypes (fp32 inference, fp32 tests) on its
+  # unfused path, which takes a mask array, not a SequenceDescriptor: give it the mask below.
+  if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16):
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)  # [B, T]
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
@@ -74,7 +76,7 @@ def attention(q, k, v, *, segment_ids=None, positions=None, window: int = 0, max
     mod = te.flax.DotProductAttention(attn_mask_type="padding_causal", qkv_layout="thd_thd_thd",
                                       max_segments_per_seq=max_segments, **common)
     return mod(q, k, v, desc, deterministic=False)
-  # Unfused pure-JAX path (CPU): it takes a boolean "masked out" array with everything folded in.
+  # Unfused pure-JAX path (CPU, and fp32 on a GPU): it takes a boolean "masked out" array with everything folded in.
   masked = ~flax_backend.attention_mask(segment_ids, window, t)  # [B|1, 1, T, T]
   masked = jnp.broadcast_to(masked, (b, 1, t, t))
   mod = te.flax.DotProductAttention(attn_mask_type="padding_causal", qkv_layout="bshd_bshd_bshd",

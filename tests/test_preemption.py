@@ -20,7 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # The child builds the Preemption first (as maxlm.train does, before JAX starts), then either
 # compiles a long program or declares its first step done and polls reached().
 CHILD = r"""
-import sys, time
+import signal, sys, time
+# As Python started from a terminal: a test run started in the background (`cmd &` in a script) hands its
+# children SIGINT ignored, and the "second signal takes the previous action" check needs the default.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from maxlm.checkpoint import Preemption
 from maxlm.runtime import backend_started
 mode = sys.argv[1]

@@ -19,11 +19,11 @@ from typing import Any
 import yaml
 
 from maxlm import config_schema as schema
-from maxlm.config_schema import CliText, ConfigError, option
+from maxlm.config_files import (  # noqa: F401 (CONFIG_DIR, load_yaml, parse_overrides: re-exported)
+    CONFIG_DIR, load_yaml, parse_overrides, resolve_config_path, yaml_layers)
+from maxlm.config_schema import ConfigError, option
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 SEED_RANGE = "[0, 2**32-1]"  # jax.random.PRNGKey and Grain take 32-bit seeds
-MAX_BASE_DEPTH = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,72 +283,12 @@ def _apply(obj, updates: dict[str, Any], prefix: str = ""):
   return dataclasses.replace(obj, **changes)
 
 
-def resolve_config_path(name: str) -> Path:
-  p = Path(name)
-  for cand in (p, CONFIG_DIR / name, CONFIG_DIR / f"{name}.yml"):
-    try:
-      if cand.is_file():
-        return cand
-    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
-      pass
-  raise ConfigError(f"config file {schema.show(name)} not found (looked in . and {CONFIG_DIR})")
-
-
-def _yaml_layers(path: Path, chain: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
-  """[(file, its keys)] from the deepest `base:` to `path`, each applied over the one before."""
-  chain = chain + (path,)
-  data = schema.read_yaml(path)
-  if "base" not in data:
-    return [(path, data)]
-  base = data.pop("base")
-  if not isinstance(base, str) or not base.strip():
-    raise ConfigError(f"config file '{path}': 'base' must name one YAML file, got {schema.show(base)}")
-  try:
-    base_path = resolve_config_path(str(path.parent / base))
-  except ConfigError:
-    raise ConfigError(f"config file '{path}': base file {schema.show(base)} not found") from None
-  if base_path.resolve() in {p.resolve() for p in chain}:
-    loop = " -> ".join(str(p) for p in chain + (base_path,))
-    raise ConfigError(f"config file '{path}': 'base' includes a file twice: {loop}")
-  if len(chain) >= MAX_BASE_DEPTH:
-    raise ConfigError(f"config file '{path}': more than {MAX_BASE_DEPTH} nested 'base' files")
-  return _yaml_layers(base_path, chain) + [(path, data)]
-
-
-def load_yaml(path: Path) -> dict[str, Any]:
-  """Read a config YAML; `base: other.yml` includes another file first (relative to this one)."""
-  out: dict[str, Any] = {}
-  for _, data in _yaml_layers(Path(path)):
-    out = schema.merge(out, data)
-  return out
-
-
-def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
-  """Split CLI words into the `config=` file and a nested dict of `key=value` overrides."""
-  config_file, updates = None, {}
-  for arg in args:
-    if "=" not in arg:
-      raise ConfigError(f"argument {schema.show(arg)} is not key=value (e.g. train.steps=100)")
-    key, raw = arg.split("=", 1)
-    key = key.strip().lstrip("-")
-    if key == "config":
-      if not raw.strip():
-        raise ConfigError("argument 'config=' needs a file name (e.g. config=llama8b.yml)")
-      if config_file is not None:
-        raise ConfigError(f"argument 'config=' given twice ({config_file!r}, {raw!r}); "
-                          "combine files with 'base:' in YAML")
-      config_file = raw
-      continue
-    updates = schema.merge(updates, schema.nest(key, CliText(raw)))
-  return config_file, updates
-
-
 def load_config(args: list[str] | None = None, base: Config | None = None) -> Config:
   """Build the Config from CLI words: `config=FILE` then dotted `key=value` overrides."""
   config_file, overrides = parse_overrides(list(args or []))
   cfg = base or Config()
   if config_file is not None:
-    for path, data in _yaml_layers(resolve_config_path(config_file)):
+    for path, data in yaml_layers(resolve_config_path(config_file)):
       try:
         cfg = _apply(cfg, data)
       except ConfigError as e:

@@ -22,17 +22,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import io
 import json
-import logging
 import os
 import re
 import socket
-import sys
 import threading
 from collections.abc import Callable, Mapping
 
 from maxlm.config import Config, ConfigError, DistributedConfig, local_device_ids, to_dict
+from maxlm.process_output import PrefixedStream, prefix_output, restore_output  # noqa: F401 (re-exported)
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 OMPI_URI = "OMPI_MCA_orte_hnp_uri"  # OpenMPI 4 (ORTE) sets it; OpenMPI 5 no longer does
@@ -187,77 +185,6 @@ def resolve(d: DistributedConfig, env: Mapping[str, str], host: str | None = Non
     return None
   devices = _devices(d.local_device_ids, launcher, local_rank, local_size, env)
   return Launch(launcher, coordinator, count, pid, devices, host or host_name())
-
-
-# --- [process i/N host] on every line ------------------------------------------------------------
-
-class PrefixedStream(io.TextIOBase):
-  """A text stream that starts every line written to `stream` with `prefix` (thread-safe)."""
-
-  def __init__(self, stream, prefix: str):
-    super().__init__()
-    self.stream, self.prefix = stream, prefix
-    self._at_line_start = True
-    self._lock = threading.Lock()
-
-  def write(self, text: str) -> int:
-    with self._lock:
-      out = []
-      for part in text.splitlines(keepends=True):
-        if self._at_line_start:
-          out.append(self.prefix)
-        out.append(part)
-        self._at_line_start = part.endswith(("\n", "\r"))
-      self.stream.write("".join(out))
-    return len(text)
-
-  def flush(self) -> None:
-    self.stream.flush()
-
-  def fileno(self) -> int:
-    return self.stream.fileno()
-
-  def isatty(self) -> bool:
-    return self.stream.isatty()
-
-  def writable(self) -> bool:
-    return True
-
-  @property
-  def encoding(self):
-    return getattr(self.stream, "encoding", "utf-8")
-
-
-_saved_streams: tuple | None = None
-
-
-def prefix_output(prefix: str) -> None:
-  """Prefix every line of sys.stdout / sys.stderr (and of logging handlers writing to them)."""
-  global _saved_streams
-  if _saved_streams is not None:
-    return
-  old_out, old_err = sys.stdout, sys.stderr
-  sys.stdout, sys.stderr = PrefixedStream(old_out, prefix), PrefixedStream(old_err, prefix)
-  moved = []
-  for handler in logging.getLogger().handlers:
-    if isinstance(handler, logging.StreamHandler) and handler.stream in (old_out, old_err):
-      moved.append((handler, handler.stream))
-      handler.setStream(sys.stdout if handler.stream is old_out else sys.stderr)
-  _saved_streams = (old_out, old_err, moved)
-
-
-def restore_output() -> None:
-  """Undo `prefix_output` (the end of an in-process run)."""
-  global _saved_streams
-  if _saved_streams is None:
-    return
-  sys.stdout.flush()
-  sys.stderr.flush()
-  old_out, old_err, moved = _saved_streams
-  sys.stdout, sys.stderr = old_out, old_err
-  for handler, stream in moved:
-    handler.setStream(stream)
-  _saved_streams = None
 
 
 # --- initialization --------------------------------------------------------------------------------

@@ -1,0 +1,73 @@
+"""Where a config's words come from: `config=NAME` looked up in . and configs/, `base:` chains of YAML files,
+and the `key=value` words of the command line. `maxlm.config` applies them to the sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from maxlm import config_schema as schema
+from maxlm.config_schema import CliText, ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+MAX_BASE_DEPTH = 32
+
+
+def resolve_config_path(name: str) -> Path:
+  p = Path(name)
+  for cand in (p, CONFIG_DIR / name, CONFIG_DIR / f"{name}.yml"):
+    try:
+      if cand.is_file():
+        return cand
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+      pass
+  raise ConfigError(f"config file {schema.show(name)} not found (looked in . and {CONFIG_DIR})")
+
+
+def yaml_layers(path: Path, chain: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
+  """[(file, its keys)] from the deepest `base:` to `path`, each applied over the one before."""
+  chain = chain + (path,)
+  data = schema.read_yaml(path)
+  if "base" not in data:
+    return [(path, data)]
+  base = data.pop("base")
+  if not isinstance(base, str) or not base.strip():
+    raise ConfigError(f"config file '{path}': 'base' must name one YAML file, got {schema.show(base)}")
+  try:
+    base_path = resolve_config_path(str(path.parent / base))
+  except ConfigError:
+    raise ConfigError(f"config file '{path}': base file {schema.show(base)} not found") from None
+  if base_path.resolve() in {p.resolve() for p in chain}:
+    loop = " -> ".join(str(p) for p in chain + (base_path,))
+    raise ConfigError(f"config file '{path}': 'base' includes a file twice: {loop}")
+  if len(chain) >= MAX_BASE_DEPTH:
+    raise ConfigError(f"config file '{path}': more than {MAX_BASE_DEPTH} nested 'base' files")
+  return yaml_layers(base_path, chain) + [(path, data)]
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+  """Read a config YAML; `base: other.yml` includes another file first (relative to this one)."""
+  out: dict[str, Any] = {}
+  for _, data in yaml_layers(Path(path)):
+    out = schema.merge(out, data)
+  return out
+
+
+def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
+  """Split CLI words into the `config=` file and a nested dict of `key=value` overrides."""
+  config_file, updates = None, {}
+  for arg in args:
+    if "=" not in arg:
+      raise ConfigError(f"argument {schema.show(arg)} is not key=value (e.g. train.steps=100)")
+    key, raw = arg.split("=", 1)
+    key = key.strip().lstrip("-")
+    if key == "config":
+      if not raw.strip():
+        raise ConfigError("argument 'config=' needs a file name (e.g. config=llama8b.yml)")
+      if config_file is not None:
+        raise ConfigError(f"argument 'config=' given twice ({config_file!r}, {raw!r}); "
+                          "combine files with 'base:' in YAML")
+      config_file = raw
+      continue
+    updates = schema.merge(updates, schema.nest(key, CliText(raw)))
+  return config_file, updates

@@ -1,0 +1,78 @@
+"""`[process i/N host]` at the start of every line a process prints (stdout, stderr and the logging
+handlers writing to them), so the merged log of N processes stays readable. `maxlm.distributed` turns it on
+for a multi-process run."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+import threading
+
+class PrefixedStream(io.TextIOBase):
+  """A text stream that starts every line written to `stream` with `prefix` (thread-safe)."""
+
+  def __init__(self, stream, prefix: str):
+    super().__init__()
+    self.stream, self.prefix = stream, prefix
+    self._at_line_start = True
+    self._lock = threading.Lock()
+
+  def write(self, text: str) -> int:
+    with self._lock:
+      out = []
+      for part in text.splitlines(keepends=True):
+        if self._at_line_start:
+          out.append(self.prefix)
+        out.append(part)
+        self._at_line_start = part.endswith(("\n", "\r"))
+      self.stream.write("".join(out))
+    return len(text)
+
+  def flush(self) -> None:
+    self.stream.flush()
+
+  def fileno(self) -> int:
+    return self.stream.fileno()
+
+  def isatty(self) -> bool:
+    return self.stream.isatty()
+
+  def writable(self) -> bool:
+    return True
+
+  @property
+  def encoding(self):
+    return getattr(self.stream, "encoding", "utf-8")
+
+
+_saved_streams: tuple | None = None
+
+
+def prefix_output(prefix: str) -> None:
+  """Prefix every line of sys.stdout / sys.stderr (and of logging handlers writing to them)."""
+  global _saved_streams
+  if _saved_streams is not None:
+    return
+  old_out, old_err = sys.stdout, sys.stderr
+  sys.stdout, sys.stderr = PrefixedStream(old_out, prefix), PrefixedStream(old_err, prefix)
+  moved = []
+  for handler in logging.getLogger().handlers:
+    if isinstance(handler, logging.StreamHandler) and handler.stream in (old_out, old_err):
+      moved.append((handler, handler.stream))
+      handler.setStream(sys.stdout if handler.stream is old_out else sys.stderr)
+  _saved_streams = (old_out, old_err, moved)
+
+
+def restore_output() -> None:
+  """Undo `prefix_output` (the end of an in-process run)."""
+  global _saved_streams
+  if _saved_streams is None:
+    return
+  sys.stdout.flush()
+  sys.stderr.flush()
+  old_out, old_err, moved = _saved_streams
+  sys.stdout, sys.stderr = old_out, old_err
+  for handler, stream in moved:
+    handler.setStream(stream)
+  _saved_streams = None

@@ -27,7 +27,26 @@ COMMANDS = {
 }
 
 EXIT_BAD_INPUT = 2
+EXIT_CHECKPOINT = 3
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def command_main(doc: str, run, argv: list[str] | None, bad_input: tuple[type, ...],
+                 checkpoint_errors: tuple[type, ...]) -> int:
+  """A command module's `main`: `--help` prints its docstring; `run(argv)` is the command; the listed error
+  types become one `maxlm: error:` line with exit 2 (bad input) or 3 (checkpoint). Other exceptions keep
+  their traceback (internal bugs)."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if any(a in ("-h", "--help") for a in argv):
+    print(doc.strip(), flush=True)
+    return 0
+  try:
+    return run(argv)
+  except bad_input as e:
+    return _fail(str(e))
+  except checkpoint_errors as e:
+    print(f"maxlm: error: {e}", file=sys.stderr, flush=True)
+    return EXIT_CHECKPOINT
 
 
 def module_file(module: str) -> Path | None:

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from maxlm.checkpoint import CheckpointError
+from maxlm.cli import command_main
 from maxlm.config import ConfigError
 from maxlm.data import DataError, Tokenizer
 from maxlm.generate import Loaded, UsageError, load, parse_args
@@ -38,8 +39,6 @@ from maxlm.model import Transformer
 from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
 from maxlm.step import make_eval_step
 
-EXIT_BAD_INPUT = 2
-EXIT_CHECKPOINT = 3
 _KEYS = {"checkpoint": str}
 
 
@@ -127,22 +126,9 @@ def run(argv: list[str]) -> int:
   return 0
 
 
-def _fail(msg: str, code: int) -> int:
-  print(f"maxlm: error: {msg}", file=sys.stderr, flush=True)
-  return code
-
-
 def main(argv: list[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  if any(a in ("-h", "--help") for a in argv):
-    print(__doc__.strip(), flush=True)
-    return 0
-  try:
-    return run(argv)
-  except (UsageError, ConfigError, DataError, PrecisionError) as e:
-    return _fail(str(e), EXIT_BAD_INPUT)
-  except CheckpointError as e:
-    return _fail(str(e), EXIT_CHECKPOINT)
+  return command_main(__doc__, run, argv, (UsageError, ConfigError, DataError, PrecisionError),
+                      (CheckpointError,))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from maxlm.api import Model, find_step_dir, is_hf_dir, read_step_config
 from maxlm.checkpoint import CheckpointError
+from maxlm.cli import command_main
 from maxlm.config import Config, ConfigError, DataConfig, load_config
 from maxlm.data import DataError, Tokenizer, load_tokenizer
 from maxlm.data.sources import train_shards_tokenizer
@@ -40,8 +41,6 @@ from maxlm.data.tokenizer import special_ids
 from maxlm.generation import GenerationError, check_settings, generate
 from maxlm.layers import PrecisionError
 
-EXIT_BAD_INPUT = 2
-EXIT_CHECKPOINT = 3
 _KEYS = {"checkpoint": str, "prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int,
          "top_p": float, "seed": int, "stop": str, "add_bos": bool, "max_length": int}
 _REPEATED = ("prompt", "stop")
@@ -216,22 +215,9 @@ def run(argv: list[str]) -> int:
   return 0
 
 
-def _fail(msg: str, code: int) -> int:
-  print(f"maxlm: error: {msg}", file=sys.stderr, flush=True)
-  return code
-
-
 def main(argv: list[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  if any(a in ("-h", "--help") for a in argv):
-    print(__doc__.strip(), flush=True)
-    return 0
-  try:
-    return run(argv)
-  except (UsageError, GenerationError, ConfigError, DataError, PrecisionError) as e:
-    return _fail(str(e), EXIT_BAD_INPUT)
-  except CheckpointError as e:
-    return _fail(str(e), EXIT_CHECKPOINT)
+  return command_main(__doc__, run, argv, (UsageError, GenerationError, ConfigError, DataError, PrecisionError),
+                      (CheckpointError,))
 
 
 if __name__ == "__main__":

@@ -401,6 +401,39 @@ def test_command_on_cpu_passes_and_a_bad_flag_fails(tmp_path):
   assert by_name["output_dir"]["status"] == "pass"
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_two_processes_under_mpirun_each_check_and_all_reduce_across_both(tmp_path):
+  """Under `mpirun -np 2` (OpenMPI, started by scripts/ci_services.sh) with 2 CPU devices each: every process
+  runs every check, the all-reduce spans the 4 devices of both, and with --json each process's stdout holds
+  exactly its JSON document (Gloo prints connection lines to stdout from C++; they must go to stderr)."""
+  import shutil  # noqa: PLC0415 (only this test needs it)
+  if not shutil.which("mpirun"):
+    pytest.skip("OpenMPI is not installed here (run scripts/ci_services.sh start)")
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+  mpirun = ["mpirun", "-np", "2", "--allow-run-as-root", "--bind-to", "none", "-x", "XLA_FLAGS", "-x", "JAX_PLATFORMS",
+            "-x", "PATH", "-x", "PYTHONPATH"]
+  per_rank = f"{sys.executable} -m maxlm.doctor output_dir={tmp_path} --json > {tmp_path}/r$OMPI_COMM_WORLD_RANK.json"
+  r = subprocess.run([*mpirun, "sh", "-c", per_rank], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+  for rank in (0, 1):
+    report = json.loads((tmp_path / f"r{rank}.json").read_text())  # the whole file is one document
+    by_name = {x["name"]: x for x in report["results"]}
+    assert report["exit_code"] == 0 and [x["name"] for x in report["results"]] == NAMES
+    assert f"2 x cpu" in by_name["devices"]["found"] and "2 process(es)" in by_name["devices"]["found"]
+    assert f"launcher: mpi, process {rank}" in by_name["devices"]["found"]
+    assert by_name["nccl"]["status"] == "pass" and "all-reduce over 4 device(s) in 2 process(es) correct" in \
+        by_name["nccl"]["found"]
+  # The lines, merged by mpirun: both processes report every check, each line with its process prefix.
+  lines = subprocess.run([*mpirun, sys.executable, "-m", "maxlm.doctor", f"output_dir={tmp_path}"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+  assert lines.returncode == 0, lines.stdout + lines.stderr[-3000:]
+  for rank in (0, 1):
+    mine = [ln for ln in lines.stdout.splitlines() if ln.startswith(f"[process {rank}/2 ")]
+    assert [ln.split("] ", 1)[1].split()[1] for ln in mine[:-1]] == NAMES, lines.stdout
+    assert mine[-1].endswith("maxlm doctor: 6 pass, 0 warn, 0 fail, 6 skip")
+
+
 @pytest.mark.gpu
 def test_every_check_passes_on_the_gpu(tmp_path):
   """On the H200: `pytest -m gpu tests/test_doctor.py` (llama8b shape, FP8 delayed as configured)."""

@@ -12,13 +12,15 @@ checks, and the all-reduce spans all of them.
 
 Checks: versions, xla_flags, devices, cuda, te, fused_attention, cudnn, fp8, nccl, memory_settings,
 memory_fit, output_dir. `--json` prints one JSON object {"results": [...], "summary": {...},
-"exit_code": N} instead of the lines.
+"exit_code": N} instead of the lines, as the only output on stdout (one per process under srun/mpirun;
+anything else, such as Gloo's connection lines, goes to stderr).
 
 Exit codes: 0 no check failed (warnings allowed), 1 a check failed, 2 bad configuration or arguments.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -134,6 +136,12 @@ def _backend_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
 def run_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
   """Every check, in order, each handed to `emit` as it completes. Returns True if a collective hung
   (the process must then end with os._exit). Raises ConfigError for settings that conflict."""
+  try:  # under srun/mpirun, every line names its process from the first one on (the backend starts later)
+    launch = distributed.resolve(cfg.distributed, os.environ)
+  except ConfigError:
+    launch = None  # the devices check reports it, after the checks that need no backend
+  if launch is not None:
+    distributed.prefix_output(launch.prefix)
   xla_presets.apply(cfg.xla.preset)  # as `maxlm train` starts: the preset, then deterministic flags
   preset_line = "xla.preset={} ({})".format(*xla_presets.resolve(cfg.xla.preset))
   runtime.configure(deterministic=cfg.train.deterministic)
@@ -153,6 +161,21 @@ def run_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
   return hung
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+  """With --json, file descriptor 1 points at stderr while the checks run, so the JSON document is all that
+  reaches stdout: C++ libraries write there directly (Gloo's connection lines under mpirun, for one)."""
+  sys.stdout.flush()
+  saved = os.dup(1)
+  os.dup2(2, 1)
+  try:
+    yield
+  finally:
+    sys.stdout.flush()
+    os.dup2(saved, 1)
+    os.close(saved)
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   if any(a in ("-h", "--help") for a in argv):
@@ -168,14 +191,16 @@ def main(argv: list[str] | None = None) -> int:
       print(format_line(r), flush=True)
 
   try:
-    cfg = load_config(args)
-    hung = run_checks(cfg, emit)
+    with _stdout_to_stderr() if as_json else contextlib.nullcontext():
+      cfg = load_config(args)
+      hung = run_checks(cfg, emit)
   except ConfigError as e:
     print(f"maxlm: error: {e}", file=sys.stderr, flush=True)
     return EXIT_BAD_INPUT
   summary = {s: sum(r.status == s for r in results) for s in STATUSES}
   code = EXIT_FAILED if summary["fail"] else 0
-  if as_json:
+  if as_json:  # unprefixed: the document is the whole of stdout (its `devices` result names the process)
+    distributed.restore_output()
     print(json.dumps({"results": [dataclasses.asdict(r) for r in results], "summary": summary, "exit_code": code}),
           flush=True)
   else:

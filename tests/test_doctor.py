@@ -420,7 +420,7 @@ def test_two_processes_under_mpirun_each_check_and_all_reduce_across_both(tmp_pa
     report = json.loads((tmp_path / f"r{rank}.json").read_text())  # the whole file is one document
     by_name = {x["name"]: x for x in report["results"]}
     assert report["exit_code"] == 0 and [x["name"] for x in report["results"]] == NAMES
-    assert f"2 x cpu" in by_name["devices"]["found"] and "2 process(es)" in by_name["devices"]["found"]
+    assert "2 x cpu" in by_name["devices"]["found"] and "2 process(es)" in by_name["devices"]["found"]
     assert f"launcher: mpi, process {rank}" in by_name["devices"]["found"]
     assert by_name["nccl"]["status"] == "pass" and "all-reduce over 4 device(s) in 2 process(es) correct" in \
         by_name["nccl"]["found"]

@@ -24,7 +24,7 @@ import numpy as np
 from maxlm.checkpoint import CheckpointError, complete_steps
 from maxlm.checkpoint import load_params as load_orbax_params
 from maxlm.config import Config, ConfigError, DataConfig, MeshConfig, from_dict, load_config
-from maxlm.data.tokenizer import DEFAULT_TOKENIZER
+from maxlm.data.tokenizer import DEFAULT_TOKENIZER, tokenizer_path
 from maxlm.hf import config as hf_config
 from maxlm.hf.safetensors_io import INDEX, MAX_SHARD_BYTES
 from maxlm.hf.transfer import device_reader, export_hf, load_hf_params
@@ -211,7 +211,7 @@ def run_tokenizer_files(data: DataConfig) -> list[tuple[Path, str]]:
   """(source, HF file name) of a run's tokenizer: data.tokenizer (a tokenizer.json, a SentencePiece or
   tiktoken file, which HF names tokenizer.model, or a directory's tokenizer files), or the shipped
   SentencePiece model of the embedded corpus."""
-  p = Path(data.tokenizer) if data.tokenizer else (DEFAULT_TOKENIZER if data.type == "embedded" else None)
+  p = tokenizer_path(data.tokenizer) if data.tokenizer else DEFAULT_TOKENIZER if data.type == "embedded" else None
   if p is None:
     return []
   if p.is_dir():

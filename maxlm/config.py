@@ -100,7 +100,8 @@ class DataConfig:
                                 within="[0, 0.5]")
   tokenizer: str = option("", "SentencePiece .model, tokenizer.json (or its directory) or tiktoken ranks; "
                           "\"\" = the tokenizer recorded in the shards' maxlm_data.json when every source "
-                          "is prepared shards (arrayrecord), else the shipped Austen 8k SentencePiece")
+                          "is prepared shards (arrayrecord), else the shipped Austen 8k SentencePiece; "
+                          "a bare name of a file in maxlm/assets/ (austen_sp512.model) is that shipped file")
   tokenizer_type: str = option("auto", "auto = detected from the file's content",
                                choices=("auto", "sentencepiece", "hf", "tiktoken"))
   add_bos: bool = option(True, "prepend BOS to every document")

@@ -8,7 +8,7 @@ import pytest
 
 from maxlm.config import DataConfig
 from maxlm.data import DataError, load_tokenizer, make_train_iterator
-from maxlm.data.tokenizer import DEFAULT_TOKENIZER, check_vocab, detect_kind, special_ids
+from maxlm.data.tokenizer import DEFAULT_TOKENIZER, SMALL_TOKENIZER, check_vocab, detect_kind, special_ids
 
 TEXT = "It is a truth universally acknowledged, that the cat sat on the mat."
 
@@ -52,6 +52,18 @@ def test_sentencepiece_shipped():
   assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (8192, 1, 2)
   _roundtrip(tok)
   assert load_tokenizer(str(DEFAULT_TOKENIZER), "sentencepiece").vocab_size == 8192
+
+
+def test_shipped_small_tokenizer_by_bare_name(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # no such file here: the bare name is the shipped asset
+  tok = load_tokenizer("austen_sp512.model")
+  assert tok.kind == "sentencepiece" and tok.path == SMALL_TOKENIZER
+  assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (512, 1, 2)
+  _roundtrip(tok)
+  (tmp_path / "austen_sp512.model").write_bytes(DEFAULT_TOKENIZER.read_bytes())  # a file here comes first
+  assert load_tokenizer("austen_sp512.model").vocab_size == 8192
+  with pytest.raises(DataError, match="'nosuch.model' not found"):  # not shipped either: named as given
+    load_tokenizer("nosuch.model")
 
 
 def test_hf_tokenizer_json(hf_json):

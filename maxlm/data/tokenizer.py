@@ -16,6 +16,7 @@ from maxlm.data.errors import DataError, first_line
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_TOKENIZER = ASSETS / "austen_sp8k.model"  # built by scripts/build_assets.py
+SMALL_TOKENIZER = ASSETS / "austen_sp512.model"  # the default run's (configs/default.yml); same script
 KINDS = ("auto", "sentencepiece", "hf", "tiktoken")
 
 # Llama 3 pre-tokenizer split and its 256 special tokens placed after its 128,000 BPE ranks. Other
@@ -158,16 +159,29 @@ def detect_kind(path: Path) -> str:
   return "sentencepiece"
 
 
+def tokenizer_path(path: str | Path) -> Path:
+  """`data.tokenizer` as a path: "" is the shipped 8k model; a bare file name that is not in the working
+  directory but is in maxlm/assets/ (`austen_sp512.model`) is that shipped file, so configs can name one
+  wherever maxlm is installed or run from."""
+  if not str(path):
+    return DEFAULT_TOKENIZER
+  p = Path(path)
+  if len(p.parts) == 1 and not p.exists() and (ASSETS / p).is_file():
+    return ASSETS / p
+  return p
+
+
 def load_tokenizer(path: str | Path = "", kind: str = "auto") -> Tokenizer:
   """Load a tokenizer from a local file (or a directory holding tokenizer.json/tokenizer.model).
 
-  `path=""` is the shipped 8k SentencePiece BPE trained on the embedded Austen corpus.
+  `path=""` is the shipped 8k SentencePiece BPE trained on the embedded Austen corpus; a bare name of a
+  shipped file (`austen_sp512.model`) loads that one (`tokenizer_path`).
   """
   if kind not in KINDS:
     raise DataError(f"config key 'data.tokenizer_type' must be one of {', '.join(KINDS)}; got {kind!r}")
   if "://" in str(path):
     raise DataError(f"tokenizer '{path}' is a URL; tokenizers load offline from a local path")
-  p = Path(path) if str(path) else DEFAULT_TOKENIZER
+  p = tokenizer_path(path)
   if p.is_dir():
     found = [p / n for n in ("tokenizer.json", "tokenizer.model") if (p / n).is_file()]
     if not found:

@@ -20,22 +20,36 @@ fi
 
 if [ $# -eq 0 ]; then
   rm -rf mutants  # a full run starts from the current sources (mutmut keeps stale copies otherwise)
+elif [ -d mutants/maxlm ]; then
+  # A run of some mutants reuses mutants/ (its mutants, results and test map). mutmut regenerates a
+  # mutated module whose source changed, but never refreshes the plain copies of the other modules:
+  # copy those that changed since, so the tests run against today's code.
+  "$PY" - <<'EOF'
+import filecmp, shutil
+from pathlib import Path
+from mutmut.configuration import config
+from mutmut.utils.file_utils import walk_all_files
+for root, name in walk_all_files():
+  src = Path(root) / name
+  dst = Path("mutants") / src
+  if not config().should_mutate(src) and (not dst.exists() or not filecmp.cmp(src, dst, shallow=False)):
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dst)
+EOF
 fi
 mkdir -p mutants
-# Each mutant runs its tests in a process forked from mutmut's; XLA's persistent cache lets a mutant whose
-# compiled programs did not change reuse them instead of recompiling (~10x faster on CPU). Cache keys are
-# the programs themselves, so a mutant that changes a program always gets its own compilation.
+# Each mutant runs its tests in a fresh process (forked from mutmut's fork server, which has imported the
+# libraries of scripts/mutation_preload.txt but started no JAX backend); XLA's persistent cache lets a
+# mutant whose compiled programs did not change reuse them instead of recompiling. Cache keys are the
+# programs themselves, so a mutant that changes a program always gets its own compilation.
 export JAX_COMPILATION_CACHE_DIR="$PWD/mutants/.jax_cache"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
-# mutmut forks after the tests imported JAX; JAX warns that fork and threads may deadlock (a hung mutant is
-# reported as a timeout, see docs/mutation.md).
-export PYTHONWARNINGS="ignore:os.fork() was called:RuntimeWarning"
 
-echo "mutation: mutmut run --max-children $CHILDREN $* (log: mutants/mutmut.log)" >&2
+echo "mutation: mutmut run --max-children $CHILDREN $* (scripts/mutation_run.py; log: mutants/mutmut.log)" >&2
 start=$(date +%s)
 rc=0
-"$VENV/bin/mutmut" run --max-children "$CHILDREN" "$@" >mutants/mutmut.log 2>&1 || rc=$?
+"$PY" scripts/mutation_run.py --max-children "$CHILDREN" "$@" >mutants/mutmut.log 2>&1 || rc=$?
 elapsed=$(( $(date +%s) - start ))
 if [ "$rc" -ne 0 ]; then
   tail -n 40 mutants/mutmut.log | tr '\r' '\n' | tail -n 40 >&2

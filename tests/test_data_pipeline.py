@@ -3,13 +3,16 @@
 import dataclasses
 import hashlib
 import json
+import logging
 import lzma
+import re
 
 import numpy as np
 import pytest
 
 from maxlm.config import DataConfig
-from maxlm.data import BATCH_KEYS, DataError, load_tokenizer, make_eval_iterator, make_train_iterator
+from maxlm.data import (BATCH_KEYS, DataError, load_tokenizer, make_eval_iterator, make_train_iterator,
+                        merge_states)
 from maxlm.data.sources import EMBEDDED_CORPUS
 from maxlm.data.tokenizer import DEFAULT_TOKENIZER
 
@@ -308,3 +311,97 @@ def test_state_from_another_config_is_a_data_error():
   it = make_train_iterator(DataConfig(type="synthetic", seq_len=8, global_batch_size=2), 50)
   with pytest.raises(DataError, match="state does not fit"):
     it.set_state({"grain": {"unexpected": 1}, "batches": 3})
+
+
+# --- eval iterators, synthetic positions, merged states -----------------------------------------
+
+
+def test_eval_packs_the_held_out_documents_in_order_and_slices_rows_per_process(corpus, caplog):
+  """eval_fraction 0.1 holds out documents 0, 10, ..., 50; eval packs them unshuffled (the seed changes
+  nothing), every process keeps its rows of each global batch (the last one padded with empty rows), and
+  an eval iterator has no checkpointable position."""
+  path, docs = corpus
+  cfg = _cfg(path, eval_fraction=0.1)
+  held = [d for i, d in enumerate(docs) if i % 10 == 0]
+  it = make_eval_iterator(cfg, 8192)
+  single = list(it)
+  assert _pieces(single, cap=8) == _expected_pieces(held, 32)
+  assert {k: it.info[k] for k in ("type", "sources", "documents", "process")} == {
+      "type": "eval", "sources": [str(path)], "documents": 6, "process": "0/1"}
+  assert it.empty_batch()["inputs"].shape == (4, 32)
+  with pytest.raises(DataError, match="^an eval data iterator has no checkpointable position$"):
+    it.get_state()
+  with pytest.raises(DataError, match="^an eval data iterator has no checkpointable position$"):
+    it.set_state({"streams": 4, "batches": 0, "rows": {}})
+  it.close()
+  reseeded = make_eval_iterator(dataclasses.replace(cfg, seed=7), 8192)
+  assert _hash(reseeded) == _hash(single)
+  reseeded.close()
+  halves = [make_eval_iterator(cfg, 8192, p, 2) for p in range(2)]
+  assert halves[1].info["process"] == "1/2" and halves[1].empty_batch()["inputs"].shape == (2, 32)
+  two = [list(h) for h in halves]
+  assert len(two[0]) == len(two[1]) == len(single)  # same number of batches on every process
+  for step, b in enumerate(single):
+    for k in BATCH_KEYS:
+      np.testing.assert_array_equal(np.concatenate([two[0][step][k], two[1][step][k]]), b[k])
+  assert not single[-1]["segment_ids"][-1].any()  # 10 rows in batches of 4: the last batch is padded
+  for h in halves:
+    h.close()
+  with caplog.at_level(logging.WARNING, logger="maxlm.data"):
+    assert make_eval_iterator(_cfg(path), 8192) is None  # no split, no eval_paths: no eval, quietly
+  assert not caplog.records
+
+
+def test_eval_of_one_document_and_of_none(tmp_path, corpus, caplog):
+  path, _ = corpus
+  one = tmp_path / "one.txt"
+  one.write_text("only one held out document\n")
+  it = make_eval_iterator(_cfg(path, eval_paths=str(one)), 8192)
+  assert it.info["documents"] == 1 and _pieces(list(it), cap=8) == _expected_pieces(["only one held out document"], 32)
+  it.close()
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text("{oops\n{oops\n")
+  cfg = _cfg(path, type="jsonl", paths=str(bad), eval_paths=str(bad), skip_bad_records=True)
+  with caplog.at_level(logging.WARNING, logger="maxlm.data"):
+    assert make_eval_iterator(cfg, 8192) is None
+  assert [r.getMessage() for r in caplog.records][-1] == f"data (eval): no held-out documents in {bad}"
+
+
+def test_synthetic_positions_from_the_start_far_ahead_and_inconsistent():
+  cfg = DataConfig(type="synthetic", seq_len=8, global_batch_size=2, seed=5)
+  it = make_train_iterator(cfg, 50)
+  assert it.info == {"type": "synthetic", "tokenizer": "none (random tokens)"}
+  assert it.empty_batch()["inputs"].shape == (2, 8)
+  start = it.get_state()  # before the first batch: every row at the beginning
+  want = _take(it, 130)  # past 124 = 2 * 62 steps
+  fresh = make_train_iterator(cfg, 50)
+  fresh.set_state(start)
+  assert _hash(_take(fresh, 2)) == _hash(want[:2])
+  far = make_train_iterator(cfg, 50)
+  far.set_state({"streams": 2, "batches": 128, "rows": {"0": {"next_index": 128}, "1": {"next_index": 128}}})
+  assert _hash(_take(far, 2)) == _hash(want[128:])
+  with pytest.raises(DataError, match=re.escape("ValueError: synthetic rows at different steps [1, 2]")):
+    far.set_state({"streams": 2, "batches": 1, "rows": {"0": {"next_index": 1}, "1": {"next_index": 2}}})
+
+
+def test_merge_states_joins_every_process_and_refuses_inconsistent_ones():
+  cfg = DataConfig(type="synthetic", seq_len=8, global_batch_size=4)
+  its = [make_train_iterator(cfg, 50, p, 2) for p in range(2)]
+  for it in its:
+    _take(it, 3)
+  a, b = (it.get_state() for it in its)
+  merged = merge_states([a, b])
+  assert merged == {"streams": 4, "batches": 3, "rows": {**a["rows"], **b["rows"]}}
+  assert merge_states([merged]) == merged  # one state holding every row
+  with pytest.raises(ValueError, match=r"^merge_states needs stream states \(get_state of stream iterators\)$"):
+    merge_states([])
+  with pytest.raises(ValueError, match="needs stream states"):
+    merge_states([a, {"grain": {}, "batches": 3}])
+  for other, where in (({**b, "batches": 4}, "[(4, 3), (4, 4)]"), ({**b, "streams": 8}, "[(4, 3), (8, 3)]"),
+                       (a, "[(4, 3), (4, 3)]")):  # another step, another batch size, the same rows twice
+    with pytest.raises(ValueError, match=re.escape(f"data states of different positions (streams, batches): {where}")):
+      merge_states([a, other])
+  with pytest.raises(ValueError, match="^data states hold 2 of 4 rows$"):
+    merge_states([a])
+  with pytest.raises(DataError, match=r"^data iterator state lacks rows 2\.\.3 of this process$"):
+    make_train_iterator(cfg, 50, 1, 2).set_state({**a, "rows": a["rows"]})

@@ -146,6 +146,15 @@ def test_progress_line_shows_no_eta_at_the_last_step_or_when_unknown():
   assert progress_line(599, 600, m) == head.format(599) + "1:06:40 elapsed"
 
 
+def test_progress_line_under_fp16_loss_scaling():
+  """fp16: the loss scale, and the updates its overflows skipped once there are any."""
+  m = {"loss": 1.0, "learning_rate": 1e-3, "grad_norm": 0.5, "loss_scale": 32768.0}
+  head = "step 3/9 | loss 1.0000 | lr 1.00e-03 | gnorm 0.500 | MFU n/a | "
+  assert progress_line(3, 9, {**m, "overflow_steps": 0}) == head + "scale 32768"
+  assert progress_line(3, 9, {**m, "loss_scale": 0.5, "overflow_steps": 2}) == head + "scale 0.5, 2 overflow skips"
+  assert progress_line(3, 9, {**m, "loss_scale": None}) == head.removesuffix(" | ")
+
+
 def test_duration():
   cases = {0: "0:00", 0.4: "0:00", -3.0: "0:00", 59.6: "1:00", 1234.5: "20:34", 3599.4: "59:59",
            3600: "1:00:00", 5000: "1:23:20", 90061: "25:01:01"}

@@ -61,6 +61,8 @@ def test_decay_mask_excludes_norms_and_embeddings_unless_asked():
   assert m == {"embed": {"embedding": False}, "layers": {"qkv": {"kernel": True, "scale": False}},
                "lm_head": {"kernel": True}}
   assert all(np.ravel(list(decay_mask(params, True)["layers"]["qkv"].values())))
+  # list nodes (keys without a dict key: an index) are walked through, their leaves judged by name
+  assert decay_mask({"blocks": [{"kernel": 0, "scale": 0}]}, False) == {"blocks": [{"kernel": True, "scale": False}]}
 
 
 def test_decoupled_weight_decay_follows_the_mask():

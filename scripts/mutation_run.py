@@ -1,0 +1,75 @@
+"""`mutmut run` (mutmut 3.8.1) with this project's two rules for which tests judge a mutant.
+
+mutmut runs, for every mutant, each selected test that called the mutated function in its stats pass.
+Here a mutant of a core module is judged by the tests of that module's own test file(s) only (OWN_TESTS):
+the tests whose purpose is that behaviour, as issue 15 asks. A mutant of maxlm/optim.py that only
+test_step.py's ten-minute AdamW runs would notice counts as surviving: test_optim.py should catch it.
+This is stricter than mutmut's default (the score can only go down) and makes a run affordable on two
+cores (the optimizer's mutants need seconds of tests instead of minutes).
+
+The tests of a mutant run fastest first (mutmut's fork server runs them in set order), so a killed
+mutant usually costs one quick test (pytest stops at the first failure).
+
+  python scripts/mutation_run.py [--max-children N] [MUTANT_NAME_PATTERN ...]   (as `mutmut run`)
+"""
+
+from __future__ import annotations
+
+import sys
+
+from mutmut import __main__ as mutmut_main
+from mutmut.state import state
+from mutmut.workers import isolation
+
+# mutant module -> the test files whose purpose is its behaviour (a prefix covers its submodules)
+OWN_TESTS = {
+    "maxlm.model": ("tests/test_model.py",),
+    "maxlm.step": ("tests/test_step.py",),
+    "maxlm.optim": ("tests/test_optim.py",),
+    "maxlm.metrics": ("tests/test_metrics.py",),
+    "maxlm.layers": ("tests/test_layers.py",),
+    "maxlm.layers.kv_cache": ("tests/test_generation.py",),  # KV-cache generation
+    "maxlm.data.pipeline": ("tests/test_data_pipeline.py", "tests/test_data_streams.py", "tests/test_data_inputs.py"),
+    "maxlm.data.packing": ("tests/test_data_pipeline.py", "tests/test_data_streams.py"),
+}
+
+
+def own_test_files(function: str) -> tuple[str, ...] | None:
+  """The test files of a mangled function name (`maxlm.layers.rope.x_apply_rope`), None if unlisted."""
+  module = function.rsplit(".", 1)[0]
+  for prefix in sorted(OWN_TESTS, key=len, reverse=True):
+    if module == prefix or module.startswith(prefix + "."):
+      return OWN_TESTS[prefix]
+  return None
+
+
+def keep_own_tests(tests_by_function: dict) -> None:
+  for function, tests in tests_by_function.items():
+    files = own_test_files(function)
+    if files is not None:
+      tests_by_function[function] = {t for t in tests if t.split("::", 1)[0] in files}
+
+
+_collect_or_load_stats = mutmut_main.collect_or_load_stats
+
+
+def collect_or_load_stats(*args, **kwargs):
+  """mutmut's stats (collected or loaded, and saved, as usual), then only each module's own tests kept
+  in memory for this run: mutants/mutmut-stats.json keeps the full map."""
+  _collect_or_load_stats(*args, **kwargs)
+  keep_own_tests(state().tests_by_mangled_function_name)
+
+
+_submit = isolation.ForkServerRunner.submit
+
+
+def submit(self, mutant_name, tests, cpu_time_limit, estimated_time):
+  tests = sorted(tests, key=lambda t: state().duration_by_test.get(t, 0.0))  # fastest first
+  return _submit(self, mutant_name, tests, cpu_time_limit, estimated_time)
+
+
+mutmut_main.collect_or_load_stats = collect_or_load_stats
+isolation.ForkServerRunner.submit = submit
+
+if __name__ == "__main__":
+  mutmut_main.cli.main(args=["run", *sys.argv[1:]], prog_name="mutmut")

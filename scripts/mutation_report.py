@@ -78,9 +78,14 @@ def main(argv=None) -> int:
   ap.add_argument("--mutants", default="mutants")
   ap.add_argument("--doc", default="docs/mutation.md")
   ap.add_argument("--elapsed", type=float, default=None, help="run time to print, seconds")
+  ap.add_argument("--only", default=None, help="a file of mutant names (one a line): score only those, e.g. a "
+                  "sample from scripts/mutation_sample.py")
   args = ap.parse_args(argv)
   root = Path(args.mutants)
   results = load_results(root)
+  if args.only:
+    keep = set(Path(args.only).read_text().split())
+    results = {p: {m: s for m, s in r.items() if m in keep} for p, r in results.items()}
   if not results:
     print(f"mutation: no results under {root}/ (run `make mutation` first)", file=sys.stderr)
     return 1

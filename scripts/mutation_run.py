@@ -15,13 +15,14 @@ mutant usually costs one quick test (pytest stops at the first failure).
 
 from __future__ import annotations
 
+import os
 import sys
 
 from mutmut import __main__ as mutmut_main
 from mutmut.state import state
 from mutmut.workers import isolation
 
-# mutant module -> the test files whose purpose is its behaviour (a prefix covers its submodules)
+# mutant module (a prefix covers its submodules) or function -> the test files whose purpose is its behaviour
 OWN_TESTS = {
     "maxlm.model": ("tests/test_model.py",),
     "maxlm.step": ("tests/test_step.py",),
@@ -29,6 +30,11 @@ OWN_TESTS = {
     "maxlm.metrics": ("tests/test_metrics.py",),
     "maxlm.layers": ("tests/test_layers.py",),
     "maxlm.layers.kv_cache": ("tests/test_generation.py",),  # KV-cache generation
+    "maxlm.model.xǁTransformerǁ_cached_layers": ("tests/test_generation.py",),
+    "maxlm.layers.x_remat_policy": ("tests/test_layers.py", "tests/test_model.py"),  # remat of the blocks
+    "maxlm.layers.x_check_precision": ("tests/test_layers.py", "tests/test_step.py"),  # FP8 refused / run
+    "maxlm.layers.x_supported_precisions": ("tests/test_layers.py", "tests/test_step.py"),
+    "maxlm.layers.te_env": ("tests/test_layers.py", "tests/test_model.py"),  # TE set up on a CPU host
     "maxlm.data.pipeline": ("tests/test_data_pipeline.py", "tests/test_data_streams.py", "tests/test_data_inputs.py"),
     "maxlm.data.packing": ("tests/test_data_pipeline.py", "tests/test_data_streams.py"),
 }
@@ -36,6 +42,8 @@ OWN_TESTS = {
 
 def own_test_files(function: str) -> tuple[str, ...] | None:
   """The test files of a mangled function name (`maxlm.layers.rope.x_apply_rope`), None if unlisted."""
+  if function in OWN_TESTS:
+    return OWN_TESTS[function]
   module = function.rsplit(".", 1)[0]
   for prefix in sorted(OWN_TESTS, key=len, reverse=True):
     if module == prefix or module.startswith(prefix + "."):
@@ -68,8 +76,20 @@ def submit(self, mutant_name, tests, cpu_time_limit, estimated_time):
   return _submit(self, mutant_name, tests, cpu_time_limit, estimated_time)
 
 
+_run_clean_tests = isolation.ForkServerRunner.run_clean_tests
+
+
+def run_clean_tests(self, tests):
+  """MUTATION_SKIP_CLEAN=1: skip mutmut's clean run of every selected test before a partial run (minutes on
+  two cores); the stats pass ran them clean, and a test added since must have passed on its own."""
+  if os.environ.get("MUTATION_SKIP_CLEAN") == "1":
+    return 0
+  return _run_clean_tests(self, tests)
+
+
 mutmut_main.collect_or_load_stats = collect_or_load_stats
 isolation.ForkServerRunner.submit = submit
+isolation.ForkServerRunner.run_clean_tests = run_clean_tests
 
 if __name__ == "__main__":
   mutmut_main.cli.main(args=["run", *sys.argv[1:]], prog_name="mutmut")

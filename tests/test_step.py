@@ -2,6 +2,7 @@
 the loss over every valid token, multi-step AdamW with its schedules, clipping and decay mask,
 token-weighted gradient accumulation; non-finite skipping; FP8 delayed-scaling state."""
 
+import contextlib
 import dataclasses
 import math
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import reference as R
 from maxlm.config import MeshConfig, ModelConfig, OptimConfig
@@ -17,7 +19,8 @@ from maxlm.layers import FP8_COLLECTION, PrecisionError, check_precision, precis
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
-from maxlm.step import cast_matmul_weights, make_eval_step, make_train_step, token_losses, use_chunked_loss
+from maxlm.step import (cast_matmul_weights, jit_step, make_eval_step, make_train_step, token_losses,
+                        use_chunked_loss)
 from maxlm.train_state import abstract_state, create_train_state
 
 MODEL = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
@@ -365,6 +368,38 @@ def test_fp8_delayed_state_threads_through_steps(fake_fp8_gpu):
   # rounding, <= 64 ulps); decay or clipping of this state would change it by O(1).
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=64 * U32, atol=0),
                          sb1.model_state, s1.model_state)
+
+
+# ---- jit_step --------------------------------------------------------------------------------------
+
+def test_jit_step_places_outputs_enters_the_scope_per_call_and_donates():
+  """The trainer's jit wrapper: outputs land on the given shardings (state split over 2 devices, metrics
+  replicated), every call runs inside `scope()`, the state is donated (its buffers consumed) unless
+  donate=False, which returns the metrics alone and leaves the state usable."""
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+  split, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  entered = []
+
+  @contextlib.contextmanager
+  def scope():
+    entered.append(len(entered))
+    yield
+
+  def step(state, batch):
+    return {"w": state["w"] + batch["x"].sum()}, {"m": state["w"] * 2}
+
+  train = jit_step(step, {"w": split}, {"x": rep}, scope, metrics_sharding=rep)
+  state = {"w": jax.device_put(np.arange(4.0, dtype=np.float32), split)}
+  new, m = train(state, {"x": np.ones(3, np.float32)})
+  np.testing.assert_array_equal(new["w"], [3.0, 4.0, 5.0, 6.0])  # exact small integers
+  np.testing.assert_array_equal(m["m"], [0.0, 2.0, 4.0, 6.0])
+  assert new["w"].sharding.is_equivalent_to(split, 1) and m["m"].sharding.is_equivalent_to(rep, 1)
+  assert state["w"].is_deleted() and entered == [0]
+  evaluate = jit_step(lambda s, b: {"loss": s["w"].sum() + b["x"].sum()}, {"w": split}, {"x": rep}, scope,
+                      donate=False, metrics_sharding=rep)
+  out = evaluate(new, {"x": np.ones(3, np.float32)})
+  assert set(out) == {"loss"} and float(out["loss"]) == 21.0 and out["loss"].sharding.is_equivalent_to(rep, 0)
+  assert not new["w"].is_deleted() and entered == [0, 1]
 
 
 # ---- chunked LM head + cross-entropy ---------------------------------------------------------------

@@ -185,6 +185,31 @@ def test_rms_norm(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_parameters_carry_their_dtype_and_logical_axes(backend):
+  """What mixed precision and sharding read: every parameter in param_dtype (bfloat16 here) and boxed with
+  its logical axis names, the same names in both backends."""
+  be = get_backend(backend)
+  init, bf16 = nn.initializers.normal(0.02), jnp.bfloat16
+  cases = {  # name: (function, input, {parameter: logical axes})
+      "n": (functools.partial(be.rms_norm, eps=1e-5, param_dtype=bf16, name="n"), rand((2, 5, 32)),
+            {"scale": ("norm",)}),
+      "d": (functools.partial(be.norm_dense, features=(4, 8), kernel_axes=("embed", "heads", "head_dim"), eps=1e-5,
+                              param_dtype=bf16, kernel_init=init, name="d"), rand((2, 5, 32)),
+            {"scale": ("norm",), "kernel": ("embed", "heads", "head_dim")}),
+      "o": (functools.partial(be.dense, features=(32,), axis=(-2, -1), kernel_axes=("heads", "head_dim", "embed"),
+                              param_dtype=bf16, kernel_init=init, name="o"), rand((2, 5, 4, 8)),
+            {"kernel": ("heads", "head_dim", "embed")}),
+      "m": (functools.partial(be.norm_mlp, ffn_dim=16, eps=1e-5, param_dtype=bf16, kernel_init=init, name="m"),
+            rand((2, 5, 32)), {"scale": ("norm",), "wi_kernel": ("embed", "act", "mlp"), "wo_kernel": ("mlp", "embed")}),
+  }
+  for name, (fn, x, axes) in cases.items():
+    with precision_scope("bf16", backend):
+      boxed = jax.eval_shape(Wrap(fn).init, jax.random.PRNGKey(0), x)["params"][name]
+    assert {k: (tuple(v.names), v.value.dtype) for k, v in boxed.items()} == {
+        k: (a, jnp.dtype(bf16)) for k, a in axes.items()}, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_norm_dense_multi_dim_features(backend):
   be = get_backend(backend)
   x = rand((2, 5, 32))

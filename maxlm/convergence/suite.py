@@ -62,7 +62,7 @@ class Case:
     return [*base, *(self._local(w) for w in self.overrides), *extra, f"train.seed={seed}", f"data.seed={seed}"]
 
   def _local(self, word: str) -> str:
-    """data.paths=copy.txt.xz -> the absolute path when it exists next to the suite file."""
+    """data.paths=data/corpus.txt -> the absolute path when it exists next to the suite file."""
     key, _, value = word.partition("=")
     if key in PATH_KEYS and value and not Path(value).is_absolute() and (self.here / value).exists():
       return f"{key}={(self.here / value).resolve()}"

@@ -160,6 +160,19 @@ class _Run:
     self.seed, self.curves, self.ok, self.steps, self.returncode, self.error = seed, curves, ok, steps, 0, ""
 
 
+def test_case_data_paths_are_relative_to_the_suite_file(tmp_path, monkeypatch):
+  (tmp_path / "corpus.txt").write_text("a b c\n")
+  body = MINI.replace("overrides: {train.steps: 20}",
+                      "overrides: {train.steps: 20, data.paths: corpus.txt, data.eval_paths: held.txt}")
+  case = load_suite(str(_suite_file(tmp_path, body))).cases[0]
+  monkeypatch.chdir(tmp_path.parent)  # not where the suite file is
+  args = case.args(3, ("optim.learning_rate=0.01",))
+  assert f"data.paths={tmp_path / 'corpus.txt'}" in args  # next to the suite file: made absolute
+  assert "data.eval_paths=held.txt" in args  # no such file there: left as written (the trainer names it)
+  assert args[0] == "model.d_model=32"  # MINI names no config file: the suite's overrides come first
+  assert args[-3:] == ["optim.learning_rate=0.01", "train.seed=3", "data.seed=3"]  # user words, then the seed
+
+
 def test_golden_from_seeds_and_comparison(tmp_path):
   suite = load_suite(str(_suite_file(tmp_path, MINI)))
   case = suite.cases[0]

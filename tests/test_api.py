@@ -80,6 +80,9 @@ def test_save_pretrained_exports_config_weights_and_tokenizer(model, tmp_path):
   back = Model.from_pretrained(out, backend="flax")
   have, want = _leaves(back.params), _leaves(model.params)
   assert all(np.array_equal(have[k], want[k]) for k in want)  # fp32 files hold the weights exactly
+  assert back.config.data.tokenizer == str(out)  # generate/eval find the tokenizer there
+  with pytest.raises(Exception, match="already exists"):
+    model.save_pretrained(out)
 
 
 def test_a_run_naming_a_shipped_tokenizer_exports_that_file(tmp_path, monkeypatch):
@@ -88,9 +91,6 @@ def test_a_run_naming_a_shipped_tokenizer_exports_that_file(tmp_path, monkeypatc
   from maxlm.data.tokenizer import SMALL_TOKENIZER
   monkeypatch.chdir(tmp_path)  # configs/default.yml names it bare; no such file in the working directory
   assert run_tokenizer_files(DataConfig(tokenizer="austen_sp512.model")) == [(SMALL_TOKENIZER, "tokenizer.model")]
-  assert back.config.data.tokenizer == str(out)  # generate/eval find the tokenizer there
-  with pytest.raises(Exception, match="already exists"):
-    model.save_pretrained(out)
 
 
 def test_bad_paths_raise_one_line_checkpoint_errors(tmp_path, run_dir):

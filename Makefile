@@ -1,5 +1,5 @@
 # The two commands a new user needs (each sets up .venv first, Transformer Engine included):
-#   make train [ARGS="key=value ..."]   train the default tiny model on the embedded corpus (CPU is fine)
+#   make train [ARGS="key=value ..."]   train the default model (configs/default.yml, ~2 min on 2 cores) on the embedded corpus
 #   make test                           run the test suite (CPU)
 #   make mutation                       mutation testing of the core (slow, not in `make test`; docs/mutation.md)
 #   make test-container                 build the image (docker/) with podman and test it (root; not in `make test`)
@@ -11,7 +11,7 @@ setup:
 	@bash scripts/setup.sh $(VENV)
 
 train: setup
-	$(PY) -m maxlm.train $(ARGS)
+	$(PY) -m maxlm.train config=default.yml $(ARGS)
 
 # Convergence suite (docs/convergence.md): SUITE=cpu (CI tier, default) or gpu (the H200); ARGS: overrides
 # for every case; report, loss_curves.png, results.json and junit.xml in runs/convergence/<suite>.

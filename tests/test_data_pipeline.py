@@ -6,6 +6,7 @@ import json
 import logging
 import lzma
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from maxlm.config import DataConfig
 from maxlm.data import (BATCH_KEYS, DataError, load_tokenizer, make_eval_iterator, make_train_iterator,
                         merge_states)
+from maxlm.data.pipeline import DataIterator
 from maxlm.data.sources import EMBEDDED_CORPUS
 from maxlm.data.tokenizer import DEFAULT_TOKENIZER
 
@@ -359,12 +361,14 @@ def test_eval_of_one_document_and_of_none(tmp_path, corpus, caplog):
   it = make_eval_iterator(_cfg(path, eval_paths=str(one)), 8192)
   assert it.info["documents"] == 1 and _pieces(list(it), cap=8) == _expected_pieces(["only one held out document"], 32)
   it.close()
-  bad = tmp_path / "bad.jsonl"
+  bad, worse = tmp_path / "bad.jsonl", tmp_path / "worse.jsonl"
   bad.write_text("{oops\n{oops\n")
-  cfg = _cfg(path, type="jsonl", paths=str(bad), eval_paths=str(bad), skip_bad_records=True)
+  worse.write_text("{oops\n")
+  cfg = _cfg(path, type="mixture", paths=f"{bad},{worse}", weights="1,1", eval_paths=f"{bad},{worse}",
+             skip_bad_records=True)  # a mixture: one source per file
   with caplog.at_level(logging.WARNING, logger="maxlm.data"):
     assert make_eval_iterator(cfg, 8192) is None
-  assert [r.getMessage() for r in caplog.records][-1] == f"data (eval): no held-out documents in {bad}"
+  assert [r.getMessage() for r in caplog.records][-1] == f"data (eval): no held-out documents in {bad}, {worse}"
 
 
 def test_synthetic_positions_from_the_start_far_ahead_and_inconsistent():
@@ -403,5 +407,54 @@ def test_merge_states_joins_every_process_and_refuses_inconsistent_ones():
       merge_states([a, other])
   with pytest.raises(ValueError, match="^data states hold 2 of 4 rows$"):
     merge_states([a])
-  with pytest.raises(DataError, match=r"^data iterator state lacks rows 2\.\.3 of this process$"):
-    make_train_iterator(cfg, 50, 1, 2).set_state({**a, "rows": a["rows"]})
+  six = dataclasses.replace(cfg, global_batch_size=6)
+  first = make_train_iterator(six, 50, 0, 2).get_state()  # rows 0..2 only
+  with pytest.raises(DataError, match=r"^data iterator state lacks rows 3\.\.5 of this process$"):
+    make_train_iterator(six, 50, 1, 2).set_state(first)
+
+
+def test_train_info_thread_options_segment_cap_and_sources_without_training_documents(corpus, tmp_path):
+  path, _ = corpus
+  it = make_train_iterator(_cfg(path), 8192, 1, 2)
+  assert {k: it.info[k] for k in ("type", "sources", "documents", "weights", "process", "rows")} == {
+      "type": "train", "sources": [str(path)], "documents": 60, "weights": [1.0], "process": "1/2",
+      "rows": "2..3 of 4"}
+  it.close()
+  for key in ("read_threads", "worker_count", "prefetch"):
+    with pytest.raises(DataError, match=re.escape(
+        "config keys data.read_threads, data.worker_count and data.prefetch must be >= 0")):
+      make_train_iterator(_cfg(path, **{key: -1}), 8192)
+  with pytest.raises(DataError, match=re.escape("config key 'data.max_segments_per_row' must be >= 1, got 0")):
+    make_train_iterator(_cfg(path, max_segments_per_row=0), 8192)
+  assert max(int(b["segment_ids"].max()) for b in make_train_iterator(_cfg(path, max_segments_per_row=1), 8192)) == 1
+  two, one = tmp_path / "two.txt", tmp_path / "one.txt"
+  two.write_text("one doc\nanother doc\n")
+  one.write_text("one doc\n")
+  assert make_train_iterator(_cfg(two, eval_fraction=0.5), 8192).info["documents"] == 1  # document 1 trains
+  with pytest.raises(DataError, match=re.escape(
+      f"data source '{one}' has no training documents (1 documents, eval_fraction 0.5)")):
+    make_train_iterator(_cfg(one, eval_fraction=0.5), 8192)
+
+
+def test_close_stops_the_pipelines_threads(corpus):
+  path, _ = corpus
+  before = set(threading.enumerate())
+  it = make_train_iterator(_cfg(path, read_threads=2, prefetch=2), 8192)
+  next(it)
+  started = [t for t in threading.enumerate() if t not in before]
+  assert started  # Grain's reading / prefetch threads
+  it.close()
+  for t in started:
+    t.join(timeout=10)
+  assert not [t.name for t in started if t.is_alive()]
+  with pytest.raises(DataError, match="^this data iterator was closed$"):
+    next(it)
+
+
+def test_a_pre_stream_state_needs_a_pipeline_that_can_continue_it():
+  it = DataIterator(lambda states: iter(()), 10, rows=range(2), seq_len=4, streams=2)
+  with pytest.raises(DataError, match=r"^a per-process \(pre-stream\) data state does not fit this iterator$"):
+    it.set_state({"grain": {}, "batches": 0})
+  syn = make_train_iterator(DataConfig(type="synthetic", seq_len=8, global_batch_size=4, seed=3), 50, 1, 2)
+  syn.set_state({"grain": {"next_index": 7}, "batches": 7})
+  assert syn.get_state() == {"grain": {"next_index": 7}, "batches": 7}  # before a batch: where it was put

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from maxlm.layers import get_backend, precision_scope
+from maxlm.layers import get_backend, on_gpu, precision_scope
 from maxlm.layers.rope import apply_rope, rope_frequencies
 
 BACKENDS = [pytest.param("flax"), pytest.param("te", marks=pytest.mark.te)]
@@ -163,6 +163,19 @@ def test_rope_matches_reference_with_and_without_llama3_scaling():
   scaled = rope_frequencies(128, 500000.0, "llama3", 8.0, 1.0, 4.0, 8192)
   np.testing.assert_allclose(scaled, ref_llama3_inv_freq(128, 500000.0, 8.0, 1.0, 4.0, 8192), rtol=F64_RTOL)
   assert not np.allclose(scaled, rope_frequencies(128, 500000.0))  # scaling changes low frequencies
+  # the defaults are Llama 3.1's published values (factor 8, low 1, high 4, original context 8192)
+  np.testing.assert_allclose(rope_frequencies(128, 500000.0, "llama3"), scaled, rtol=0)
+  # a low-frequency factor other than 1 moves the low-wavelength bound (original / low)
+  other = rope_frequencies(128, 500000.0, "llama3", 8.0, 2.0, 4.0, 8192)
+  np.testing.assert_allclose(other, ref_llama3_inv_freq(128, 500000.0, 8.0, 2.0, 4.0, 8192), rtol=F64_RTOL)
+  with pytest.raises(ValueError, match="^unknown rope scaling 'yarn'$"):
+    rope_frequencies(128, 500000.0, "yarn")
+
+
+def test_on_gpu_asks_jax_for_its_default_backend(monkeypatch):
+  for backend, want in (("gpu", True), ("cpu", False), ("tpu", False)):
+    monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+    assert on_gpu() is want
 
 
 def test_rope_positions_restart_per_document():

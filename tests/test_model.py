@@ -95,6 +95,7 @@ def test_param_count_matches_tree(tie):
   params = jax.eval_shape(Transformer(cfg).init, jax.random.PRNGKey(0), tokens())
   n = sum(x.size for x in jax.tree_util.tree_leaves(params))
   assert n == count_params(cfg)["total"]
+  assert count_params(cfg)["embedding"] == cfg.vocab_size * cfg.d_model  # the [V, D] table
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

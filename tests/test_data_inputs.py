@@ -46,6 +46,7 @@ def test_counts(data):
   cfg = _cfg(data, eval_paths=str(data / "held.txt"))
   assert check_inputs(cfg, 8192) == {"train_documents": 40, "eval_documents": 3}
   assert check_inputs(DataConfig(type="synthetic"), 8192) == {"train_documents": 0, "eval_documents": 0}
+  assert check_inputs(_cfg(data, eval_fraction=0.0), 8192) == {"train_documents": 40, "eval_documents": 0}
 
 
 def test_bad_eval_inputs_found_up_front(data, tmp_path):

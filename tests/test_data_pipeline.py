@@ -458,3 +458,45 @@ def test_a_pre_stream_state_needs_a_pipeline_that_can_continue_it():
   syn = make_train_iterator(DataConfig(type="synthetic", seq_len=8, global_batch_size=4, seed=3), 50, 1, 2)
   syn.set_state({"grain": {"next_index": 7}, "batches": 7})
   assert syn.get_state() == {"grain": {"next_index": 7}, "batches": 7}  # before a batch: where it was put
+
+
+def test_every_batch_is_checked_against_the_vocabulary():
+  """A token id outside [0, vocab_size) stops before the step runs, naming the id, the batch and the
+  tokenizer; the largest valid id (vocab_size - 1) passes."""
+  def one_batch(ids):
+    ids = np.asarray([ids], np.int32)  # [1, 4]
+    batch = {"inputs": ids, "targets": ids[:, ::-1].copy(), "segment_ids": np.ones_like(ids), "positions": ids * 0}
+    return DataIterator(lambda states: iter([(batch, {"0": None})]), 10, {"tokenizer": "tok.model"}, rows=range(1),
+                        seq_len=4, streams=1)
+  assert next(one_batch([0, 9, 3, 4]))["inputs"].max() == 9
+  want = ("data batch 0 holds token id {} outside [0, model.vocab_size=10) (tokenizer: tok.model); use a tokenizer "
+          "that fits the model's vocabulary or raise model.vocab_size")
+  for ids, bad in (([0, 10, 3, 4], 10), ([0, -1, 3, 4], -1), ([11, -1, 3, 4], 11)):
+    with pytest.raises(DataError, match=f"^{re.escape(want.format(bad))}$"):
+      next(one_batch(ids))
+  it = DataIterator(lambda states: iter([({"inputs": np.full((1, 4), 10, np.int32),
+                                           "targets": np.zeros((1, 4), np.int32)}, {"0": None})]), 10, rows=range(1),
+                    seq_len=4, streams=1)
+  with pytest.raises(DataError, match=re.escape("(tokenizer: ?)")):  # no tokenizer in the info
+    next(it)
+
+
+def test_the_data_summary_is_logged(corpus, tmp_path, caplog):
+  path, _ = corpus
+  with caplog.at_level(logging.INFO, logger="maxlm.data"):
+    it = make_train_iterator(_cfg(path), 8192)
+  assert [r.getMessage() for r in caplog.records] == [
+      f"data (train): 60 documents from {path}; {it.info['tokenizer']}; no records skipped"]
+  it.close()
+  caplog.clear()
+  bad, other = tmp_path / "d.jsonl", tmp_path / "e.txt"
+  bad.write_text('{"text": "fine document"}\n{oops\n' * 4)
+  other.write_text("another document\n")
+  with caplog.at_level(logging.INFO, logger="maxlm.data"):
+    it = make_train_iterator(DataConfig(type="mixture", paths=f"{bad},{other}", weights="1,1", eval_fraction=0,
+                                        skip_bad_records=True), 8192)
+  summary = it.info["skipped_summary"]
+  assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+      ("INFO", f"data (train): 5 documents from {bad}, {other}; {it.info['tokenizer']}; {summary}"),
+      ("WARNING", f"data (train): {summary}")]
+  it.close()

@@ -92,10 +92,13 @@ def test_fp8_sized_on_a_machine_without_fp8(capsys):
 def test_llama70b_without_allocating(tmp_path):
   """70B in fp32 is 282 GB of parameters; the dry run's whole process must stay far below the smallest
   weight it would otherwise hold (the 4.2 GB embedding; any stacked layer weight is larger still)."""
-  code = ("import resource, sys\nfrom maxlm.train import main\n"
+  # The peak is VmHWM, the high-water mark of this process's own address space. getrusage's ru_maxrss survives
+  # exec on Linux, so a child forked from a big pytest worker (seen: 2.1 GB) would report the worker's peak.
+  code = ("import re, sys\nfrom maxlm.train import main\n"
           "rc = main(['--dry-run', '--json', 'config=llama70b', 'data.global_batch_size=64',"
           " '--devices', '64', '--nodes', '8'])\n"
-          "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)\nsys.exit(rc)\n")
+          "hwm = re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())\n"
+          "print(int(hwm[1]) * 1024, file=sys.stderr)\nsys.exit(rc)\n")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                      timeout=300)

@@ -421,8 +421,8 @@ def test_train_info_thread_options_segment_cap_and_sources_without_training_docu
       "rows": "2..3 of 4"}
   it.close()
   for key in ("read_threads", "worker_count", "prefetch"):
-    with pytest.raises(DataError, match=re.escape(
-        "config keys data.read_threads, data.worker_count and data.prefetch must be >= 0")):
+    with pytest.raises(DataError, match="^" + re.escape(
+        "config keys data.read_threads, data.worker_count and data.prefetch must be >= 0") + "$"):
       make_train_iterator(_cfg(path, **{key: -1}), 8192)
   with pytest.raises(DataError, match=re.escape("config key 'data.max_segments_per_row' must be >= 1, got 0")):
     make_train_iterator(_cfg(path, max_segments_per_row=0), 8192)

@@ -28,7 +28,7 @@ test: setup
 test-container: setup
 	$(PY) -m pytest -q -m container tests/test_container.py $(PYTEST_ARGS)
 
-# Mutation score per module and the surviving mutants (mutmut; ~1 h on 2 cores). MUTANTS='maxlm.optim*' runs
+# Mutation score per module and the surviving mutants (mutmut; a full run is several hours on 2 cores, see docs/mutation.md). MUTANTS='maxlm.optim*' runs
 # only those mutants (reusing mutants/); MUTATION_CHILDREN=2 by default.
 mutation: setup
 	VENV=$(VENV) bash scripts/mutation.sh $(MUTANTS)

@@ -12,7 +12,10 @@ import pytest
 
 import reference as R
 from maxlm import Model
+from maxlm.api import run_tokenizer_files
 from maxlm.checkpoint import CheckpointError
+from maxlm.config import DataConfig
+from maxlm.data.tokenizer import SMALL_TOKENIZER
 from maxlm.train import main as train_main
 
 U32 = 2.0 ** -24  # float32 unit roundoff
@@ -86,9 +89,6 @@ def test_save_pretrained_exports_config_weights_and_tokenizer(model, tmp_path):
 
 
 def test_a_run_naming_a_shipped_tokenizer_exports_that_file(tmp_path, monkeypatch):
-  from maxlm.api import run_tokenizer_files
-  from maxlm.config import DataConfig
-  from maxlm.data.tokenizer import SMALL_TOKENIZER
   monkeypatch.chdir(tmp_path)  # configs/default.yml names it bare; no such file in the working directory
   assert run_tokenizer_files(DataConfig(tokenizer="austen_sp512.model")) == [(SMALL_TOKENIZER, "tokenizer.model")]
 

@@ -3,6 +3,7 @@ the findings on this machine, and the command end to end (lines, --json, exit co
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -407,7 +408,6 @@ def test_two_processes_under_mpirun_each_check_and_all_reduce_across_both(tmp_pa
   """Under `mpirun -np 2` (OpenMPI, started by scripts/ci_services.sh) with 2 CPU devices each: every process
   runs every check, the all-reduce spans the 4 devices of both, and with --json each process's stdout holds
   exactly its JSON document (Gloo prints connection lines to stdout from C++; they must go to stderr)."""
-  import shutil  # noqa: PLC0415 (only this test needs it)
   if not shutil.which("mpirun"):
     pytest.skip("OpenMPI is not installed here (run scripts/ci_services.sh start)")
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}

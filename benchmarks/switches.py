@@ -57,6 +57,7 @@ def run_variant(name: str, overrides: str, steps: int, root: Path, out: Path | N
                tflops=round(steady[-1].get("tflops_per_device") or 0, 1))
   if rows:
     res.update(first_step_s=rows[0].get("first_step_s"), peak_memory_gb=rows[-1].get("peak_memory_gb"),
+               compiled_memory_gb=rows[0].get("compiled_memory_gb"),
                loss=rows[-1].get("loss"), loss_scale=rows[-1].get("loss_scale"),
                overflow_steps=rows[-1].get("overflow_steps"), nonfinite_steps=rows[-1].get("nonfinite_steps"))
   if proc.returncode:
@@ -78,12 +79,12 @@ def main(argv: list[str]) -> int:
       continue
     results.append(run_variant(name, overrides, steps, root, out))
     print(json.dumps(results[-1]), flush=True)
-  head = f"{'variant':<18} {'step ms':>8} {'tokens/s':>9} {'peak GB':>8} {'1st step s':>10} {'loss':>7}  overrides"
+  head = f"{'variant':<18} {'step ms':>8} {'tokens/s':>9} {'peak GB':>8} {'XLA est':>8} {'1st step s':>10} {'loss':>7}  overrides"
   print("\n" + head)
   for r in results:
     def f(k, fmt):
       return format(r[k], fmt) if r.get(k) is not None else "-"
-    print(f"{r['name']:<18} {f('step_ms', '8.1f')} {f('tokens_per_s', '9,d')} {f('peak_memory_gb', '8.1f')} "
+    print(f"{r['name']:<18} {f('step_ms', '8.1f')} {f('tokens_per_s', '9,d')} {f('peak_memory_gb', '8.1f')} {f('compiled_memory_gb', '8.1f')} "
           f"{f('first_step_s', '10.1f')} {f('loss', '7.3f')}  {r.get('overrides')}"
           + (f"  rc={r['rc']}" if r.get("rc") else "") + (f"  {r['status']}" if r.get("status") else ""))
   if out is not None:

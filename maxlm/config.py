@@ -69,10 +69,10 @@ class ModelConfig:
                                      "overflow", within="[1, inf)")
   fp16_min_scale: float = option(1.0, "fp16: the loss scale never halves below this", within="(0, 2**24]")
   fp8_amax_history_len: int = option(1024, "FP8 delayed scaling: amax history length", within="[1, inf)")
-  fp8_lm_head: bool = option(False, "quantize the LM head too (off: it stays in `dtype`)")
+  fp8_lm_head: bool = option(False, "quantize the LM head too (off: it stays in `dtype`); with loss_chunk, "
+                             "FP8 GEMMs at current power-of-2 scales (e4m3 forward, e5m2 gradient)")
   loss_chunk: int = option(0, "LM head + cross-entropy over chunks of this many positions, never holding the "
-                           "[B, T, V] logits (0 = whole sequence at once); ignored under FP8 with "
-                           "fp8_lm_head=true", within="[0, inf)")
+                           "[B, T, V] logits (0 = whole sequence at once)", within="[0, inf)")
   cast_params_once: bool = option(False, "cast the matmul weights to the compute dtype once per step, not at "
                                  "every use (bf16 and fp16 only; holds a compute-dtype copy for the step)")
   scan_layers: bool = option(True, "scan over layers (faster compiles); false: unrolled (faster steps)")

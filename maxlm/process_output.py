@@ -10,26 +10,36 @@ import sys
 import threading
 
 class PrefixedStream(io.TextIOBase):
-  """A text stream that starts every line written to `stream` with `prefix` (thread-safe)."""
+  """A text stream that starts every line written to `stream` with `prefix` (thread-safe). A line reaches
+  `stream` in one write, with its newline (print() writes the text and the newline separately), so that
+  the lines of processes sharing one pipe (mpirun, srun) do not interleave mid-line; a partial line is
+  held until its newline or a flush."""
 
   def __init__(self, stream, prefix: str):
     super().__init__()
     self.stream, self.prefix = stream, prefix
     self._at_line_start = True
+    self._pending = ""  # the start of a line not yet written
     self._lock = threading.Lock()
 
   def write(self, text: str) -> int:
     with self._lock:
-      out = []
-      for part in text.splitlines(keepends=True):
-        if self._at_line_start:
-          out.append(self.prefix)
-        out.append(part)
-        self._at_line_start = part.endswith(("\n", "\r"))
-      self.stream.write("".join(out))
+      parts = (self._pending + text).splitlines(keepends=True)
+      self._pending = "" if not parts or parts[-1].endswith(("\n", "\r")) else parts.pop()
+      if parts:
+        self.stream.write("".join(self._emit(part) for part in parts))
     return len(text)
 
+  def _emit(self, part: str) -> str:
+    head = self.prefix if self._at_line_start else ""
+    self._at_line_start = part.endswith(("\n", "\r"))
+    return head + part
+
   def flush(self) -> None:
+    with self._lock:
+      if self._pending:
+        self.stream.write(self._emit(self._pending))
+        self._pending = ""
     self.stream.flush()
 
   def fileno(self) -> int:

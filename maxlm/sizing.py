@@ -7,7 +7,7 @@
   weights every shipped config uses).
 * gradients: one gradient per parameter, in the parameter dtype.
 * fp8_meta: TE's delayed-scaling state (`fp8_metas`): per quantized GEMM (4 per layer, + the LM head
-  with `model.fp8_lm_head`), an fp32 amax history and scale for its input, kernel and gradient;
+  with `model.fp8_lm_head` when unchunked), an fp32 amax history and scale for its input, kernel and gradient;
   replicated. Zero for the other precisions (current and block scaling keep no state).
 * logits: one micro-batch's logits [B_micro / (data * fsdp), S, V / tensor] in fp32 (the loss) plus
   the `model.dtype` copy the LM head produces (none when that is float32); with `model.loss_chunk` = C
@@ -82,15 +82,15 @@ def fp8_meta_bytes(m: ModelConfig) -> int:
   """Bytes of TE's delayed-scaling state: (history + scale) x 3 tensors x 4 B per quantized GEMM."""
   if m.precision != "fp8_delayed":
     return 0
-  gemms = 4 * m.n_layers + (1 if m.fp8_lm_head and not m.tie_embeddings else 0)  # qkv, out, MLP in, MLP out
+  te_head = m.fp8_lm_head and not m.tie_embeddings and not m.loss_chunk  # the chunked FP8 head keeps no state
+  gemms = 4 * m.n_layers + (1 if te_head else 0)  # qkv, out, MLP in, MLP out
   return gemms * 3 * (m.fp8_amax_history_len + 1) * 4
 
 
 def _logit_positions(m, seq_len: int) -> int:
   """Positions whose logits exist at once: the loss chunk when the chunked loss runs (as
-  maxlm.step.use_chunked_loss decides: not with a quantized LM head), else the whole sequence."""
-  quantized_head = m.fp8_lm_head and m.precision not in ("bf16", "fp16")
-  return min(seq_len, m.loss_chunk) if m.loss_chunk and not quantized_head else seq_len
+  maxlm.step.use_chunked_loss decides: whenever model.loss_chunk > 0), else the whole sequence."""
+  return min(seq_len, m.loss_chunk) if m.loss_chunk else seq_len
 
 
 def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,

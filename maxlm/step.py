@@ -40,12 +40,52 @@ def token_losses(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tupl
 
 
 def use_chunked_loss(cfg: ModelConfig) -> bool:
-  """`model.loss_chunk` > 0, unless the LM head is quantized (its FP8 GEMM lives in the model)."""
-  return cfg.loss_chunk > 0 and not (cfg.fp8_lm_head and cfg.precision not in UNQUANTIZED)
+  """`model.loss_chunk` > 0: the head and the loss run chunk by chunk here, quantized or not."""
+  return cfg.loss_chunk > 0
+
+
+def fp8_chunked_head(cfg: ModelConfig) -> bool:
+  """The chunked head runs its three GEMMs in FP8: `model.fp8_lm_head` under a quantized precision."""
+  return use_chunked_loss(cfg) and cfg.fp8_lm_head and cfg.precision not in UNQUANTIZED
+
+
+# The chunked FP8 head (fp8=True below) quantizes like TE's HYBRID format: e4m3 for the hidden states and
+# the kernel, e5m2 for the logits' gradient, and multiplies the FP8 arrays themselves (dot_general with FP8
+# operands and a bf16 or fp32 result: cuBLASLt's FP8 GEMM on Hopper), then scales the result back. Every
+# scale is a power of 2, so that is exact. The hidden states and the kernel are scaled by their current
+# amax (one per step, over the whole tensor), the gradient by its bound: |softmax - onehot| <= 1 times the
+# mask and the loss scale, so 2**15 * |d| / scale stays under e5m2's largest value 57344.
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+GRAD_HEADROOM = 2.0 ** 15
+
+
+def pow2_scale(x: jax.Array, dtype) -> jax.Array:
+  """The smallest power of 2 `s` with max|x| / s <= the largest finite value of `dtype` (fp32 scalar)."""
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  mant, exp = jnp.frexp(amax / float(jnp.finfo(dtype).max))  # ratio = mant * 2**exp, mant in [0.5, 1)
+  exp = jnp.where(mant == 0.5, exp - 1, exp)  # a ratio that is a power of 2 is its own scale
+  return jnp.ldexp(jnp.float32(1), jnp.clip(exp, -126, 127))  # exact: a normal fp32 (1 for amax 0)
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+  """x / scale rounded to the FP8 `dtype` (saturating at its largest value)."""
+  big = float(jnp.finfo(dtype).max)
+  return jnp.clip(x.astype(jnp.float32) / scale, -big, big).astype(dtype)
+
+
+def _gemm(a, b, dims, out_dtype):
+  """dot_general(a, b, dims) with a result in `out_dtype`; a and b are arrays in the compute dtype, or
+  (FP8 array, fp32 power-of-2 scale) pairs, multiplied in FP8 and scaled back exactly."""
+  if isinstance(a, tuple):
+    (qa, sa), (qb, sb) = a, b
+    out = jax.lax.dot_general(qa, qb, dims, preferred_element_type=out_dtype)
+    return out * (sa * sb).astype(out_dtype)
+  return jax.lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
 
 
 def chunked_token_losses(y: jax.Array, kernel: jax.Array, targets: jax.Array, mask: jax.Array, *, chunk: int,
-                         vocab_axis: int, grad_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                         vocab_axis: int, grad_scale: jax.Array | None = None,
+                         fp8: bool = False) -> tuple[jax.Array, jax.Array]:
   """`token_losses` of the LM head's logits, computed `chunk` positions at a time.
 
   y: final-normed hidden states [B, T, D] (compute dtype); kernel: the head, [D, V] (vocab_axis=1) or the
@@ -53,11 +93,11 @@ def chunked_token_losses(y: jax.Array, kernel: jax.Array, targets: jax.Array, ma
   forward and the backward. The gradients (of the loss times `grad_scale`, the loss scale) are formed
   in the same pass, chunk by chunk (dW summed in fp32, then rounded to the compute dtype once, as the
   unchunked head does), and kept for the backward: no logits are recomputed, and the head costs the
-  FLOPs of the unchunked one.
+  FLOPs of the unchunked one. fp8: the three GEMMs take FP8 operands (see E4M3 above).
   """
   mask = mask.astype(jnp.float32)  # [B, T]
   scale = jnp.ones((), jnp.float32) if grad_scale is None else grad_scale.astype(jnp.float32)
-  return _chunked_loss(y, kernel, targets, mask, scale, chunk, vocab_axis), jnp.sum(mask)
+  return _chunked_loss(y, kernel, targets, mask, scale, chunk, vocab_axis, fp8), jnp.sum(mask)
 
 
 def _chunks(x: jax.Array, chunk: int) -> jax.Array:
@@ -68,49 +108,62 @@ def _chunks(x: jax.Array, chunk: int) -> jax.Array:
   return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)  # [N, B, C, ...]
 
 
-def _chunk_nll(y, w, targets, mask, vocab_axis: int):
+def _head_operands(y, kernel, fp8: bool):
+  """(the kernel as the chunk loop multiplies it, a function giving a chunk's y so): the kernel in the
+  compute dtype, or (FP8, scale) pairs of both at their current power-of-2 scales. The kernel is cast or
+  quantized once, outside the loop."""
+  if not fp8:
+    return kernel.astype(y.dtype), lambda y_c: y_c
+  sy, sw = pow2_scale(y, E4M3), pow2_scale(kernel, E4M3)
+  return (quantize(kernel, sw, E4M3), sw), lambda y_c: (quantize(y_c, sy, E4M3), sy)
+
+
+def _chunk_nll(y, w, targets, mask, vocab_axis: int, dtype):
   """(summed NLL, fp32 logits [B, C, V], logsumexp [B, C]) of one chunk; logits rounded to the
   compute dtype first, as the model's head returns them."""
-  logits = jax.lax.dot_general(y, w, (((2,), (1 - vocab_axis,)), ((), ())))  # [B, C, V]
+  logits = _gemm(y, w, (((2,), (1 - vocab_axis,)), ((), ())), dtype)  # [B, C, V]
   logits = nn.with_logical_constraint(logits, BTV).astype(jnp.float32)  # [B, C, V]
   lse = jax.nn.logsumexp(logits, axis=-1)  # [B, C]
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, C]
   return jnp.sum((lse - target_logit) * mask), logits, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _chunked_loss(y, kernel, targets, mask, grad_scale, chunk, vocab_axis):
-  w = kernel.astype(y.dtype)  # cast once, outside the loop
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _chunked_loss(y, kernel, targets, mask, grad_scale, chunk, vocab_axis, fp8):
+  w, as_multiplied = _head_operands(y, kernel, fp8)
 
   def body(total, xs):
-    return total + _chunk_nll(xs[0], w, xs[1], xs[2], vocab_axis)[0], None
+    return total + _chunk_nll(as_multiplied(xs[0]), w, xs[1], xs[2], vocab_axis, y.dtype)[0], None
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
                           (_chunks(y, chunk), _chunks(targets, chunk), _chunks(mask, chunk)))
   return total
 
 
-def _chunked_loss_fwd(y, kernel, targets, mask, grad_scale, chunk, vocab_axis):
-  w = kernel.astype(y.dtype)  # cast once, outside the loop
-  vocab = w.shape[vocab_axis]
+def _chunked_loss_fwd(y, kernel, targets, mask, grad_scale, chunk, vocab_axis, fp8):
+  w, as_multiplied = _head_operands(y, kernel, fp8)
+  vocab = kernel.shape[vocab_axis]
 
   def body(carry, xs):
     total, dw = carry
     y_c, t_c, m_c = xs  # [B, C, D], [B, C], [B, C]
-    loss, logits, lse = _chunk_nll(y_c, w, t_c, m_c, vocab_axis)
+    y_c = as_multiplied(y_c)  # [B, C, D], or its (e4m3, scale)
+    loss, logits, lse = _chunk_nll(y_c, w, t_c, m_c, vocab_axis, y.dtype)
     onehot = jnp.arange(vocab, dtype=t_c.dtype) == t_c[..., None]  # [B, C, V]
     # d(scaled loss)/d logits, rounded to the compute dtype as the logits' cotangent is unchunked
     d = (jnp.exp(logits - lse[..., None]) - onehot) * (m_c * grad_scale)[..., None]  # [B, C, V]
-    d = nn.with_logical_constraint(d.astype(y.dtype), BTV)  # [B, C, V]
-    dy = jax.lax.dot_general(d, w, (((2,), (vocab_axis,)), ((), ())))  # [B, C, D]
-    if vocab_axis == 1:
-      dw_c = jax.lax.dot_general(y_c, d, (((0, 1), (0, 1)), ((), ())),
-                                 preferred_element_type=jnp.float32)  # [D, V]
+    if fp8:  # e5m2 at the scale its bound gives (see GRAD_HEADROOM)
+      sd = grad_scale / GRAD_HEADROOM
+      d = (nn.with_logical_constraint(quantize(d, sd, E5M2), BTV), sd)  # [B, C, V]
     else:
-      dw_c = jax.lax.dot_general(d, y_c, (((0, 1), (0, 1)), ((), ())),
-                                 preferred_element_type=jnp.float32)  # [V, D]
+      d = nn.with_logical_constraint(d.astype(y.dtype), BTV)  # [B, C, V]
+    dy = _gemm(d, w, (((2,), (vocab_axis,)), ((), ())), y.dtype)  # [B, C, D]
+    if vocab_axis == 1:
+      dw_c = _gemm(y_c, d, (((0, 1), (0, 1)), ((), ())), jnp.float32)  # [D, V]
+    else:
+      dw_c = _gemm(d, y_c, (((0, 1), (0, 1)), ((), ())), jnp.float32)  # [V, D]
     return (total + loss, dw + dw_c), dy
 
-  zeros = jnp.zeros(w.shape, jnp.float32)  # [D, V] or [V, D]
+  zeros = jnp.zeros(kernel.shape, jnp.float32)  # [D, V] or [V, D]
   (total, dw), dy = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
                                  (_chunks(y, chunk), _chunks(targets, chunk), _chunks(mask, chunk)))
   b, t, d_model = y.shape
@@ -120,8 +173,8 @@ def _chunked_loss_fwd(y, kernel, targets, mask, grad_scale, chunk, vocab_axis):
   return total, (dy, dw.astype(y.dtype).astype(kernel.dtype), grad_scale)
 
 
-def _chunked_loss_bwd(chunk, vocab_axis, res, g):
-  del chunk, vocab_axis
+def _chunked_loss_bwd(chunk, vocab_axis, fp8, res, g):
+  del chunk, vocab_axis, fp8
   dy, dw, grad_scale = res
   f = g / grad_scale  # 1 when the loss is differentiated with the scale passed in (the train step)
   return ((dy.astype(jnp.float32) * f).astype(dy.dtype), (dw * f).astype(dw.dtype), None, None, None)
@@ -142,7 +195,8 @@ def _forward_loss(model: nn.Module, packed: bool):
     if chunked:
       y, kernel = model.apply(variables, batch["inputs"], batch["positions"], seg, hidden=True)  # [B, T, D]
       return chunked_token_losses(y, kernel, batch["targets"], mask, chunk=cfg.loss_chunk,
-                                  vocab_axis=0 if cfg.tie_embeddings else 1, grad_scale=grad_scale)
+                                  vocab_axis=0 if cfg.tie_embeddings else 1, grad_scale=grad_scale,
+                                  fp8=fp8_chunked_head(cfg))
     logits = model.apply(variables, batch["inputs"], batch["positions"], seg)  # [B, T, V]
     return token_losses(logits, batch["targets"], mask)
   return loss_fn
@@ -251,5 +305,20 @@ def jit_step(step: Callable, state_shardings, batch_shardings, scope: Callable[[
 
   def call(state, batch):
     with scope():
+      if not call.compiled:  # the first call compiles ahead of time to read XLA's estimate; jitted reuses it
+        call.compiled_memory_gb = compiled_memory_gb(jitted.lower(state, batch).compile())
+        call.compiled = True
       return jitted(state, batch)
+  call.compiled, call.compiled_memory_gb = False, None  # set by the first call
   return call
+
+
+def compiled_memory_gb(compiled) -> float | None:
+  """XLA's estimate of one device's memory for a compiled step (GB, 1e9 bytes): arguments + outputs +
+  temporaries - what the outputs alias (donated buffers), as MaxText's `Total estimated memory size`
+  (which prints GiB). None where the backend gives no analysis."""
+  m = compiled.memory_analysis()
+  if m is None:
+    return None
+  total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  return total / 1e9

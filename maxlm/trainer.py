@@ -28,7 +28,7 @@ from maxlm.model import Transformer, count_params, flops_per_step
 from maxlm.optim import make_optimizer
 from maxlm.profiling import Profiler
 from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
-from maxlm.step import jit_step, make_eval_step, make_train_step, use_chunked_loss
+from maxlm.step import jit_step, make_eval_step, make_train_step
 from maxlm.train_state import create_train_state
 
 
@@ -186,8 +186,9 @@ class Trainer:
     bs = {k: self.batch_sharding for k in data_lib.BATCH_KEYS}
     step = make_train_step(self.model, self.optimizer, self.schedule, grad_accum=cfg.train.grad_accum,
                            packed=self.packed)
-    self.train_step = jit_step(step, self.state_shardings, bs, self.scope,
-                               metrics_sharding=replicated(self.mesh))
+    # jitted_train_step keeps XLA's memory estimate (compiled_memory_gb) also where train_step gets wrapped
+    self.train_step = self.jitted_train_step = jit_step(step, self.state_shardings, bs, self.scope,
+                                                        metrics_sharding=replicated(self.mesh))
     self.eval_step = jit_step(make_eval_step(self.model, packed=self.packed), self.state_shardings, bs,
                               self.scope, donate=False, metrics_sharding=replicated(self.mesh))
     self.n_devices = jax.device_count()
@@ -241,9 +242,6 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
          f"{dict(trainer.mesh.shape)}, run dir {run_dir}")
     if jax.process_count() > 1:
       echo(f"maxlm: {mesh_placement(trainer.mesh)}")
-    if m.loss_chunk and not use_chunked_loss(m):
-      echo(f"maxlm: model.loss_chunk={m.loss_chunk} is not used: with model.fp8_lm_head=true the {m.precision} "
-           "LM head computes the whole logits")
 
   ckpt, writer = None, None
   profiler = Profiler(cfg.profile, run_dir, is_main, echo=echo)
@@ -275,10 +273,11 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
         steps_since = 0
         first_step_s = t_last - t_start
         preemption.step_started(checkpointing=ckpt is not None)
-        mem = peak_memory_gb()
+        mem, est = peak_memory_gb(), trainer.jitted_train_step.compiled_memory_gb
         if is_main:
           echo(f"maxlm: first step {done} done {first_step_s:.1f} s after start (trace, compile and run)"
-               + (f", peak device memory {mem:.1f} GB" if mem is not None else ""))
+               + (f", peak device memory {mem:.1f} GB" if mem is not None else "")
+               + (f", XLA's compiled estimate {est:.1f} GB per device" if est is not None else ""))
       stop = preemption.reached(done)
       save_s = 0.0
       if ckpt is not None and (stop or last or ckpt.due(done)):
@@ -310,6 +309,7 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
         row["save_s"] = paused
       if first_step_s is not None:
         row["first_step_s"], first_step_s = first_step_s, None  # once, in the first row
+        row["compiled_memory_gb"] = trainer.jitted_train_step.compiled_memory_gb
       row["peak_memory_gb"] = peak_memory_gb()
       if t.nonfinite == "stop":
         checked = _check_finite(metrics, checked, skipped, done, ckpt)

@@ -170,6 +170,27 @@ def test_every_line_gets_the_prefix_also_when_written_in_pieces():
                             "[process 1/2 h] Traceback (most recent call last):\n[process 1/2 h]   File x\n")
 
 
+def test_each_line_reaches_the_stream_in_one_write_with_its_newline():
+  """Two processes share mpirun's pipe: a line written as text, then newline (as print() does), must not
+  leave the text alone in the pipe for the other process's line to follow on the same line."""
+  class Writes(io.StringIO):
+    def __init__(self):
+      super().__init__()
+      self.calls = []
+
+    def write(self, text):
+      self.calls.append(text)
+      return super().write(text)
+  out = Writes()
+  s = PrefixedStream(out, "[p 0/2] ")
+  print("nccl pass", file=s, flush=True)
+  s.write("a\nb")
+  assert out.calls == ["[p 0/2] nccl pass\n", "[p 0/2] a\n"]
+  s.flush()  # a partial line goes out at a flush, and its rest gets no second prefix
+  s.write(" rest\n")
+  assert out.calls[2:] == ["[p 0/2] b", " rest\n"]
+
+
 def test_prefix_output_covers_print_and_logging(capsys):
   logger = logging.getLogger("maxlm-test-prefix")
   root = logging.getLogger()

@@ -140,9 +140,10 @@ def test_chunked_loss_holds_one_chunk_of_logits():
   est = estimate(with_(base, model={"loss_chunk": 32}), 1)
   assert est["logits"] == 8 * 32 * 8192 * (4 + 2)  # batch 8, 32 of the 128 positions, vocab 8192
   assert estimate(with_(base, model={"loss_chunk": 1000}), 1)["logits"] == 8 * 128 * 8192 * 6  # chunk > seq
-  # a quantized LM head keeps the whole logits (the chunked loss does not run then)
-  fp8_head = with_(base, model={"loss_chunk": 32, "precision": "fp8_current", "fp8_lm_head": True})
-  assert estimate(fp8_head, 1)["logits"] == 8 * 128 * 8192 * 6
+  # a quantized LM head is chunked too (its FP8 GEMMs run in the chunk loop), and keeps no FP8 state then
+  fp8_head = with_(base, model={"loss_chunk": 32, "precision": "fp8_delayed", "fp8_lm_head": True})
+  assert estimate(fp8_head, 1)["logits"] == 8 * 32 * 8192 * 6
+  assert estimate(fp8_head, 1)["fp8_meta"] == 8 * 3 * 1025 * 4  # the 8 GEMMs of the 2 layers only
   # fp16 computes in 2 bytes whatever model.dtype says
   fp16 = with_(base, model={"precision": "fp16", "dtype": "float32"})
   assert estimate(fp16, 1)["logits"] == 8 * 128 * 8192 * (4 + 2)

@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -19,8 +20,8 @@ from maxlm.layers import FP8_COLLECTION, PrecisionError, check_precision, precis
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
-from maxlm.step import (cast_matmul_weights, jit_step, make_eval_step, make_train_step, token_losses,
-                        use_chunked_loss)
+from maxlm.step import (cast_matmul_weights, chunked_token_losses, fp8_chunked_head, jit_step, make_eval_step,
+                        make_train_step, pow2_scale, quantize, token_losses, use_chunked_loss)
 from maxlm.train_state import abstract_state, create_train_state
 
 MODEL = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
@@ -541,19 +542,131 @@ def test_cast_matmul_weights_leaves_norms_and_a_tied_embedding():
 @pytest.mark.parametrize("fp8_lm_head", [False, True], ids=["bf16-head", "fp8-head"])
 def test_chunked_loss_under_fp8_delayed(fake_fp8_gpu, fp8_lm_head):
   """FP8 delayed scaling with model.loss_chunk: the layers' FP8 GEMMs (and their amax history) are the
-  same as unchunked, and the loss too (float32 head, the bound of the chunked test above, twice). With
-  model.fp8_lm_head the quantized head keeps computing the whole logits (use_chunked_loss says so), so
-  chunked and unchunked are the same program."""
+  same as unchunked. With a float32 head the loss is too (the bound of the chunked test above, twice).
+  With model.fp8_lm_head the chunked head quantizes by itself (current power-of-2 scales, no state;
+  its loss is checked against a numpy reference below), while the unchunked one is TE's, with an
+  FP8 state of its own."""
   cfg = dataclasses.replace(MODEL, backend="te", precision="fp8_delayed", fp8_amax_history_len=4, n_layers=1,
                             fp8_lm_head=fp8_lm_head)
-  assert use_chunked_loss(dataclasses.replace(cfg, loss_chunk=3)) == (not fp8_lm_head)
+  assert use_chunked_loss(dataclasses.replace(cfg, loss_chunk=3))
+  assert fp8_chunked_head(dataclasses.replace(cfg, loss_chunk=3)) == fp8_lm_head
+  assert not fp8_chunked_head(dataclasses.replace(cfg, loss_chunk=0))
   out = []
   for chunk in (3, 0):
     state, run, _ = setup(dataclasses.replace(cfg, loss_chunk=chunk), "fp8_delayed")
     s1, m = run(state, batch(seed=1))
     out.append((float(m["loss"]), s1.model_state[FP8_COLLECTION]))
-  np.testing.assert_allclose(out[0][0], out[1][0], rtol=2 * (128 + 32) * U32)
+  if not fp8_lm_head:
+    np.testing.assert_allclose(out[0][0], out[1][0], rtol=2 * (128 + 32) * U32)
   hist = lambda ms: np.asarray(ms["layers"]["qkv"]["x_amax_history"])  # [L, 4]
   np.testing.assert_array_equal(hist(out[0][1]), hist(out[1][1]))
   assert (hist(out[0][1]) != 0).sum() == 1
-  assert ("lm_head" in out[0][1]) == fp8_lm_head  # the head's own FP8 state only when it is quantized
+  assert "lm_head" not in out[0][1]  # chunked: no head state, quantized or not
+  assert ("lm_head" in out[1][1]) == fp8_lm_head  # unchunked: TE's head state only when it is quantized
+
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0  # the largest finite values of OCP FP8 E4M3 (fn) and E5M2
+
+
+def fp8_head_reference(y, kernel, targets, mask, vocab_axis, out_dtype):
+  """The FP8 chunked head written from its definition, in float64 with ml_dtypes' FP8 rounding:
+  per-tensor power-of-2 scales 2**ceil(log2(amax / max)) for y and the kernel (e4m3), logits rounded to
+  the compute dtype, the logits' gradient (softmax - onehot) * mask in e5m2 at the fixed scale 2**-15.
+  Returns (summed NLL, dy, dkernel, |y| |d| bound terms for the tolerances)."""
+  def q(x, dtype, big, scale):
+    return np.clip(x / scale, -big, big).astype(dtype).astype(np.float64) * scale
+
+  def pow2(x, big):
+    return 2.0 ** np.ceil(np.log2(np.abs(x).max() / big))
+  y = np.asarray(y, np.float64)  # [B, T, D]
+  w = np.asarray(kernel, np.float64)
+  w = w if vocab_axis == 1 else w.T  # [D, V]
+  yq, wq = q(y, ml_dtypes.float8_e4m3fn, E4M3_MAX, pow2(y, E4M3_MAX)), q(w, ml_dtypes.float8_e4m3fn, E4M3_MAX,
+                                                                        pow2(w, E4M3_MAX))
+  logits = (yq @ wq).astype(out_dtype).astype(np.float64)  # [B, T, V]
+  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)  # [B, T]
+  tl = np.take_along_axis(logits, targets[..., None], -1)[..., 0]  # [B, T]
+  m = np.asarray(mask, np.float64)
+  nll = float(((lse - tl) * m).sum())
+  d = (np.exp(logits - lse[..., None]) - np.eye(w.shape[1])[targets]) * m[..., None]  # [B, T, V]
+  dq = q(d, ml_dtypes.float8_e5m2, E5M2_MAX, 2.0 ** -15)
+  dy = dq @ wq.T  # [B, T, D]
+  dw = np.einsum("btd,btv->dv", yq, dq)  # [D, V]
+  absdw = np.einsum("btd,btv->dv", np.abs(yq), np.abs(dq))
+  return nll, dy, (dw if vocab_axis == 1 else dw.T), (absdw if vocab_axis == 1 else absdw.T), d, yq
+
+
+@pytest.mark.parametrize("vocab_axis", [1, 0], ids=["untied", "tied"])
+def test_fp8_chunked_head_matches_a_quantized_reference(vocab_axis):
+  """chunked_token_losses(fp8=True) against fp8_head_reference, loss and both gradients, over 3 chunks
+  of 4 positions (the last padded) with masked positions. Tolerances: the code's logits and dy are bf16
+  GEMM outputs and dW is rounded to bf16 once, so each may differ from the float64 reference by one bf16
+  rounding, 2**-8 relative (a half ulp is 2**-9; 2**-8 also covers the fp32 accumulation moving a value
+  across a rounding point), plus fp32 accumulation over D=16 or B*T=20 terms, 32 * 2**-24 of the
+  sum of their magnitudes. A logit off by 2**-8 |logit| moves a token's NLL by at most twice that. The
+  reference without any FP8 rounding must miss these bounds, or the test would not see quantization."""
+  b, t, d, v = 2, 10, 16, 48
+  rng = np.random.default_rng(7)
+  y = jnp.asarray(rng.normal(0, 2.0, (b, t, d)), jnp.bfloat16)  # [B, T, D]
+  kernel = jnp.asarray(rng.normal(0, 0.4, (d, v) if vocab_axis == 1 else (v, d)), jnp.float32)
+  targets = rng.integers(0, v, (b, t)).astype(np.int32)  # [B, T]
+  mask = np.ones((b, t), np.float32)
+  mask[0, 7:] = 0  # [B, T]
+
+  def loss(y, k):
+    return chunked_token_losses(y, k, targets, mask, chunk=4, vocab_axis=vocab_axis, fp8=True)[0]
+  got, (gy, gk) = jax.value_and_grad(loss, argnums=(0, 1))(y, kernel)
+  nll, dy, dk, absdk, dref, yq = fp8_head_reference(np.asarray(y, np.float32), np.asarray(kernel), targets, mask,
+                                                    vocab_axis, ml_dtypes.bfloat16)
+  logits_max = np.abs(yq).sum(-1).max() * np.abs(np.asarray(kernel)).max() * 2  # a bound on |logit|
+  loss_tol = 2 * 2.0 ** -8 * logits_max * mask.sum()
+  assert abs(float(got) - nll) <= loss_tol
+  k64 = np.asarray(kernel, np.float64)
+  w = k64 if vocab_axis == 1 else k64.T
+  absdy = np.abs(np.clip(dref, -1, 1)) @ np.abs(w).T  # [B, T, D]; |dq| <= |d| (1 + 2**-3)
+  tol_y = 2.0 ** -8 * np.abs(dy) + 32 * 2.0 ** -24 * 1.125 * 2 * absdy
+  tol_k = 2.0 ** -8 * np.abs(dk) + 32 * 2.0 ** -24 * absdk
+  assert np.all(np.abs(np.asarray(gy, np.float64) - dy) <= tol_y)
+  assert np.all(np.abs(np.asarray(gk, np.float64) - dk) <= tol_k)
+  assert np.asarray(gk).dtype == np.float32 and np.asarray(gy).dtype == jnp.bfloat16
+  # the bounds are tight enough to see FP8: the unquantized gradient of the same logits misses them
+  exact_dk = np.einsum("btd,btv->dv", np.asarray(y, np.float64), dref)
+  assert np.any(np.abs((exact_dk if vocab_axis == 1 else exact_dk.T) - np.asarray(gk, np.float64)) > tol_k)
+
+
+def test_pow2_scale_and_quantize_saturate_at_the_fp8_maximum():
+  """The scale is the smallest power of 2 that brings max|x| within range: 448 * 2**-3 = 56 fits 2**-3
+  exactly, 57 needs 2**-2; quantize clips at the largest value instead of overflowing to NaN."""
+  assert float(pow2_scale(jnp.array([56.0, -3.0]), jnp.float8_e4m3fn)) == 2.0 ** -3
+  assert float(pow2_scale(jnp.array([-57.0, 3.0]), jnp.float8_e4m3fn)) == 2.0 ** -2
+  assert float(pow2_scale(jnp.array([1.0]), jnp.float8_e5m2)) == 2.0 ** -15
+  assert float(pow2_scale(jnp.array([448.0 * 2.0 ** 20]), jnp.float8_e4m3fn)) == 2.0 ** 20  # exact power: itself
+  assert float(pow2_scale(jnp.zeros(3), jnp.float8_e4m3fn)) == 1.0
+  q = quantize(jnp.array([1e6, -1e6, 1.0]), jnp.float32(1.0), jnp.float8_e4m3fn)
+  np.testing.assert_array_equal(np.asarray(q, np.float32), [448.0, -448.0, 1.0])
+
+
+@pytest.mark.te
+def test_fp8_lm_head_runs_chunked_in_the_train_step(fake_fp8_gpu):
+  """model.fp8_lm_head with model.loss_chunk under fp8_current: the train step's loss is the FP8 head's
+  (fp8_head_reference on the model's own final hidden states), not the float32 head's. The model computes
+  in float32 here, so the logits carry no bf16 rounding: each is off by at most fp32 accumulation over
+  D=32 terms, 32 * 2**-24 * sum |y_q||w_q| (|y_q||w_q| <= 1.0625**2 |y||w| after e4m3 rounding); a
+  token's NLL by twice that plus 8 ulps of its value (logsumexp), and the mean by 32 ulps more (the
+  sum over 32 tokens)."""
+  cfg = dataclasses.replace(MODEL, backend="te", precision="fp8_current", n_layers=1, fp8_lm_head=True,
+                            loss_chunk=3)
+  state, run, model = setup(cfg, "fp8_current")
+  bt = batch(seed=3)
+  _, m = run(state, bt)
+  with jax.set_mesh(MESH), precision_scope("fp8_current", "te", cfg.fp8_amax_history_len):
+    y, kernel = model.apply({"params": state.params, **state.model_state}, bt["inputs"], bt["positions"],
+                            hidden=True)  # [B, T, D], [D, V]
+  mask = np.ones(bt["targets"].shape, np.float32)
+  nll = fp8_head_reference(np.asarray(y), np.asarray(kernel), bt["targets"], mask, 1, np.float32)[0]
+  plain = float(token_losses(jnp.einsum("btd,dv->btv", y, kernel), bt["targets"], mask)[0]) / mask.sum()
+  big = 1.0625 ** 2 * float((np.abs(np.asarray(y)) @ np.abs(np.asarray(kernel))).max())  # >= max |logit|
+  mean = nll / mask.sum()
+  loss_tol = 2 * 32 * U32 * big + 8 * U32 * (math.log(128) + 2 * big) + 32 * U32 * mean  # NLL <= log V + 2 max|logit|
+  assert abs(float(m["loss"]) - mean) <= loss_tol
+  assert abs(plain - mean) > loss_tol  # the unquantized head's loss is not within it

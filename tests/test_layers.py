@@ -323,7 +323,8 @@ def test_te_equals_flax_on_the_same_parameters(dtype):
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
 
 
-@pytest.mark.parametrize("dist,module,want", [(True, True, True), (False, True, True), (False, False, False)])
+@pytest.mark.parametrize("dist,module,want", [(True, True, True), (True, False, True), (False, True, True),
+                                              (False, False, False)])
 def test_te_is_found_as_a_pip_wheel_or_as_one_container_build(monkeypatch, dist, module, want):
   """pip installs TE's JAX extension as the `transformer_engine_jax` distribution; NVIDIA's JAX containers
   build TE as one `transformer_engine` wheel, where only the extension module itself is there."""
@@ -342,3 +343,151 @@ def test_te_is_found_as_a_pip_wheel_or_as_one_container_build(monkeypatch, dist,
     raise importlib.metadata.PackageNotFoundError(name)
   monkeypatch.setattr(importlib.metadata, "version", version)
   assert te_env.te_installed() is want
+
+
+# ---- backend and precision plumbing (surviving mutants of docs/mutation.md) --------------------------
+
+@pytest.mark.te
+def test_get_backend_returns_the_named_backend_module():
+  from maxlm.layers import flax_backend, te_backend
+  assert get_backend("te") is te_backend and get_backend("flax") is flax_backend
+  assert get_backend("auto") is te_backend  # TE is installed wherever te-marked tests run
+  with pytest.raises(ValueError, match="^unknown backend 'jax'$"):
+    get_backend("jax")
+
+
+@pytest.mark.te
+def test_each_quantized_precision_gets_its_te_recipe():
+  """The TE recipe classes and formats the README's precision table names (TE's recipe module)."""
+  from maxlm.layers import make_recipe
+  assert make_recipe("bf16") is None and make_recipe("fp16") is None
+  want = {"fp8_delayed": ("DelayedScaling", "HYBRID"), "fp8_current": ("Float8CurrentScaling", "HYBRID"),
+          "mxfp8": ("MXFP8BlockScaling", "E4M3"), "nvfp4": ("NVFP4BlockScaling", None)}
+  for precision, (cls, fmt) in want.items():
+    r = make_recipe(precision, amax_history_len=16)
+    assert type(r).__name__ == cls, precision
+    if fmt is not None:
+      assert r.fp8_format.name == fmt, precision
+  delayed = make_recipe("fp8_delayed", amax_history_len=16)
+  assert (delayed.amax_history_len, delayed.amax_compute_algo) == (16, "max")
+  assert make_recipe("fp8_delayed").amax_history_len == 1024  # the documented default
+  assert make_recipe("nvfp4").disable_stochastic_rounding is True  # the step passes no sr_rng stream
+
+
+def test_precision_errors_name_what_is_missing(monkeypatch):
+  import maxlm.layers as layers
+  monkeypatch.setattr(layers, "supported_precisions", lambda: ["bf16", "fp16", "fp8_delayed"])
+  for precision, backend in (("bf16", "flax"), ("fp16", "flax"), ("bf16", "te"), ("fp16", "te"),
+                             ("fp8_delayed", "te")):
+    layers.check_precision(precision, backend)  # runs here: no error
+  with pytest.raises(layers.PrecisionError, match=r"^unknown model.precision 'fp32'; choose one of bf16, fp16, "
+                     r"fp8_delayed, fp8_current, mxfp8, nvfp4$"):
+    layers.check_precision("fp32", "te")
+  with pytest.raises(layers.PrecisionError, match=r"^model.precision=fp8_delayed needs model.backend=te "
+                     r"\(quantized matmuls run through Transformer Engine\)$"):
+    layers.check_precision("fp8_delayed", "flax")
+  kind = jax.devices()[0].device_kind
+  for precision in ("fp8_current", "mxfp8", "nvfp4"):
+    need = " (MXFP8 and NVFP4 need a Blackwell GPU)" if precision != "fp8_current" else ""
+    with pytest.raises(layers.PrecisionError) as e:
+      layers.check_precision(precision, "te")
+    assert str(e.value) == (f"model.precision={precision} is not supported on this device ({kind}){need}; "
+                            "supported here: bf16, fp16, fp8_delayed")
+
+
+@pytest.mark.te
+@pytest.mark.parametrize("capability,want", [(90, ["fp8_delayed", "fp8_current"]),
+                                             (100, ["fp8_delayed", "fp8_current", "mxfp8", "nvfp4"])])
+def test_supported_precisions_follow_the_gpu_generation(monkeypatch, capability, want):
+  """FP8 from Hopper (compute capability 9.0), MXFP8 and NVFP4 from Blackwell (10.0), as TE reports them."""
+  from maxlm.layers import supported_precisions
+  from maxlm.layers.te_env import import_te
+  import_te()
+  import transformer_engine_jax
+  from transformer_engine.jax.quantize import device_utils, helper
+  monkeypatch.setattr(transformer_engine_jax, "get_device_compute_capability", lambda gpu_id=0: capability)
+  device_utils.get_device_compute_capability.cache_clear()
+  monkeypatch.setattr(helper, "_is_scaling_mode_supported", None)
+  monkeypatch.setattr(helper, "_reason_for_no_scaling_mode", None, raising=False)
+  try:
+    assert supported_precisions() == ["bf16", "fp16"] + want
+  finally:
+    device_utils.get_device_compute_capability.cache_clear()
+
+
+@pytest.mark.parametrize("dtype,platform,computed", [
+    (jnp.float16, "cpu", jnp.float32),  # XLA:CPU has no float16 dot with float32 accumulation
+    (jnp.float16, "gpu", jnp.float16), (jnp.bfloat16, "cpu", jnp.bfloat16), (jnp.bfloat16, "gpu", jnp.bfloat16),
+    (jnp.float32, "cpu", jnp.float32)])
+def test_flax_attention_upcasts_only_float16_on_cpu(monkeypatch, dtype, platform, computed):
+  """Elsewhere the attention runs in the compute dtype (a GPU's fused kernels need bf16/fp16 inputs); the
+  result always comes back in it."""
+  from maxlm.layers import flax_backend
+  seen = []
+
+  def spy(q, k, v, **kw):
+    seen.append((q.dtype, k.dtype, v.dtype))
+    return jnp.zeros(q.shape, q.dtype)  # [B, T, H, Dh]
+  monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+  monkeypatch.setattr(jax, "default_backend", lambda: platform)
+  q, k = rand((1, 4, 2, 8), 1, dtype), rand((1, 4, 1, 8), 2, dtype)
+  out = flax_backend.attention(q, k, k)
+  assert seen == [(jnp.dtype(computed),) * 3] and out.dtype == dtype
+
+
+class FakeTEAttention:
+  """Stands in for TE's DotProductAttention on a GPU (cuDNN): records how it is built and called, and
+  computes what TE documents for a SequenceDescriptor (segment ids and positions of queries and keys):
+  with a padding mask, a query sees keys of its own document (segment > 0); causal, by position in the
+  document; window_size (left, 0) keeps keys at most `left` positions back."""
+  built = []
+
+  def __init__(self, **kw):
+    self.kw = kw
+    FakeTEAttention.built.append(kw)
+
+  def __call__(self, q, k, v, desc, *, deterministic):
+    kw = self.kw
+    (seg_q, seg_k), (pos_q, pos_k) = desc.segment_ids, desc.segment_pos  # [B, T] each
+    mask = kw["attn_mask_type"] or ""
+    keep = np.ones((q.shape[0], 1, q.shape[1], k.shape[1]), bool)  # [B, 1, Tq, Tk]
+    if "padding" in mask:
+      seg_q, seg_k = np.asarray(seg_q)[:, None, :, None], np.asarray(seg_k)[:, None, None, :]
+      keep &= (seg_q == seg_k) & (seg_q > 0)
+    rel = np.asarray(pos_q)[:, None, :, None] - np.asarray(pos_k)[:, None, None, :]  # [B, 1, Tq, Tk]
+    if "causal" in mask:
+      keep &= rel >= 0
+    if kw["window_size"] is not None:
+      keep &= rel <= kw["window_size"][0]
+    qd, kd, vd = (np.asarray(a, np.float64) for a in (q, k, v))
+    rep = kw["num_attention_heads"] // kw["num_gqa_groups"]
+    kd, vd = np.repeat(kd, rep, axis=2), np.repeat(vd, rep, axis=2)
+    logits = np.where(keep, np.einsum("bqhd,bkhd->bhqk", qd, kd) * kw["scale_factor"], -1e30)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), vd)  # [B, T, H, Dh]
+
+
+@pytest.mark.te
+@pytest.mark.parametrize("window,packed", [(0, True), (3, False), (4, True)])
+def test_te_attention_on_a_gpu_hands_te_the_documents(monkeypatch, window, packed):
+  """The cuDNN branch (bf16 on a GPU): packed rows go to TE as THD with a SequenceDescriptor of the
+  documents and a padding-causal mask, room for every document of a row, no dropout; a sliding window
+  without packing as one document per row. TE is faked (FakeTEAttention: its documented semantics), so
+  the result is checked against the reference attention of this file."""
+  from maxlm.layers import te_backend
+  from maxlm.layers.te_env import import_te
+  te = import_te()
+  FakeTEAttention.built = []
+  monkeypatch.setattr(te.flax, "DotProductAttention", FakeTEAttention)
+  monkeypatch.setattr(te_backend, "on_gpu", lambda: True)
+  q, k, v = (rand(s, i, jnp.bfloat16) for i, s in enumerate([(2, 9, 4, 8), (2, 9, 2, 8), (2, 9, 2, 8)], 1))
+  seg = jnp.array([[1, 1, 1, 2, 2, 2, 2, 3, 0], [1, 1, 1, 1, 1, 1, 2, 2, 2]]) if packed else None
+  pos = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0, 0], [0, 1, 2, 3, 4, 5, 0, 1, 2]]) if packed else None
+  out = te_backend.attention(q, k, v, segment_ids=seg, positions=pos, window=window, max_segments=4)
+  (kw,) = FakeTEAttention.built
+  assert kw["qkv_layout"] == "thd_thd_thd" and kw["attention_dropout"] == 0.0
+  assert kw["max_segments_per_seq"] >= 3  # the most documents in a row here
+  ref = ref_attention(q, k, v, window, seg)
+  valid = np.asarray(seg > 0)[..., None, None] if packed else np.ones((1, 1, 1, 1), bool)
+  # the fake computes in float64 from the same bf16 inputs as the reference: only summation order differs
+  np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, ref, 0), rtol=1e-12, atol=1e-12)

@@ -670,3 +670,71 @@ def test_fp8_lm_head_runs_chunked_in_the_train_step(fake_fp8_gpu):
   loss_tol = 2 * 32 * U32 * big + 8 * U32 * (math.log(128) + 2 * big) + 32 * U32 * mean  # NLL <= log V + 2 max|logit|
   assert abs(float(m["loss"]) - mean) <= loss_tol
   assert abs(plain - mean) > loss_tol  # the unquantized head's loss is not within it
+
+
+# ---- make_train_step: micro-batches, master-weight dtypes, the fp16 loss scale ----------------------
+
+def test_gradient_accumulation_runs_the_model_on_micro_batches():
+  """grad_accum=A: the model is applied to micro-batches of B/A rows (the activation memory of one), never
+  to the whole batch at once; A=1 applies it to the batch."""
+  cfg = dataclasses.replace(MODEL, n_layers=1)
+  state, _, model = setup(cfg, b=8)
+  opt, sched = make_optimizer(OptimConfig(warmup_steps=0), 10)
+  for accum in (1, 2, 4):
+    seen = set()
+
+    class Spy:  # the model as the step uses it: its config and apply()
+      cfg = model.cfg
+
+      def apply(self, variables, inputs, *args, **kw):
+        seen.add(inputs.shape)
+        return model.apply(variables, inputs, *args, **kw)
+    step = make_train_step(Spy(), opt, sched, grad_accum=accum)
+    with jax.set_mesh(MESH), precision_scope("bf16", "flax"):
+      jax.eval_shape(step, state, batch(b=8))  # traced, not compiled
+    assert seen == {(8 // accum, 8)}, accum
+
+
+# A bug, reported to the lead (not fixed here: maxlm/step.py is not this change's): the gradients are divided
+# by the float32 token count, which promotes bfloat16 gradients to float32, so Adam's moments come out float32
+# and lax.cond refuses the two branches (TypeError at the first step's trace). Fix: `(g / denom).astype(g.dtype)`.
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="model.param_dtype=bfloat16: the step's gradients "
+                   "are promoted to float32 (maxlm/step.py make_train_step)")
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_bf16_master_weights_keep_their_dtype_through_a_step(grad_accum):
+  """model.param_dtype is the dtype of the master weights, their gradients and Adam's moments: a step
+  returns every parameter and optimizer leaf in the dtype it came in."""
+  cfg = dataclasses.replace(MODEL, n_layers=1, param_dtype="bfloat16", dtype="bfloat16")
+  state, _, model = setup(cfg, grad_accum=grad_accum)
+  opt, sched = make_optimizer(OptimConfig(warmup_steps=0), 10)
+  step = make_train_step(model, opt, sched, grad_accum=grad_accum)
+  with jax.set_mesh(MESH), precision_scope("bf16", "flax"):
+    new, _ = jax.eval_shape(step, state, batch())
+  dtypes = lambda tree: [x.dtype for x in jax.tree_util.tree_leaves(tree)]  # noqa: E731
+  assert jnp.dtype(jnp.bfloat16) in dtypes(state.params)
+  assert dtypes(new.params) == dtypes(state.params) and dtypes(new.opt_state) == dtypes(state.opt_state)
+
+
+def test_fp16_gradients_are_unscaled_and_the_loss_scale_updated():
+  """model.precision=fp16: the step differentiates loss * scale and divides the gradients by the scale, so
+  the gradient norm does not depend on it; a clean step counts toward growth (interval 1 here: the scale
+  doubles), an overflowing one is skipped, halves the scale and counts as an overflow, not as non-finite.
+  The step's metrics report the new scale."""
+  cfg = dataclasses.replace(MODEL, n_layers=1, precision="fp16", dtype="bfloat16", fp16_growth_interval=1)
+  state, run, _ = setup(cfg, precision="fp16")
+  bt = batch(seed=5)
+
+  def at_scale(log2):
+    return state.replace(loss_scale=state.loss_scale.replace(scale=jnp.asarray(2.0 ** log2, jnp.float32)))
+  norms = []
+  for log2 in (4, 10):
+    new, m = run(at_scale(log2), bt)
+    assert bool(m["finite"]) and float(m["loss_scale"]) == float(new.loss_scale.scale) == 2.0 ** (log2 + 1)
+    assert (int(new.loss_scale.good_steps), int(m["overflow_steps"]), int(m["nonfinite_steps"])) == (0, 0, 0)
+    norms.append(float(m["grad_norm"]))
+  # Both scales are powers of 2, so the fp16 backward differs only where a value under/overflows; a
+  # gradient left scaled (or scaled twice) would differ by 2**6 between the two.
+  assert 0.5 < norms[0] / norms[1] < 2.0, norms
+  new, m = run(at_scale(24), bt)  # 2**24 / 32 tokens on the logits' fp16 gradient overflows (> 65504)
+  assert not bool(m["finite"]) and float(m["loss_scale"]) == float(new.loss_scale.scale) == 2.0 ** 23
+  assert (int(m["overflow_steps"]), int(m["nonfinite_steps"])) == (1, 0)

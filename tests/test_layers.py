@@ -491,3 +491,78 @@ def test_te_attention_on_a_gpu_hands_te_the_documents(monkeypatch, window, packe
   valid = np.asarray(seg > 0)[..., None, None] if packed else np.ones((1, 1, 1, 1), bool)
   # the fake computes in float64 from the same bf16 inputs as the reference: only summation order differs
   np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, ref, 0), rtol=1e-12, atol=1e-12)
+
+
+def test_resolve_backend_without_te(monkeypatch):
+  import maxlm.layers as layers
+  monkeypatch.setattr(layers, "te_installed", lambda: False)
+  assert layers.resolve_backend("auto") == "flax" and layers.resolve_backend("flax") == "flax"
+  with pytest.raises(layers.PrecisionError, match=r"^model.backend=te but Transformer Engine is not installed "
+                     r"\(bash scripts/setup.sh installs it; or use model.backend=flax\)$"):
+    layers.resolve_backend("te")
+  monkeypatch.setattr(layers, "te_installed", lambda: True)
+  assert layers.resolve_backend("auto") == "te" and layers.resolve_backend("te") == "te"
+  with pytest.raises(ValueError, match="^unknown backend 'TE'$"):
+    layers.resolve_backend("TE")
+
+
+def saved_by(policy, capsys):
+  """What jax.checkpoint keeps for the backward under `policy` in a function with a non-batched matmul
+  named "qkv_proj", one named "context" and a batched matmul: (names kept, count of matmul outputs kept)."""
+  from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
+
+  def f(x, w):
+    a = checkpoint_name(jnp.sin(x @ w), "qkv_proj")  # [4, 4]
+    b = checkpoint_name(jnp.sin(a @ w), "context")  # [4, 4]
+    return jnp.sum(jnp.sin(jnp.einsum("bij,bjk->bik", b[None], b[None])))  # a batched matmul
+  capsys.readouterr()
+  print_saved_residuals(jax.checkpoint(f, policy=policy), jnp.ones((4, 4)), jnp.ones((4, 4)))
+  lines = capsys.readouterr().out.splitlines()
+  names = {n for line in lines for n in ("qkv_proj", "context") if f"named '{n}'" in line}
+  return names, sum("output of dot_general" in line for line in lines)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_remat_policies_keep_what_their_names_say(backend, capsys):
+  from maxlm.layers import remat_policy
+  get_backend(backend)  # sets TE up on this host, as building a model does before remat_policy
+  assert remat_policy("none", backend) is None  # no jax.checkpoint at all
+  assert saved_by(remat_policy("full", backend), capsys) == (set(), 0)  # everything recomputed
+  assert saved_by(remat_policy("save_dots", backend), capsys) == (set(), 2)  # the matmuls without batch dims
+  assert saved_by(remat_policy("save_attn", backend), capsys) == ({"context"}, 0)
+  assert saved_by(remat_policy("save_qkv_attn", backend), capsys) == ({"qkv_proj", "context"}, 0)
+  with pytest.raises(ValueError, match="^unknown remat policy 'save_all'$"):
+    remat_policy("save_all", backend)
+
+
+@pytest.mark.te
+def test_te_save_dots_also_keeps_te_gemms():
+  """On a GPU TE's GEMMs are custom calls, not dot_general: the TE backend needs TE's own policy."""
+  from maxlm.layers import remat_policy
+  get_backend("te")  # sets TE up on this host (NCCL preloaded) before TE's import below
+  from transformer_engine.jax.checkpoint_policies import dots_and_te_gemms_with_no_batch_dims
+  assert remat_policy("save_dots", "te") is dots_and_te_gemms_with_no_batch_dims
+  assert remat_policy("save_dots", "flax") is jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+
+
+def test_nccl_is_preloaded_globally_from_the_first_path_that_has_it(monkeypatch, tmp_path):
+  """TE's libraries link libnccl.so.2 without an RPATH: the one of pip's nvidia-nccl wheel (first on
+  sys.path) is loaded RTLD_GLOBAL before TE is imported; once."""
+  import ctypes
+  import sys
+
+  from maxlm.layers import te_env
+  for d in ("a", "b"):
+    lib = tmp_path / d / "nvidia" / "nccl" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libnccl.so.2").write_bytes(b"")
+  (tmp_path / "c" / "nvidia" / "nccl" / "lib").mkdir(parents=True)  # the wheel's folder without the library
+  loaded = []
+  monkeypatch.setattr(ctypes, "CDLL", lambda name, mode=None: loaded.append((name, mode)))
+  monkeypatch.setattr(sys, "path", [str(tmp_path / d) for d in ("none", "c", "a", "b")])
+  te_env._preload_nccl()
+  assert loaded == [(str(tmp_path / "a" / "nvidia" / "nccl" / "lib" / "libnccl.so.2"), ctypes.RTLD_GLOBAL)]
+  loaded.clear()
+  monkeypatch.setattr(sys, "path", [str(tmp_path / "none")])
+  te_env._preload_nccl()  # no wheel: nothing loaded, no error
+  assert loaded == []

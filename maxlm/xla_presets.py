@@ -57,16 +57,20 @@ _OVERLAP = (
     "--xla_gpu_enable_while_loop_double_buffering=true",
 )
 
-# Measured on one H200 (2026-12-03, benchmarks/README.md), the whole hopper list against none: bf16
+# XLA's own GEMMs (the LM head's when chunked; the layers' GEMMs are TE's cuBLAS calls) go to cuBLAS /
+# cuBLASLt, not to Triton kernels that XLA autotunes while it compiles. As measured on one H200
+# (2026-12-03, benchmarks/README.md), fp8_delayed with model.fp8_lm_head=true: first step 40.9 s -> 15.2 s,
+# 99,911 vs 100,186 tokens/s (two calls on one held machine).
+_NO_TRITON_GEMM = ("--xla_gpu_enable_triton_gemm=false",)
+
+# Measured on one H200 (2026-12-03, benchmarks/README.md), the overlap list against none: bf16
 # 64,076 vs 64,283 tokens/s (0.997x), fp8_delayed 82,194 vs 82,220 (1.000x): no effect without
-# collectives, as expected; the list stays for multi-GPU overlap, unmeasured until a multi-GPU machine is
-# lent. `--xla_gpu_enable_triton_gemm=false` was in the first list and was dropped: it did not help on one
-# GPU and overlap does not need it.
+# collectives, as expected; it stays for multi-GPU overlap, unmeasured until a multi-GPU machine is lent.
 PRESETS: dict[str, tuple[str, ...]] = {
     "none": (),
-    "hopper": _OVERLAP,
+    "hopper": _OVERLAP + _NO_TRITON_GEMM,
     # Same as hopper until measured on a B200 (no Blackwell GPU here yet).
-    "blackwell": _OVERLAP,
+    "blackwell": _OVERLAP + _NO_TRITON_GEMM,
 }
 
 _HOPPER_NAMES = re.compile(r"\b(GH200|H100|H200|H800|H20)\b")

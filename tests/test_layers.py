@@ -566,3 +566,12 @@ def test_nccl_is_preloaded_globally_from_the_first_path_that_has_it(monkeypatch,
   monkeypatch.setattr(sys, "path", [str(tmp_path / "none")])
   te_env._preload_nccl()  # no wheel: nothing loaded, no error
   assert loaded == []
+
+
+def test_llama3_rope_scaling_at_the_low_frequency_boundary():
+  """A wavelength exactly at original / low_freq_factor is blended with weight 0 (Llama 3.1's formula:
+  only longer wavelengths take the plain inv_freq / factor branch, and the blend gives the same there):
+  head_dim 2 has inv_freq [1], wavelength 2 pi, put on the boundary with original_max_position = 2 pi."""
+  got = rope_frequencies(2, 10000.0, "llama3", 8.0, 1.0, 4.0, 2 * math.pi)
+  np.testing.assert_allclose(got, ref_llama3_inv_freq(2, 10000.0, 8.0, 1.0, 4.0, 2 * math.pi), rtol=F64_RTOL)
+  np.testing.assert_allclose(got, [1.0 / 8.0], rtol=F64_RTOL)

@@ -738,3 +738,20 @@ def test_fp16_gradients_are_unscaled_and_the_loss_scale_updated():
   new, m = run(at_scale(24), bt)  # 2**24 / 32 tokens on the logits' fp16 gradient overflows (> 65504)
   assert not bool(m["finite"]) and float(m["loss_scale"]) == float(new.loss_scale.scale) == 2.0 ** 23
   assert (int(m["overflow_steps"]), int(m["nonfinite_steps"])) == (1, 0)
+
+
+def test_jit_step_compiles_for_the_batch_shardings_and_estimates_per_device_memory():
+  """The batch is placed as batch_shardings say before the step runs: split over 2 devices, XLA's
+  per-device estimate (compiled_memory_gb, 1e9 bytes) holds half of its 4 MiB; replicated, all of it.
+  The rest (a 4-float state, its update and the metrics, no temporaries worth a page) stays under 1 KiB."""
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+  split, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+
+  def step(state, batch):
+    return {"w": state["w"] + batch["x"].sum()}, {"m": state["w"] * 2}
+  for batch_sharding, batch_bytes in ((split, 2 ** 21), (rep, 2 ** 22)):
+    train = jit_step(step, {"w": split}, {"x": batch_sharding}, contextlib.nullcontext, metrics_sharding=rep)
+    assert train.compiled_memory_gb is None  # until the first call compiles
+    train({"w": jax.device_put(np.arange(4.0, dtype=np.float32), split)}, {"x": np.ones(2 ** 20, np.float32)})
+    assert batch_bytes <= train.compiled_memory_gb * 1e9 <= batch_bytes + 1024, batch_sharding
+

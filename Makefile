@@ -3,10 +3,11 @@
 #   make test                           run the test suite (CPU)
 #   make mutation                       mutation testing of the core (slow, not in `make test`; docs/mutation.md)
 #   make test-container                 build the image (docker/) with podman and test it (root; not in `make test`)
+#   make convergence / test-convergence the cpu convergence tier / its own training tests (not in `make test`)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test mutation test-container convergence
+.PHONY: setup train test mutation test-container convergence test-convergence
 setup:
 	@bash scripts/setup.sh $(VENV)
 
@@ -17,6 +18,12 @@ train: setup
 # for every case; report, loss_curves.png, results.json and junit.xml in runs/convergence/<suite>.
 convergence: setup
 	$(PY) -m maxlm.convergence run --suite $(or $(SUITE),cpu) $(ARGS)
+
+# The convergence suite's own tests that train (tests/test_convergence.py, marker `convergence`): the tiny
+# cases pass clean, and each injected bug (RoPE without positions, targets shifted by one token, learning
+# rate x30) fails its case. ~4 CPU-minutes, so not in `make test`; CI runs it after `make convergence`.
+test-convergence: setup
+	$(PY) -m pytest -q -m convergence tests/test_convergence.py $(PYTEST_ARGS)
 
 # --dist loadgroup: tests marked xdist_group(name) run on one worker (tests/test_launch.py shares its runs)
 test: setup

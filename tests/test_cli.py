@@ -15,6 +15,9 @@ import pytest
 
 from maxlm import cli, train
 
+# subprocess runs compile like the suite's own (conftest): XLA's CPU backend at optimization level 0
+FAST_CPU = "--xla_backend_optimization_level=0"
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
         "model.n_layers=1", "data.type=synthetic", "data.seq_len=16", "data.global_batch_size=2",
@@ -24,7 +27,7 @@ TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head
 def run(args, module=None, env=None):
   """`maxlm ARGS` through the installed console script when there is one (else `python -m maxlm.cli`),
   or `python -m MODULE ARGS`."""
-  e = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu", **(env or {})}
+  e = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1 " + FAST_CPU, "JAX_PLATFORMS": "cpu", **(env or {})}
   script = Path(sys.executable).parent / "maxlm"
   if module:
     cmd = [sys.executable, "-m", module]

@@ -304,6 +304,8 @@ def test_bigram_baselines_match_a_reference_and_are_tuned():
 
 
 # --- the cpu suite fails for real --------------------------------------------------------------------
+# Marked `convergence`: outside the default suite (`make test`), run by `make test-convergence`, which CI
+# (.ci/run) runs after `make convergence`. They are ~4 CPU-minutes of training runs.
 # Each regression test runs one shipped case: a tiny case in full (100 steps), or the default run stopped
 # at step 200 of its 300 (`--steps 200`: the same learning-rate schedule, so the golden's checks at steps
 # 100 and 200 apply unchanged and those at 300, the margin's too, are skipped). A clean run of both tiny
@@ -347,7 +349,7 @@ def _run_cpu(monkeypatch, tmp_path, args):
   return rc, out, json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.convergence
 @pytest.mark.te
 def test_clean_cpu_suite_passes(monkeypatch, tmp_path, capsys):
   cases = ["tiny_te", "tiny_flax"]  # `default` (~2 min) runs in CI's `make convergence`, which runs them all
@@ -362,7 +364,7 @@ def test_clean_cpu_suite_passes(monkeypatch, tmp_path, capsys):
   assert img.shape[:2] == (round(plot.PANEL_H * plot.DPI), round(2 * plot.PANEL_W * plot.DPI))  # 1 x 2 panels
 
 
-@pytest.mark.slow
+@pytest.mark.convergence
 @pytest.mark.te
 def test_learning_rate_x30_fails_and_names_the_case(monkeypatch, tmp_path, capsys):
   rc, out, res = _run_cpu(monkeypatch, tmp_path, ["--cases", "tiny_te", "optim.learning_rate=0.09"])
@@ -379,7 +381,7 @@ def _inject(monkeypatch, tmp_path, source: str) -> None:
   monkeypatch.setenv("PYTHONPATH", str(inject))
 
 
-@pytest.mark.slow
+@pytest.mark.convergence
 @pytest.mark.te
 def test_broken_rope_fails_and_names_the_case(monkeypatch, tmp_path, capsys):
   _inject(monkeypatch, tmp_path, NO_POSITIONS)
@@ -390,7 +392,7 @@ def test_broken_rope_fails_and_names_the_case(monkeypatch, tmp_path, capsys):
   assert ("eval_loss", 200) in failed, failed
 
 
-@pytest.mark.slow
+@pytest.mark.convergence
 def test_targets_shifted_by_one_token_fail_and_name_the_case(monkeypatch, tmp_path, capsys):
   _inject(monkeypatch, tmp_path, MISALIGN)
   rc, _, res = _run_cpu(monkeypatch, tmp_path, ["--cases", "tiny_flax"])

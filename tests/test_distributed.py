@@ -22,6 +22,9 @@ from maxlm.config import ConfigError, DistributedConfig, load_config
 from maxlm.distributed import Launch, PrefixedStream, resolve
 from maxlm.trainer import mesh_placement
 
+# subprocess runs compile like the suite's own (conftest): XLA's CPU backend at optimization level 0
+FAST_CPU = "--xla_backend_optimization_level=0"
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
         "model.n_layers=1", "data.type=synthetic", "data.seq_len=16", "data.global_batch_size=4",
@@ -275,7 +278,7 @@ def _free_port() -> int:
 
 def _start(args, tmp_path, devices=1, **env):
   e = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}  # JAX warns about proxies at start
-  e.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **env})
+  e.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_CPU}", **env})
   return subprocess.Popen([sys.executable, "-m", "maxlm.train", f"output_dir={tmp_path}", *TINY, *args],
                           cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -20,6 +20,9 @@ from maxlm.doctor import checks, probes
 from maxlm.doctor.checks import NO_GPU, Result
 from maxlm.layers import te_backend, te_probe
 
+# subprocess runs compile like the suite's own (conftest): XLA's CPU backend at optimization level 0
+FAST_CPU = "--xla_backend_optimization_level=0"
+
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ["versions", "xla_flags", "devices", "cuda", "te", "fused_attention", "cudnn", "fp8", "nccl",
          "memory_settings", "memory_fit", "output_dir"]
@@ -30,7 +33,7 @@ RANGES = {"python": ">=3.11", "jax": ">=0.10.2", "jaxlib": "<=0.10.2,>=0.10.1", 
 
 
 def cli(args, env=None, timeout=600):
-  e = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu", **(env or {})}
+  e = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2 " + FAST_CPU, "JAX_PLATFORMS": "cpu", **(env or {})}
   return subprocess.run([sys.executable, "-m", "maxlm.doctor", *args], cwd=ROOT, env=e, capture_output=True,
                         text=True, timeout=timeout)
 
@@ -410,7 +413,7 @@ def test_two_processes_under_mpirun_each_check_and_all_reduce_across_both(tmp_pa
   exactly its JSON document (Gloo prints connection lines to stdout from C++; they must go to stderr)."""
   if not shutil.which("mpirun"):
     pytest.skip("OpenMPI is not installed here (run scripts/ci_services.sh start)")
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2 " + FAST_CPU, "JAX_PLATFORMS": "cpu"}
   mpirun = ["mpirun", "-np", "2", "--allow-run-as-root", "--bind-to", "none", "-x", "XLA_FLAGS", "-x", "JAX_PLATFORMS",
             "-x", "PATH", "-x", "PYTHONPATH"]
   per_rank = f"{sys.executable} -m maxlm.doctor output_dir={tmp_path} --json > {tmp_path}/r$OMPI_COMM_WORLD_RANK.json"

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# subprocess runs compile like the suite's own (conftest): XLA's CPU backend at optimization level 0
+FAST_CPU = "--xla_backend_optimization_level=0"
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
         "model.n_layers=1", "data.type=synthetic", "data.seq_len=16", "data.global_batch_size=4",
@@ -17,7 +20,7 @@ TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head
 
 
 def cli(args, tmp_path, env=None):
-  e = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+  e = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2 " + FAST_CPU, "JAX_PLATFORMS": "cpu",
        **(env or {})}
   e = {k: v for k, v in e.items() if v is not None}  # env={"X": None} unsets X
   return subprocess.run([sys.executable, "-m", "maxlm.train", f"output_dir={tmp_path}", *args], cwd=ROOT,
@@ -102,7 +105,7 @@ def test_readonly_output_dir_at_start_and_on_resume(tmp_path):
   out = tmp_path / "out"
   out.mkdir()
   args = [*TINY, "model.backend=flax", "train.steps=2", "run_name=r"]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2 " + FAST_CPU, "JAX_PLATFORMS": "cpu"}
   mount = 'mount --bind -o ro "$0" "$0" && shift 0 && exec "$@"'
   cmd = [sys.executable, "-m", "maxlm.train", f"output_dir={out}", *args]
 
@@ -123,7 +126,7 @@ def test_readonly_output_dir_at_start_and_on_resume(tmp_path):
 
 
 def _launch(tmp_path, args, env=None):
-  e = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+  e = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2 " + FAST_CPU, "JAX_PLATFORMS": "cpu",
        "PYTHONUNBUFFERED": "1", **(env or {})}
   return subprocess.Popen([sys.executable, str(ROOT / "tests" / "resume_launcher.py"), f"output_dir={tmp_path}",
                            *args], cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -7,6 +7,9 @@
 #
 # Prints the score per module and every surviving mutant with its diff (scripts/mutation_report.py);
 # mutmut's own output goes to mutants/mutmut.log. MUTATION_CHILDREN (default 2) mutants run at a time.
+# MUTATION_SKIP_CLEAN=1 skips mutmut's clean run before a partial run; MUTATION_RESTAT='tests/test_step.py'
+# maps those files' tests to functions again (needed after a mutated module gained functions: mutmut
+# re-maps only tests it has not seen, and the new functions' mutants would have "no tests").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}

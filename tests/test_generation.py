@@ -267,3 +267,52 @@ def test_gpu_te_bf16_decode_matches_fused_full_forward():
     full = _full_logits(cfg, params, seq, width=64)[len(p) - 1:len(seq) - 1].astype(np.float32)
     got = out.logits[i, :len(out.tokens[i])]
     assert np.linalg.norm(got - full) / np.linalg.norm(full) < 1e-2, i
+
+
+def ref_causal_attention(q, k, v, window):
+  """float64 causal GQA attention over the whole sequence: [B, T, H, Dh] from q [B, T, H, Dh], k/v [B, T, KV, Dh]."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  t, rep = q.shape[1], q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+  qi, ki = np.arange(t)[:, None], np.arange(t)[None]
+  keep = (ki <= qi) & ((qi - ki < window) if window else True)  # [T, T]
+  logits = np.where(keep, np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1]), -np.inf)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("window,slots", [(0, 12), (3, 3)])
+def test_attention_with_cache_over_uneven_chunks_equals_full_attention(window, slots):
+  """kv_cache.attention_with_cache fed the sequence in chunks of 3, 2, 1, 2, 1 tokens (a prefill, then
+  multi-token and one-token steps), its cache of `slots` rows (a rolling cache of the window's size, or
+  room for everything): each chunk's output equals full causal attention. In the chunk of positions 6-7,
+  row 1's second token is padding with garbage keys: they never enter the cache, and row 1's next step
+  is position 7 again, with its real key (row 0 moves on to 8)."""
+  from maxlm.layers.kv_cache import attention_with_cache, update_positions
+  rng = np.random.default_rng(0)
+  b, t, h, kv, dh = 2, 9, 4, 2, 8
+  q = rng.standard_normal((b, t, h, dh)).astype(np.float32)
+  k, v = (rng.standard_normal((b, t, kv, dh)).astype(np.float32) for _ in range(2))
+  cache_k, cache_v = jnp.zeros((b, slots, kv, dh)), jnp.zeros((b, slots, kv, dh))  # [B, S, KV, Dh]
+  cache_pos = jnp.full((b, slots), -1, jnp.int32)  # [B, S]: no position yet
+  ref = ref_causal_attention(q, k, v, window)  # [B, T, H, Dh]
+  step = jax.jit(attention_with_cache, static_argnames="window")
+  starts = np.zeros(b, np.int64)
+  for n in (3, 2, 1, 2, 1):
+    pos = (starts[:, None] + np.arange(n)).astype(np.int32)  # [B, n]
+    valid = np.ones((b, n), bool)
+    pick = lambda a: np.stack([a[r, pos[r]] for r in range(b)])  # noqa: E731  [B, n, ...]
+    qc, kc, vc = pick(q), pick(k), pick(v)
+    if n == 2 and starts[1] == 6:
+      valid[1, 1], kc[1, 1], vc[1, 1] = False, 1e3, 1e3
+    ctx, cache_k, cache_v = step(qc, kc, vc, cache_k, cache_v, cache_pos, pos, valid, window=window)
+    cache_pos = update_positions(cache_pos, pos, valid)
+    if not valid.all():  # the pad token left no trace in the cache
+      assert 7 not in np.asarray(cache_pos[1]) and np.abs(np.asarray(cache_k[1])).max() < 1e3
+    # float32 against float64: logits within (Dh + 2) ulps of sum |q k| / sqrt(Dh) (<= 8 here: |q|, |k| of 8
+    # normal entries), each probability within 2x that relative, the output within that times max |v| (< 5),
+    # plus T ulps for the weighted sum: (2 * 10 * 8 + 2 * 9 + 8) * 5 * U32 < 1e-4.
+    mask = valid[:, :, None, None]
+    np.testing.assert_allclose(np.where(mask, ctx, 0), np.where(mask, pick(ref), 0), rtol=0, atol=1e-4)
+    starts += valid.sum(1)
+  assert list(starts) == [9, 8]

@@ -435,6 +435,10 @@ def test_flax_attention_upcasts_only_float16_on_cpu(monkeypatch, dtype, platform
   assert seen == [(jnp.dtype(computed),) * 3] and out.dtype == dtype
 
 
+TE_MASKS = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
+            "padding_causal_bottom_right")  # transformer_engine.jax.attention.AttnMaskType's names
+
+
 class FakeTEAttention:
   """Stands in for TE's DotProductAttention on a GPU (cuDNN): records how it is built and called, and
   computes what TE documents for a SequenceDescriptor (segment ids and positions of queries and keys):
@@ -449,7 +453,8 @@ class FakeTEAttention:
   def __call__(self, q, k, v, desc, *, deterministic):
     kw = self.kw
     (seg_q, seg_k), (pos_q, pos_k) = desc.segment_ids, desc.segment_pos  # [B, T] each
-    mask = kw["attn_mask_type"] or ""
+    mask = kw["attn_mask_type"]
+    assert mask in TE_MASKS, mask  # TE refuses other names
     keep = np.ones((q.shape[0], 1, q.shape[1], k.shape[1]), bool)  # [B, 1, Tq, Tk]
     if "padding" in mask:
       seg_q, seg_k = np.asarray(seg_q)[:, None, :, None], np.asarray(seg_k)[:, None, None, :]
@@ -575,3 +580,20 @@ def test_llama3_rope_scaling_at_the_low_frequency_boundary():
   got = rope_frequencies(2, 10000.0, "llama3", 8.0, 1.0, 4.0, 2 * math.pi)
   np.testing.assert_allclose(got, ref_llama3_inv_freq(2, 10000.0, 8.0, 1.0, 4.0, 2 * math.pi), rtol=F64_RTOL)
   np.testing.assert_allclose(got, [1.0 / 8.0], rtol=F64_RTOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernels_are_initialized_by_the_given_initializer(backend):
+  """model.init_std reaches every matmul weight through kernel_init (a constant here, to see it)."""
+  be = get_backend(backend)
+  init = nn.initializers.constant(0.25)
+  fns = [functools.partial(be.norm_dense, features=(4, 8), kernel_axes=("embed", "heads", "head_dim"), eps=1e-5,
+                           param_dtype=jnp.float32, kernel_init=init, name="d"),
+         functools.partial(be.dense, features=(32,), axis=(-1,), kernel_axes=("embed", "mlp"),
+                           param_dtype=jnp.float32, kernel_init=init, name="o"),
+         functools.partial(be.norm_mlp, ffn_dim=16, eps=1e-5, param_dtype=jnp.float32, kernel_init=init, name="m")]
+  for fn in fns:
+    with precision_scope("bf16", backend):
+      params = nn.unbox(Wrap(fn).init(jax.random.PRNGKey(0), rand((2, 3, 32))))["params"]
+    kernels = {k: v for layer in params.values() for k, v in layer.items() if k.endswith("kernel")}
+    assert kernels and all(np.all(np.asarray(v) == 0.25) for v in kernels.values()), fn.keywords["name"]

@@ -281,8 +281,18 @@ def ref_causal_attention(q, k, v, window):
   return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
 
 
-@pytest.mark.parametrize("window,slots", [(0, 12), (3, 3)])
-def test_attention_with_cache_over_uneven_chunks_equals_full_attention(window, slots):
+# float32 against float64: logits within (Dh + 2) ulps of sum |q k| / sqrt(Dh) (<= 8 here: |q|, |k| of 8
+# normal entries), each probability within 2x that relative, the output within that times max |v| (< 5),
+# plus T ulps for the weighted sum: (2 * 10 * 8 + 2 * 9 + 8) * 5 * 2**-24 < 1e-4. bfloat16 (inputs rounded
+# to bfloat16 first, the reference computed from those): the logits, probabilities and output each rounded
+# to 8 bits (2**-9 relative): a logit of <= 8 off by 8 * 2**-9, a probability by twice that relative plus
+# 2**-9, the output by that times max |v| (< 5) plus its own rounding: (32 * 2**-9 + 2**-9) * 5 + 5 * 2**-9 < 0.4
+# (loose: seen 8e-3; the float32 cases check the values tightly, this one a bfloat16 cache and decode).
+CHUNK_ATOL = {jnp.float32: 1e-4, jnp.bfloat16: 0.4}
+
+
+@pytest.mark.parametrize("window,slots,dtype", [(0, 12, jnp.float32), (3, 3, jnp.float32), (3, 3, jnp.bfloat16)])
+def test_attention_with_cache_over_uneven_chunks_equals_full_attention(window, slots, dtype):
   """kv_cache.attention_with_cache fed the sequence in chunks of 3, 2, 1, 2, 1 tokens (a prefill, then
   multi-token and one-token steps), its cache of `slots` rows (a rolling cache of the window's size, or
   room for everything): each chunk's output equals full causal attention. In the chunk of positions 6-7,
@@ -291,9 +301,9 @@ def test_attention_with_cache_over_uneven_chunks_equals_full_attention(window, s
   from maxlm.layers.kv_cache import attention_with_cache, update_positions
   rng = np.random.default_rng(0)
   b, t, h, kv, dh = 2, 9, 4, 2, 8
-  q = rng.standard_normal((b, t, h, dh)).astype(np.float32)
-  k, v = (rng.standard_normal((b, t, kv, dh)).astype(np.float32) for _ in range(2))
-  cache_k, cache_v = jnp.zeros((b, slots, kv, dh)), jnp.zeros((b, slots, kv, dh))  # [B, S, KV, Dh]
+  q = np.asarray(jnp.asarray(rng.standard_normal((b, t, h, dh)), dtype))  # exactly representable in dtype
+  k, v = (np.asarray(jnp.asarray(rng.standard_normal((b, t, kv, dh)), dtype)) for _ in range(2))
+  cache_k, cache_v = jnp.zeros((b, slots, kv, dh), dtype), jnp.zeros((b, slots, kv, dh), dtype)  # [B, S, KV, Dh]
   cache_pos = jnp.full((b, slots), -1, jnp.int32)  # [B, S]: no position yet
   ref = ref_causal_attention(q, k, v, window)  # [B, T, H, Dh]
   step = jax.jit(attention_with_cache, static_argnames="window")
@@ -309,10 +319,9 @@ def test_attention_with_cache_over_uneven_chunks_equals_full_attention(window, s
     cache_pos = update_positions(cache_pos, pos, valid)
     if not valid.all():  # the pad token left no trace in the cache
       assert 7 not in np.asarray(cache_pos[1]) and np.abs(np.asarray(cache_k[1])).max() < 1e3
-    # float32 against float64: logits within (Dh + 2) ulps of sum |q k| / sqrt(Dh) (<= 8 here: |q|, |k| of 8
-    # normal entries), each probability within 2x that relative, the output within that times max |v| (< 5),
-    # plus T ulps for the weighted sum: (2 * 10 * 8 + 2 * 9 + 8) * 5 * U32 < 1e-4.
     mask = valid[:, :, None, None]
-    np.testing.assert_allclose(np.where(mask, ctx, 0), np.where(mask, pick(ref), 0), rtol=0, atol=1e-4)
+    assert ctx.dtype == dtype
+    np.testing.assert_allclose(np.where(mask, np.asarray(ctx, np.float64), 0), np.where(mask, pick(ref), 0),
+                               rtol=0, atol=CHUNK_ATOL[dtype])  # see CHUNK_ATOL
     starts += valid.sum(1)
   assert list(starts) == [9, 8]

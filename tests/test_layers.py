@@ -597,3 +597,29 @@ def test_kernels_are_initialized_by_the_given_initializer(backend):
       params = nn.unbox(Wrap(fn).init(jax.random.PRNGKey(0), rand((2, 3, 32))))["params"]
     kernels = {k: v for layer in params.values() for k, v in layer.items() if k.endswith("kernel")}
     assert kernels and all(np.all(np.asarray(v) == 0.25) for v in kernels.values()), fn.keywords["name"]
+
+
+@pytest.mark.te
+def test_te_layers_left_unquantized_under_an_fp8_recipe(fake_fp8_gpu):
+  """quantize=False (what the model keeps out of FP8, e.g. the LM head): inside an FP8 autocast the GEMM
+  runs unquantized, within float32 rounding of the exact product (D=32 terms: 32 ulps of sum |x w|);
+  quantize=True rounds both operands to e4m3 (3 mantissa bits: errors of ~2**-4 relative, far outside)."""
+  be = get_backend("te")
+  x = rand((2, 3, 32))
+  init = nn.initializers.normal(0.5)
+  for name, fn in (("dense", functools.partial(be.dense, features=(16,), axis=(-1,), kernel_axes=("embed", "mlp"),
+                                               param_dtype=jnp.float32, kernel_init=init, name="l")),
+                   ("norm_dense", functools.partial(be.norm_dense, features=(16,), kernel_axes=("embed", "mlp"),
+                                                    eps=1e-5, param_dtype=jnp.float32, kernel_init=init, name="l"))):
+    for quantize in (False, True):
+      mod = Wrap(functools.partial(fn, quantize=quantize))
+      with precision_scope("fp8_current", "te"):
+        params = nn.unbox(jax.jit(mod.init)(jax.random.PRNGKey(0), x))
+        y = jax.jit(mod.apply)(params, x)
+      p = params["params"]["l"]
+      a = ref_rms(x, p["scale"], 1e-5) if name == "norm_dense" else np.asarray(x, np.float64)  # [B, T, D]
+      w = np.asarray(p["kernel"], np.float64)
+      rel = 32 + (rms_rtol(32) / U32 if name == "norm_dense" else 0)  # + the norm's error, as above
+      tol = rel * U32 * (np.abs(a) @ np.abs(w))
+      within = bool((np.abs(np.asarray(y, np.float64) - a @ w) <= tol).all())
+      assert within == (not quantize), (name, quantize)

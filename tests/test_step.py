@@ -755,3 +755,23 @@ def test_jit_step_compiles_for_the_batch_shardings_and_estimates_per_device_memo
     train({"w": jax.device_put(np.arange(4.0, dtype=np.float32), split)}, {"x": np.ones(2 ** 20, np.float32)})
     assert batch_bytes <= train.compiled_memory_gb * 1e9 <= batch_bytes + 1024, batch_sharding
 
+
+
+@pytest.mark.parametrize("loss_chunk,chunked", [(0, False), (1, True), (3, True)])
+def test_any_positive_loss_chunk_runs_the_head_chunked(loss_chunk, chunked):
+  """model.loss_chunk > 0 (even 1 position at a time): the step asks the model for its hidden states and
+  applies the head itself, chunk by chunk; 0 applies the model's own head (logits [B, T, V])."""
+  cfg = dataclasses.replace(MODEL, n_layers=1, loss_chunk=loss_chunk)
+  state, _, model = setup(cfg)
+  opt, sched = make_optimizer(OptimConfig(warmup_steps=0), 10)
+  hidden = []
+
+  class Spy:  # the model as the step uses it: its config and apply()
+    cfg = model.cfg
+
+    def apply(self, *args, **kw):
+      hidden.append(kw.get("hidden", False))
+      return model.apply(*args, **kw)
+  with jax.set_mesh(MESH), precision_scope("bf16", "flax"):
+    jax.eval_shape(make_train_step(Spy(), opt, sched), state, batch())  # traced, not compiled
+  assert hidden == [chunked]

@@ -320,7 +320,7 @@ def test_attention_with_cache_over_uneven_chunks_equals_full_attention(window, s
     if not valid.all():  # the pad token left no trace in the cache
       assert 7 not in np.asarray(cache_pos[1]) and np.abs(np.asarray(cache_k[1])).max() < 1e3
     mask = valid[:, :, None, None]
-    assert ctx.dtype == dtype
+    assert ctx.dtype == cache_k.dtype == cache_v.dtype == dtype  # the cache keeps its dtype (and size)
     np.testing.assert_allclose(np.where(mask, np.asarray(ctx, np.float64), 0), np.where(mask, pick(ref), 0),
                                rtol=0, atol=CHUNK_ATOL[dtype])  # see CHUNK_ATOL
     starts += valid.sum(1)

@@ -809,3 +809,29 @@ def test_packed_rows_keep_documents_apart_only_when_packed():
   assert abs(want[True] - want[False]) > 100 * GRAD_RTOL * abs(want[False])  # the two readings differ
   assert abs(default - want[False]) <= GRAD_RTOL * abs(want[False])
   assert abs(float(m["loss"]) * float(m["tokens"]) - want[False]) <= 2 * GRAD_RTOL * abs(want[False])
+
+
+def test_chunked_head_scales_the_fp16_gradient_before_rounding_it():
+  """chunked_token_losses under fp16 loss scaling (grad_scale): the logits' gradient is multiplied by the
+  scale before it is rounded to float16, as differentiating loss * scale through an unchunked head does,
+  so small gradients keep their bits. A kernel of ~2**-20 puts dL/dy near 2**-22: a float16 subnormal (a
+  few bits) unscaled, a normal number at scale 2**15 (the largest safe one: |dL/dlogit| <= 1)."""
+  rng = np.random.default_rng(0)
+  b, t, d, v = 2, 4, 8, 16
+  y = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float16)  # [B, T, D]
+  w = jnp.asarray(rng.standard_normal((d, v)) * 2.0 ** -20, jnp.float16)  # [D, V]
+  targets = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+  mask = jnp.ones((b, t), jnp.float32)
+  scale = jnp.float32(2.0 ** 15)
+
+  def scaled_loss(y_):
+    return chunked_token_losses(y_, w, targets, mask, chunk=2, vocab_axis=1, grad_scale=scale)[0] * scale
+  dy = np.asarray(jax.grad(scaled_loss)(y), np.float64) / 2.0 ** 15  # [B, T, D]
+  y64, w64 = np.asarray(y, np.float64), np.asarray(w, np.float64)
+  logits = y64 @ w64  # [B, T, V]
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  g = p / p.sum(-1, keepdims=True) - np.eye(v)[np.asarray(targets)]  # dL/dlogits, [B, T, V]
+  # the scaled gradient rounded to float16 (2**-11 relative), the GEMM's float16 result (2**-11), the
+  # logits' own float16 rounding (absolute 2**-24 at most here, negligible in the softmax): twice 2 ulps
+  tol = 4 * 2.0 ** -11 * (np.abs(g) @ np.abs(w64).T)
+  assert (np.abs(dy - g @ w64.T) <= tol).all()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -60,11 +61,14 @@ GRAD_HEADROOM = 2.0 ** 15
 
 
 def pow2_scale(x: jax.Array, dtype) -> jax.Array:
-  """The smallest power of 2 `s` with max|x| / s <= the largest finite value of `dtype` (fp32 scalar)."""
+  """The smallest power of 2 `s` with max|x| / s <= the largest finite value of `dtype` (fp32 scalar; 1 for an
+  all-zero x). Exponents are compared, never the ratio formed, which would be subnormal for a tiny amax."""
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-  mant, exp = jnp.frexp(amax / float(jnp.finfo(dtype).max))  # ratio = mant * 2**exp, mant in [0.5, 1)
-  exp = jnp.where(mant == 0.5, exp - 1, exp)  # a ratio that is a power of 2 is its own scale
-  return jnp.ldexp(jnp.float32(1), jnp.clip(exp, -126, 127))  # exact: a normal fp32 (1 for amax 0)
+  big_mant, big_exp = math.frexp(float(jnp.finfo(dtype).max))  # e.g. e4m3's 448 = 0.875 * 2**9
+  mant, exp = jnp.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1)
+  exp = jnp.where(mant <= big_mant, exp - big_exp, exp - big_exp + 1)
+  scale = jnp.ldexp(jnp.float32(1), jnp.clip(exp, -126, 127))  # exact: a normal fp32
+  return jnp.where(amax > 0, scale, jnp.float32(1))
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -255,7 +259,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
       (grad_sum, new_model_state, loss_sum, count), _ = jax.lax.scan(one, carry, micro_batches)
     count = jnp.maximum(count, 1.0)
     denom = count if scale is None else count * scale  # fp32; the scale is a power of 2
-    grads = jax.tree_util.tree_map(lambda g: g / denom, grad_sum)
+    grads = jax.tree_util.tree_map(lambda g: (g / denom).astype(g.dtype), grad_sum)  # keeps bf16 master weights' dtype
     loss = loss_sum / count
     grad_norm = optax.global_norm(grads)
     loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)

@@ -80,6 +80,12 @@ class ModelConfig:
                       choices=("none", "full", "save_dots", "save_attn", "save_qkv_attn"))
   init_std: float = option(0.02, "standard deviation of the normal weight initializer", within="(0, inf)")
 
+  @property
+  def te_fp8_lm_head(self) -> bool:
+    """The LM head is TE's quantized layer (fp8_lm_head without loss_chunk); chunked, maxlm.step quantizes
+    it itself and keeps no FP8 state for it."""
+    return self.fp8_lm_head and not self.loss_chunk
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:

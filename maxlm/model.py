@@ -124,7 +124,7 @@ class Transformer(nn.Module):
     else:
       logits = be.norm_dense(x, features=(m.vocab_size,), kernel_axes=("embed", "vocab"), eps=m.norm_eps,
                              param_dtype=pdt, kernel_init=init, name="lm_head",
-                             quantize=m.fp8_lm_head and not m.loss_chunk)  # [B, T, V] (chunked: FP8 in maxlm.step)
+                             quantize=m.te_fp8_lm_head)  # [B, T, V]
     return nn.with_logical_constraint(logits, BTV)
 
   def _cached_layers(self, x, positions, segment_ids, cache, backend):

@@ -82,8 +82,7 @@ def fp8_meta_bytes(m: ModelConfig) -> int:
   """Bytes of TE's delayed-scaling state: (history + scale) x 3 tensors x 4 B per quantized GEMM."""
   if m.precision != "fp8_delayed":
     return 0
-  te_head = m.fp8_lm_head and not m.tie_embeddings and not m.loss_chunk  # the chunked FP8 head keeps no state
-  gemms = 4 * m.n_layers + (1 if te_head else 0)  # qkv, out, MLP in, MLP out
+  gemms = 4 * m.n_layers + (1 if m.te_fp8_lm_head and not m.tie_embeddings else 0)  # qkv, out, MLP in, MLP out
   return gemms * 3 * (m.fp8_amax_history_len + 1) * 4
 
 

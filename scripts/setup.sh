@@ -30,7 +30,7 @@ if [ "${MAXLM_NO_TE:-0}" != 1 ]; then
   CACHE="$ROOT/../shared/wheels"
   if ! $PIP install -q --no-deps --no-index --find-links "$CACHE" "transformer-engine-jax==$TE" 2>/dev/null; then
     echo "setup: no prebuilt TE JAX extension in $CACHE; building it from source (about 9 minutes)"
-    $PIP install -q "pybind11==3.1.0"
+    $PIP install -q "pybind11==3.1.0" wheel   # the build runs without isolation: setuptools needs wheel for bdist_wheel
     $PIP install -q --no-deps "jax-cuda13-plugin==0.10.2"   # TE's setup.py asserts a CUDA jax plugin
     WH=$(mktemp -d)
     env NVTE_FRAMEWORK=jax CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} \

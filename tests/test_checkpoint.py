@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from maxlm.checkpoint import CheckpointError, Checkpointer, load_params, start
-from maxlm.checkpoint.verify import json_digest
+from maxlm.checkpoint.verify import json_digest, reason
 from maxlm.config import CheckpointConfig, DataConfig, MeshConfig, load_config, to_dict
 from maxlm.data import make_train_iterator, merge_states
 from maxlm.mesh import make_mesh
@@ -355,3 +355,20 @@ def test_pre_stream_data_item_restores_on_the_same_process_count_only(saved, tmp
   msg = str(e.value)
   assert "\n" not in msg and "checkpoint step 3 holds one data position per process for 2 process(es)" in msg
   assert "this run has 1" in msg
+
+
+def test_reason_keeps_the_os_error_when_a_long_message_is_cut():
+  # a TensorStore-like chain: Orbax's wrapper around an OSError whose errno text sits mid-message,
+  # followed by enough detail that the line is cut to its first 150 and last 250 characters
+  middle = "Error writing local file: [OS error os_error_code=27 File too large] " + "x" * 300
+  try:
+    try:
+      raise OSError(f"head {'h' * 200} {middle} {'tail ' * 60}")
+    except OSError as inner:
+      raise ValueError("orbax wrapper") from inner
+  except ValueError as e:
+    text = reason(e)
+  assert text.startswith("OSError: head") and " ... " in text and "\n" not in text
+  assert os.strerror(27) in text, text  # the OS's own words for errno 27 (EFBIG) survive the cut
+  short = reason(OSError("disk quota exceeded"))
+  assert short == "OSError: disk quota exceeded"

@@ -161,7 +161,12 @@ def reason(e: BaseException) -> str:
   text = re.sub(r"[\w/.-]+\.(cc|h):\d+", " ", text.replace("\\n", " "))
   line = " ".join(text.split())
   name = type(best).__name__
-  line = line if len(line) <= 400 else line[:150] + " ... " + line[-250:]  # the OS error is at the end
+  if len(line) > 400:
+    short = line[:150] + " ... " + line[-250:]  # the OS error is usually at the end
+    # but not always (TensorStore appends its own details): keep the OS's words for every errno named
+    codes = re.findall(r"(?:os_error_code|errno|Errno)\W{0,3}(\d+)", line)
+    lost = [os.strerror(int(c)) for c in dict.fromkeys(codes) if os.strerror(int(c)) not in short]
+    line = short + "".join(f" [{w}]" for w in lost)
   return f"{name}: {line}" if line else name
 
 

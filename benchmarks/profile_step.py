@@ -1,7 +1,8 @@
 """Profile the trainer's step on a GPU: where do the milliseconds go?
 
   python benchmarks/profile_step.py config=llama8b.yml model.n_layers=4 data.seq_len=4096 \
-      data.global_batch_size=4 model.remat=none [--steps=3] [--dir=/tmp/maxlm-prof]
+      data.global_batch_size=4 model.remat=none [--steps=3] [--dir=/tmp/maxlm-prof] \
+      [--hlo=FILE.txt.gz] [--report=FILE.txt]
 
 Builds the same Trainer as `python -m maxlm.train` (same runtime flags, same distributed start), warms up, traces a few steps with
 `jax.profiler` (Perfetto JSON) and prints the GPU kernels that take the most time per step.
@@ -13,6 +14,7 @@ import collections
 import gzip
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,6 +40,38 @@ def kernel_table(trace_file: Path, steps: int, top: int = 30) -> str:
   lines = [f"GPU kernel time per step: {total / steps / 1e3:.1f} ms  (events on {sorted(pname[p] for p in gpu)})"]
   for name, us in by_name.most_common(top):
     lines.append(f"{us / steps / 1e3:9.2f} ms  {100 * us / max(total, 1):5.1f}%  {name[:110]}")
+  return "\n".join(lines)
+
+
+def kernel_sources(trace_file: Path, hlo_text: str, steps: int, top: int = 40) -> str:
+  """The top kernels again, each with the HLO instruction the trace names for it (its `hlo_op` argument,
+  or the kernel's own name, as XLA names a fusion's kernel after the fusion) and that instruction's
+  source: the `op_name` and `source_file:source_line` of its metadata in the optimized HLO text."""
+  with gzip.open(trace_file, "rt") as f:
+    events = json.load(f)
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  pname = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu = {pid for pid, n in pname.items() if "GPU" in n or "gpu" in n}
+  by_op, args_of = collections.Counter(), {}
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
+      a = e.get("args", {})
+      op = a.get("hlo_op") or a.get("tf_op") or e["name"]
+      by_op[op] += e["dur"]
+      args_of.setdefault(op, a)
+  meta = {}
+  for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}", hlo_text, re.M):
+    meta.setdefault(m.group(1), m.group(2))
+  total = sum(by_op.values())
+  lines = [f"GPU time per step by HLO instruction ({len(by_op)} instructions)"]
+  for op, us in by_op.most_common(top):
+    md = meta.get(op) or meta.get(re.sub(r"_(\d+)$", r".\1", op)) or ""
+    name = re.search(r'op_name="([^"]*)"', md)
+    src = re.search(r'source_file="([^"]*)" source_line=(\d+)', md)
+    where = (name.group(1)[-150:] if name else "?") + (f"  @ {src.group(1).split('/')[-1]}:{src.group(2)}" if src else "")
+    lines.append(f"{us / steps / 1e3:9.2f} ms  {100 * us / max(total, 1):5.1f}%  {op[:60]}  {where}")
+    if not md:
+      lines.append(f"            trace args: {json.dumps(args_of[op])[:300]}")
   return "\n".join(lines)
 
 
@@ -82,7 +116,21 @@ def main(argv):
     print(f"no trace written under {out}")
     return 1
   print(kernel_table(traces[-1], steps))
+  hlo = compiled_text(trainer)
+  if ours.get("hlo"):  # the optimized HLO, gzipped, to trace kernels to their source later
+    with gzip.open(ours["hlo"], "wt") as f:
+      f.write(hlo)
+  report = kernel_sources(traces[-1], hlo, steps)
+  print(report)
+  if ours.get("report"):
+    Path(ours["report"]).write_text(kernel_table(traces[-1], steps, top=80) + "\n\n" + report + "\n")
   return 0
+
+
+def compiled_text(trainer) -> str:
+  """The step's optimized HLO (the program that ran: lower and compile hit jit's caches)."""
+  exe = trainer.jitted_train_step.executable
+  return exe.as_text() if exe is not None else ""
 
 
 if __name__ == "__main__":

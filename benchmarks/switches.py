@@ -2,6 +2,9 @@
 
   source .whl/device-setup.sh && python3 benchmarks/switches.py [NAME=OVERRIDES ...] [--steps=30] [--budget=570]
 
+OVERRIDES: comma-separated key=value words, and env:NAME=VALUE words for the variant's environment
+(e.g. env:XLA_FLAGS=--xla_gpu_enable_command_buffer=; a '|' in VALUE stands for a comma).
+
 Each variant is one `python -m maxlm.train` process on the benchmark shape of ../shared/bench (Llama-3-8B
 cut to 4 layers, batch 4 x 4096, vocab 128256, synthetic data, remat none, AdamW with fp32 master weights)
 plus its overrides (comma-separated key=value words). Without arguments it runs DEFAULT_VARIANTS, which
@@ -37,10 +40,14 @@ EXPECTED_S = 75  # one variant, process start to exit, on the H200 (first step ~
 
 def run_variant(name: str, overrides: str, steps: int, root: Path, out: Path | None) -> dict:
   words = [w for w in overrides.split(",") if w]
+  # env:NAME=VALUE words set the variant's environment ('|' in VALUE stands for a comma)
+  env = dict(os.environ, **{w[4:].split("=", 1)[0]: w[4:].split("=", 1)[1].replace("|", ",")
+                            for w in words if w.startswith("env:")})
+  words = [w for w in words if not w.startswith("env:")]
   cmd = [sys.executable, "-m", "maxlm.train", *SHAPE, f"train.steps={steps}", *words,
          f"output_dir={root}", f"run_name={name}"]
   t0 = time.perf_counter()
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
   wall = time.perf_counter() - t0
   log = proc.stdout + proc.stderr
   if out is not None:

@@ -310,10 +310,11 @@ def jit_step(step: Callable, state_shardings, batch_shardings, scope: Callable[[
   def call(state, batch):
     with scope():
       if not call.compiled:  # the first call compiles ahead of time to read XLA's estimate; jitted reuses it
-        call.compiled_memory_gb = compiled_memory_gb(jitted.lower(state, batch).compile())
+        call.executable = jitted.lower(state, batch).compile()  # kept for profiling (its optimized HLO)
+        call.compiled_memory_gb = compiled_memory_gb(call.executable)
         call.compiled = True
       return jitted(state, batch)
-  call.compiled, call.compiled_memory_gb = False, None  # set by the first call
+  call.compiled, call.compiled_memory_gb, call.executable = False, None, None  # set by the first call
   return call
 
 

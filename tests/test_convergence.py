@@ -115,9 +115,9 @@ cases:
 def test_shipped_suites_load():
   cpu, gpu = load_suite("cpu"), load_suite("gpu")
   assert [c.name for c in cpu.cases] == ["tiny_te", "tiny_flax", "default"]
-  assert {c.name for c in gpu.cases} == {"bf16", "fp8_delayed", "fp8_current"}
-  assert {(r.case, r.reference, r.max_rel) for r in gpu.rules} == {("fp8_delayed", "bf16", 0.01),
-                                                                   ("fp8_current", "bf16", 0.01)}
+  assert {c.name for c in gpu.cases} == {"bf16", "fp8_delayed", "fp8_current", "fp8_delayed_head", "fp16"}
+  assert {(r.case, r.reference, r.max_rel) for r in gpu.rules} == {
+      (c, "bf16", 0.01) for c in ("fp8_delayed", "fp8_current", "fp8_delayed_head", "fp16")}
   assert [(c.name, c.margin) for c in cpu.cases if c.margin is not None] == [("default", 0.3)]
   assert all(c.golden for c in cpu.cases)
   for case in cpu.cases:  # every cpu case has its golden, for this definition

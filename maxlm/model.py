@@ -63,7 +63,8 @@ class Block(nn.Module):
       ctx, *new_kv = attention_with_cache(q, k, v, *cache_kv, cache_pos, positions, segment_ids > 0,
                                           m.sliding_window)  # [B, T, H, Dh]
       new_kv = tuple(new_kv)
-    ctx = nn.with_logical_constraint(ctx, BTHD)
+    # named here, for both backends, so that the remat policies save_attn and save_qkv_attn keep it
+    ctx = checkpoint_name(nn.with_logical_constraint(ctx, BTHD), "context")  # [B, T, H, Dh]
     out = be.dense(ctx, features=(m.d_model,), axis=(-2, -1), kernel_axes=("heads", "head_dim", "embed"),
                    param_dtype=pdt, kernel_init=init, name="out")  # [B, T, D]
     x = nn.with_logical_constraint(x + checkpoint_name(out, "out_proj"), BTD)  # [B, T, D]

@@ -1,7 +1,11 @@
 """The decoder against an independent float64 reference (tests/reference.py) on both backends;
 parameter tree, causality, packing, remat; FLOP and parameter counts against hand counts."""
 
+import collections
+import contextlib
 import dataclasses
+import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +162,28 @@ def test_remat_policies_give_the_same_gradients(backend):
     jax.tree_util.tree_map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=64 * U32 * float(np.abs(b).max())),
         grads(policy), ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_remat_policies_keep_the_named_activations_they_promise(backend):
+  # What each policy keeps for the backward, as JAX itself lists it (unrolled layers, so that the names
+  # show per layer): save_attn keeps each layer's attention output, save_qkv_attn also its QKV projection,
+  # full keeps no named activation. The TE backend once kept no attention output under either policy.
+  x = tokens()
+  cfg = cfg_for(backend, scan_layers=False)
+  _, params = init_apply(cfg, x)
+
+  def named(remat):
+    model = Transformer(dataclasses.replace(cfg, remat=remat))
+    buf = io.StringIO()
+    with precision_scope("bf16", backend), contextlib.redirect_stdout(buf):
+      jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.mean(model.apply(p, x) ** 2), params)
+    return collections.Counter(re.findall(r"named '(\w+)'", buf.getvalue()))
+
+  layers = cfg.n_layers
+  assert named("full") == {}
+  assert named("save_attn") == {"context": layers}
+  assert named("save_qkv_attn") == {"context": layers, "qkv_proj": layers}
 
 
 # ---- FLOPs and parameter counts --------------------------------------------------------------------

@@ -536,6 +536,7 @@ def test_remat_policies_keep_what_their_names_say(backend, capsys):
   assert saved_by(remat_policy("save_dots", backend), capsys) == (set(), 2)  # the matmuls without batch dims
   assert saved_by(remat_policy("save_attn", backend), capsys) == ({"context"}, 0)
   assert saved_by(remat_policy("save_qkv_attn", backend), capsys) == ({"qkv_proj", "context"}, 0)
+  assert saved_by(remat_policy("save_dots_attn", backend), capsys) == ({"context"}, 2)
   with pytest.raises(ValueError, match="^unknown remat policy 'save_all'$"):
     remat_policy("save_all", backend)
 

@@ -156,7 +156,7 @@ def test_remat_policies_give_the_same_gradients(backend):
       return jax.jit(jax.grad(loss))(params)
 
   ref = grads("none")
-  for policy in ("full", "save_dots", "save_attn", "save_qkv_attn"):
+  for policy in ("full", "save_dots", "save_dots_attn", "save_attn", "save_qkv_attn"):
     # Recomputation repeats the same float32 ops; only XLA's fusion (summation order) may differ:
     # 64 ulps of each leaf's largest gradient (the gradient bound of tests/test_step.py).
     jax.tree_util.tree_map(
@@ -184,6 +184,7 @@ def test_remat_policies_keep_the_named_activations_they_promise(backend):
   assert named("full") == {}
   assert named("save_attn") == {"context": layers}
   assert named("save_qkv_attn") == {"context": layers, "qkv_proj": layers}
+  assert named("save_dots_attn")["context"] == layers
 
 
 # ---- FLOPs and parameter counts --------------------------------------------------------------------

@@ -65,10 +65,10 @@ def test_dtypes_and_micro_batch():
 
 def test_activations_follow_the_remat_policy():
   acts = {r: estimate(load_config([f"model.remat={r}"]), 1) for r in
-          ("full", "save_attn", "save_qkv_attn", "save_dots", "none")}
+          ("full", "save_attn", "save_qkv_attn", "save_dots", "save_dots_attn", "none")}
   order = [acts[r]["activations"] for r in ("full", "save_attn", "save_qkv_attn", "none")]
   assert order == sorted(order) and len(set(order)) == 4
-  assert acts["full"]["activations"] < acts["save_dots"]["activations"]
+  assert acts["full"]["activations"] < acts["save_dots"]["activations"] < acts["save_dots_attn"]["activations"]
   assert len({a["lower_bound"] for a in acts.values()}) == 1  # the certain part has no guessed activations
 
 

@@ -126,21 +126,33 @@ def precision_scope(precision: str, backend: str, amax_history_len: int = 1024,
 
 
 def remat_policy(name: str, backend: str):
-  """Named rematerialization policies; `None` means no remat at all."""
+  """Named rematerialization policies; `None` means no remat at all. The policies that keep the attention
+  output ("context") keep, on the TE backend, what cuDNN's fused attention returns as well (its output and
+  softmax statistics): its backward needs both, so keeping "context" alone would still recompute attention."""
   cp = jax.checkpoint_policies
   if name == "none":
     return None
   if name == "full":
     return cp.nothing_saveable
+  dots = cp.checkpoint_dots_with_no_batch_dims
+  attention = cp.save_only_these_names("context")
+  if backend == "te":
+    # lazy on purpose: TE is imported only once the TE backend is chosen (and set up for this host)
+    from transformer_engine.jax.checkpoint_policies import dots_and_te_gemms_with_no_batch_dims
+    from transformer_engine.jax.cpp_extensions.attention import FusedAttnFwdPrimitive
+
+    def fused_attention(prim, *_, **__) -> bool:
+      return prim is FusedAttnFwdPrimitive.outer_primitive
+    dots = dots_and_te_gemms_with_no_batch_dims
+    attention = cp.save_from_both_policies(attention, fused_attention)
   if name == "save_dots":
-    if backend == "te":
-      from transformer_engine.jax.checkpoint_policies import dots_and_te_gemms_with_no_batch_dims
-      return dots_and_te_gemms_with_no_batch_dims
-    return cp.checkpoint_dots_with_no_batch_dims
+    return dots
+  if name == "save_dots_attn":  # MaxText's minimal_with_context: no GEMM and no attention recomputed
+    return cp.save_from_both_policies(dots, attention)
   if name == "save_attn":
-    return cp.save_only_these_names("context")
+    return attention
   if name == "save_qkv_attn":
-    return cp.save_only_these_names("qkv_proj", "context")
+    return cp.save_from_both_policies(cp.save_only_these_names("qkv_proj"), attention)
   raise ValueError(f"unknown remat policy {name!r}")
 
 

@@ -179,7 +179,8 @@ def test_readonly_checkpoints_fail_fast_in_one_line(tmp_path, tmp_path_factory):
   cache = tmp_path_factory.mktemp("xla-cache-cli")
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  env.pop("XLA_FLAGS", None)  # one device
+  # one device; the other flags stay (conftest's fast CPU compile: half the compile time)
+  env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
   args = _args(tmp_path, "train.steps=6", "checkpoint.every=2")
   cases = [("mid-run", False, [sys.executable, str(ROOT / "tests" / "resume_launcher.py"), *args,
                                "checkpoint.async_save=false"], {"MAXLM_TEST_READONLY_AFTER": "2"}),

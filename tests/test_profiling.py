@@ -136,9 +136,12 @@ def test_trainer_profiles_the_configured_steps(tmp_path, monkeypatch):
   events = []
   monkeypatch.setattr(profiling, "CudaProfilerApi", lambda: FakeCuda(events))
   monkeypatch.setattr(trainer_lib, "echo", events.append)
+  # A tiny model: only the order of the profiler calls and the trace file matter here.
   cfg = load_config(["model.backend=flax", "train.steps=4", "train.log_every=1", "train.eval_every=0",
                      "data.type=synthetic", "profile.start_step=2", "profile.num_steps=2",
-                     f"output_dir={tmp_path}", "run_name=r"])
+                     "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+                     "model.ffn_dim=64", "model.n_layers=1", "model.vocab_size=128", "model.remat=none",
+                     "data.seq_len=16", "data.global_batch_size=8", f"output_dir={tmp_path}", "run_name=r"])
   preemption = Preemption()
   try:
     assert trainer_lib.train(cfg, preemption) == 0

@@ -40,10 +40,12 @@ TE_REASON = "Transformer Engine is not installed (bash scripts/setup.sh installs
 # suffixes (--dist loadgroup, `make test`), and checked after it.
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-  for item in items:
-    _group_by_shared_fixture(item)
+  loadgroup = config.getoption("loadgroup", default=False)  # set in xdist workers under --dist loadgroup
+  if loadgroup:
+    for item in items:
+      _group_by_shared_fixture(item)
   yield
-  if config.getoption("loadgroup", default=False):
+  if loadgroup:
     _check_groups_applied(items)
   if te_installed():
     return

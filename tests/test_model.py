@@ -148,20 +148,19 @@ def test_remat_policies_give_the_same_gradients(backend):
   x = tokens()
   _, params = init_apply(cfg_for(backend), x)
 
-  def grads(remat):
-    model = Transformer(cfg_for(backend, remat=remat))
-    def loss(p):
-      return jnp.mean(model.apply(p, x) ** 2)
-    with precision_scope("bf16", backend):
-      return jax.jit(jax.grad(loss))(params)
+  policies = ("none", "full", "save_dots", "save_dots_attn", "save_attn", "save_qkv_attn")
 
-  ref = grads("none")
-  for policy in ("full", "save_dots", "save_dots_attn", "save_attn", "save_qkv_attn"):
+  def grad_of(remat):
+    model = Transformer(cfg_for(backend, remat=remat))
+    return jax.grad(lambda p: jnp.mean(model.apply(p, x) ** 2))
+
+  with precision_scope("bf16", backend):  # every policy's gradient in one program: one compile, not six
+    ref, *others = jax.jit(lambda p: [grad_of(r)(p) for r in policies])(params)
+  for got in others:
     # Recomputation repeats the same float32 ops; only XLA's fusion (summation order) may differ:
     # 64 ulps of each leaf's largest gradient (the gradient bound of tests/test_step.py).
     jax.tree_util.tree_map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=64 * U32 * float(np.abs(b).max())),
-        grads(policy), ref)
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=64 * U32 * float(np.abs(b).max())), got, ref)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

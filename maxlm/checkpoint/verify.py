@@ -239,13 +239,10 @@ def quiet():
     lg.addFilter(drop)
   hook = sys.unraisablehook
   sys.unraisablehook = lambda _: None
-  failed = True
   try:
     yield
-    failed = False
   finally:
-    if failed:  # a failed read or write leaves coroutines whose warnings would print at collection
-      gc.collect()  # (a full collection: ~0.15 s with JAX loaded, so not after every save)
+    gc.collect()  # failed reads leave coroutines whose warnings would print at collection
     sys.unraisablehook = hook
     for lg in loggers:
       lg.removeFilter(drop)

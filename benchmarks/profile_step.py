@@ -26,52 +26,45 @@ def _split(argv):
   return [a for a in argv if not a.startswith("--")], ours
 
 
-def kernel_table(trace_file: Path, steps: int, top: int = 30) -> str:
+def gpu_events(trace_file: Path) -> list[dict]:
+  """The trace's GPU kernel events (Perfetto JSON written by jax.profiler)."""
   with gzip.open(trace_file, "rt") as f:
     events = json.load(f)
   events = events["traceEvents"] if isinstance(events, dict) else events
   pname = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
   gpu = {pid for pid, n in pname.items() if "GPU" in n or "gpu" in n}
+  return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
+
+
+def kernel_table(events: list[dict], steps: int, top: int = 30) -> str:
   by_name = collections.Counter()
   for e in events:
-    if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
-      by_name[e["name"]] += e["dur"]
+    by_name[e["name"]] += e["dur"]
   total = sum(by_name.values())
-  lines = [f"GPU kernel time per step: {total / steps / 1e3:.1f} ms  (events on {sorted(pname[p] for p in gpu)})"]
+  lines = [f"GPU kernel time per step: {total / steps / 1e3:.1f} ms"]
   for name, us in by_name.most_common(top):
     lines.append(f"{us / steps / 1e3:9.2f} ms  {100 * us / max(total, 1):5.1f}%  {name[:110]}")
   return "\n".join(lines)
 
 
-def kernel_sources(trace_file: Path, hlo_text: str, steps: int, top: int = 40) -> str:
-  """The top kernels again, each with the HLO instruction the trace names for it (its `hlo_op` argument,
-  or the kernel's own name, as XLA names a fusion's kernel after the fusion) and that instruction's
-  source: the `op_name` and `source_file:source_line` of its metadata in the optimized HLO text."""
-  with gzip.open(trace_file, "rt") as f:
-    events = json.load(f)
-  events = events["traceEvents"] if isinstance(events, dict) else events
-  pname = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu = {pid for pid, n in pname.items() if "GPU" in n or "gpu" in n}
-  by_op, args_of = collections.Counter(), {}
-  for e in events:
-    if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
-      a = e.get("args", {})
-      op = a.get("hlo_op") or a.get("tf_op") or e["name"]
-      by_op[op] += e["dur"]
-      args_of.setdefault(op, a)
+def kernel_sources(events: list[dict], hlo_text: str, steps: int, top: int = 40) -> str:
+  """The top kernels again, each with the `op_name` of its HLO instruction in the optimized HLO text. XLA
+  names a fusion's kernel after the fusion (`loop_add_fusion_1` for `loop_add_fusion.1`); the trace's
+  `hlo_op` argument is the fallback (inside a CUDA graph it names the command buffer, not the kernel)."""
   meta = {}
   for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}", hlo_text, re.M):
     meta.setdefault(m.group(1), m.group(2))
-  total = sum(by_op.values())
-  lines = [f"GPU time per step by HLO instruction ({len(by_op)} instructions)"]
-  for op, us in by_op.most_common(top):
-    md = meta.get(op) or meta.get(re.sub(r"_(\d+)$", r".\1", op)) or ""
-    name = re.search(r'op_name="([^"]*)"', md)
-    src = re.search(r'source_file="([^"]*)" source_line=(\d+)', md)
-    where = (name.group(1)[-150:] if name else "?") + (f"  @ {src.group(1).split('/')[-1]}:{src.group(2)}" if src else "")
-    lines.append(f"{us / steps / 1e3:9.2f} ms  {100 * us / max(total, 1):5.1f}%  {op[:60]}  {where}")
-    if not md:
-      lines.append(f"            trace args: {json.dumps(args_of[op])[:300]}")
+  by_name, hlo_op = collections.Counter(), {}
+  for e in events:
+    by_name[e["name"]] += e["dur"]
+    hlo_op.setdefault(e["name"], e.get("args", {}).get("hlo_op", ""))
+  total = sum(by_name.values())
+  lines = ["GPU time per step by kernel, with its HLO instruction's op_name"]
+  for name, us in by_name.most_common(top):
+    md = meta.get(name) or meta.get(re.sub(r"_(\d+)$", r".\1", name)) or meta.get(hlo_op[name]) or ""
+    op = re.search(r'op_name="([^"]*)"', md)
+    lines.append(f"{us / steps / 1e3:9.2f} ms  {100 * us / max(total, 1):5.1f}%  {name[:60]}  "
+                 f"{op.group(1)[-150:] if op else '?'}")
   return "\n".join(lines)
 
 
@@ -115,22 +108,17 @@ def main(argv):
   if not traces:
     print(f"no trace written under {out}")
     return 1
-  print(kernel_table(traces[-1], steps))
-  hlo = compiled_text(trainer)
+  events = gpu_events(traces[-1])
+  print(kernel_table(events, steps))
+  hlo = trainer.jitted_train_step.executable.as_text()  # the program that ran (jit reused this compile)
   if ours.get("hlo"):  # the optimized HLO, gzipped, to trace kernels to their source later
     with gzip.open(ours["hlo"], "wt") as f:
       f.write(hlo)
-  report = kernel_sources(traces[-1], hlo, steps)
+  report = kernel_sources(events, hlo, steps)
   print(report)
   if ours.get("report"):
-    Path(ours["report"]).write_text(kernel_table(traces[-1], steps, top=80) + "\n\n" + report + "\n")
+    Path(ours["report"]).write_text(kernel_table(events, steps, top=80) + "\n\n" + report + "\n")
   return 0
-
-
-def compiled_text(trainer) -> str:
-  """The step's optimized HLO (the program that ran: lower and compile hit jit's caches)."""
-  exe = trainer.jitted_train_step.executable
-  return exe.as_text() if exe is not None else ""
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ def _activation_elements(cfg: Config) -> int:
   # Everything one block's backward reads without remat: norm inputs/outputs, q/k/v, context,
   # projection outputs, gate/up/product of the MLP.
   whole = 6 * d + qkv + ctx + 3 * f
-  kept = {"none": whole, "full": d, "save_dots": 3 * d + qkv + 2 * f, "save_dots_attn": 3 * d + qkv + 2 * f + ctx,
-          "save_attn": d + ctx, "save_qkv_attn": d + qkv + ctx}[m.remat]
+  dots = 3 * d + qkv + 2 * f  # the GEMM outputs
+  kept = {"none": whole, "full": d, "save_dots": dots, "save_dots_attn": dots + ctx, "save_attn": d + ctx,
+          "save_qkv_attn": d + qkv + ctx}[m.remat]
   return m.n_layers * kept + (whole if m.remat != "none" else 0)
 
 

@@ -309,12 +309,11 @@ def jit_step(step: Callable, state_shardings, batch_shardings, scope: Callable[[
 
   def call(state, batch):
     with scope():
-      if not call.compiled:  # the first call compiles ahead of time to read XLA's estimate; jitted reuses it
+      if call.executable is None:  # the first call compiles ahead of time to read XLA's estimate; jitted reuses it
         call.executable = jitted.lower(state, batch).compile()  # kept for profiling (its optimized HLO)
         call.compiled_memory_gb = compiled_memory_gb(call.executable)
-        call.compiled = True
       return jitted(state, batch)
-  call.compiled, call.compiled_memory_gb, call.executable = False, None, None  # set by the first call
+  call.executable, call.compiled_memory_gb = None, None  # set by the first call
   return call
 
 

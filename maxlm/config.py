@@ -77,7 +77,8 @@ class ModelConfig:
                                  "every use (bf16 and fp16 only; holds a compute-dtype copy for the step)")
   scan_layers: bool = option(True, "scan over layers (faster compiles); false: unrolled (faster steps)")
   remat: str = option("full", "rematerialization policy (what the backward pass keeps vs recomputes)",
-                      choices=("none", "full", "save_dots", "save_dots_attn", "save_attn", "save_qkv_attn"))
+                      choices=("none", "full", "save_dots", "save_dots_attn", "save_attn", "save_qkv_attn",
+                               "recompute_norm_act"))
   init_std: float = option(0.02, "standard deviation of the normal weight initializer", within="(0, inf)")
 
   @property

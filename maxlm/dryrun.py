@@ -30,7 +30,7 @@ from maxlm.config import Config, ConfigError, DataConfig, load_config
 from maxlm.data import DataError
 from maxlm.data.readers import META_NAME, file_format, resolve_files, split_list
 from maxlm.data.shards import read_meta
-from maxlm.layers import (PRECISIONS, RECIPES, PrecisionError, precision_scope, resolve_backend,
+from maxlm.layers import (PRECISIONS, RECIPES, PrecisionError, check_remat, precision_scope, resolve_backend,
                           supported_precisions)
 from maxlm.mesh import AXES, mesh_shape
 from maxlm.metrics import device_peak_flops
@@ -131,6 +131,7 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
   check_batch_split(d, t, degrees)
   backend = resolve_backend(m.backend)
+  check_remat(m.remat, backend)
   here = supported_precisions() if backend == "te" else [n for n in PRECISIONS if n not in RECIPES]
   exact_meta = m.precision in here  # TE builds the FP8 state only where the recipe runs
   mesh = AbstractMesh(tuple(degrees.values()), AXES)

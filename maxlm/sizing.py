@@ -75,8 +75,10 @@ def _activation_elements(cfg: Config) -> int:
   whole = 6 * d + qkv + ctx + 3 * f
   dots = 3 * d + qkv + 2 * f  # the GEMM outputs
   kept = {"none": whole, "full": d, "save_dots": dots, "save_dots_attn": dots + ctx, "save_attn": d + ctx,
-          "save_qkv_attn": d + qkv + ctx}[m.remat]
-  return m.n_layers * kept + (whole if m.remat != "none" else 0)
+          "save_qkv_attn": d + qkv + ctx, "recompute_norm_act": whole - 2 * d - f}[m.remat]
+  # + what the backward recomputes, for one layer at a time
+  redone = {"none": 0, "recompute_norm_act": 2 * d + f}.get(m.remat, whole)
+  return m.n_layers * kept + redone
 
 
 def fp8_meta_bytes(m: ModelConfig) -> int:

@@ -21,7 +21,7 @@ from maxlm import sizing
 from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
 from maxlm.checkpoint import start as start_checkpoints
 from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml, to_dict
-from maxlm.layers import check_precision, precision_scope, resolve_backend
+from maxlm.layers import check_precision, check_remat, precision_scope, resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line, throughput
 from maxlm.model import Transformer, count_params, flops_per_step
@@ -146,6 +146,7 @@ class Trainer:
     self.cfg = cfg
     self.backend = resolve_backend(cfg.model.backend)
     check_precision(cfg.model.precision, self.backend)
+    check_remat(cfg.model.remat, self.backend)
     self.mesh = make_mesh(cfg.mesh)
     self._check_batch_split()
     mem = device_memory_bytes()

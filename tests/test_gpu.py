@@ -69,6 +69,35 @@ def test_remat_runs_the_fused_attention_again_only_where_the_policy_says(remat, 
   assert forwards == MODEL.n_layers * (1 if kept else 2), (remat, forwards)
 
 
+@pytest.mark.parametrize("remat,again", [("none", False), ("recompute_norm_act", True), ("save_dots_attn", True)])
+def test_remat_runs_te_norm_and_activation_again_only_where_the_policy_says(remat, again):
+  """recompute_norm_act keeps no output of TE's RMSNorm (two per layer; the final norm is outside the blocks) or
+  SwiGLU kernel (one per layer): the compiled gradient runs them twice per layer, and attention once. JAX's own
+  list of saved residuals names none of them inside the blocks."""
+  import contextlib
+  import io
+  model = Transformer(dataclasses.replace(MODEL, backend="te", remat=remat, scan_layers=False), max_segments=8)
+  toks = jax.random.randint(jax.random.PRNGKey(1), (2, 256), 0, MODEL.vocab_size)
+  with precision_scope("bf16", "te"):
+    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), toks))
+
+    def loss(p):
+      return jnp.mean(model.apply(p, toks).astype(jnp.float32) ** 2)
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+      jax.ad_checkpoint.print_saved_residuals(loss, params)
+  count = {t: hlo.count(f'custom_call_target="{t}"') for t in ("te_norm_forward_ffi", "te_act_lu_ffi",
+                                                                  "te_fused_attn_forward_ffi")}
+  n, times = MODEL.n_layers, 2 if again else 1
+  assert count == {"te_norm_forward_ffi": 2 * n * times + 1, "te_act_lu_ffi": n * times,
+                   "te_fused_attn_forward_ffi": n}, (remat, count)
+  saved = buf.getvalue()
+  # the final norm's output [B, T, D] is kept in every case: the LM head's backward reads it
+  assert saved.count("[2,256,256] output of te_norm_forward_ffi") == (1 if again else 2 * n + 1), saved
+  assert saved.count("output of te_act_lu_ffi") == (0 if again else n), saved
+
+
 def test_packed_thd_matches_documents_alone():
   lens = [100, 60, 96]
   docs = [jax.random.randint(jax.random.PRNGKey(i), (1, n), 0, MODEL.vocab_size) for i, n in enumerate(lens)]

@@ -541,6 +541,37 @@ def test_remat_policies_keep_what_their_names_say(backend, capsys):
     remat_policy("save_all", backend)
 
 
+def test_recompute_norm_act_is_refused_on_the_flax_backend():
+  from maxlm.layers import PrecisionError, check_remat, remat_policy
+  msg = (r"^model.remat=recompute_norm_act needs model.backend=te \(it leaves out the outputs of TE's RMSNorm "
+         r"and activation kernels\)$")
+  with pytest.raises(PrecisionError, match=msg):
+    check_remat("recompute_norm_act", "flax")
+  with pytest.raises(PrecisionError, match=msg):
+    remat_policy("recompute_norm_act", "flax")
+  check_remat("recompute_norm_act", "te")
+  check_remat("save_dots", "flax")
+
+
+@pytest.mark.te
+def test_te_recompute_norm_act_drops_the_outputs_of_te_norm_and_activation_primitives():
+  """On a GPU TE's RMSNorm and SwiGLU are its own primitives (custom calls; tests/test_gpu.py counts them in
+  the compiled gradient): the policy refuses exactly their outputs and keeps everything else's."""
+  from maxlm.layers import remat_policy
+  get_backend("te")  # sets TE up on this host before TE's imports below
+  from transformer_engine.jax.cpp_extensions.activation import ActLuPrimitive, DActLuQuantizePrimitive
+  from transformer_engine.jax.cpp_extensions.attention import FusedAttnFwdPrimitive
+  from transformer_engine.jax.cpp_extensions.gemm import GemmPrimitive
+  from transformer_engine.jax.cpp_extensions.normalization import NormBwdPrimitive, NormFwdPrimitive
+  policy = remat_policy("recompute_norm_act", "te")
+  name_p = jax.make_jaxpr(lambda x: jax.ad_checkpoint.checkpoint_name(x, "a"))(1.0).eqns[0].primitive
+  assert not policy(NormFwdPrimitive.outer_primitive) and not policy(ActLuPrimitive.outer_primitive)
+  for prim in (GemmPrimitive.outer_primitive, FusedAttnFwdPrimitive.outer_primitive, NormBwdPrimitive.outer_primitive,
+               DActLuQuantizePrimitive.outer_primitive, name_p, jax.lax.sin_p,
+               jax.lax.dot_general_p, jax.lax.add_p):
+    assert policy(prim), prim
+
+
 @pytest.mark.te
 def test_te_save_dots_also_keeps_te_gemms():
   """On a GPU TE's GEMMs are custom calls, not dot_general: the TE backend needs TE's own policy."""

@@ -149,6 +149,7 @@ def test_remat_policies_give_the_same_gradients(backend):
   _, params = init_apply(cfg_for(backend), x)
 
   policies = ("none", "full", "save_dots", "save_dots_attn", "save_attn", "save_qkv_attn")
+  policies += ("recompute_norm_act",) if backend == "te" else ()
 
   def grad_of(remat):
     model = Transformer(cfg_for(backend, remat=remat))

@@ -104,6 +104,13 @@ def check_precision(precision: str, backend: str) -> None:
                          f"supported here: {', '.join(ok)}")
 
 
+def check_remat(remat: str, backend: str) -> None:
+  """`recompute_norm_act` recognizes TE's RMSNorm and activation primitives: the TE backend only."""
+  if remat == "recompute_norm_act" and backend != "te":
+    raise PrecisionError("model.remat=recompute_norm_act needs model.backend=te (it leaves out the outputs of "
+                         "TE's RMSNorm and activation kernels)")
+
+
 @contextlib.contextmanager
 def precision_scope(precision: str, backend: str, amax_history_len: int = 1024,
                     mesh_axes: dict[str, str] | None = None):
@@ -128,8 +135,12 @@ def precision_scope(precision: str, backend: str, amax_history_len: int = 1024,
 def remat_policy(name: str, backend: str):
   """Named rematerialization policies; `None` means no remat at all. The policies that keep the attention
   output ("context") keep, on the TE backend, what cuDNN's fused attention returns as well (its output and
-  softmax statistics): its backward needs both, so keeping "context" alone would still recompute attention."""
+  softmax statistics): its backward needs both, so keeping "context" alone would still recompute attention.
+  `recompute_norm_act` (TE backend) keeps everything except the outputs of TE's RMSNorm and activation
+  primitives ([B, T, D] twice and [B, T, F] per layer), which the backward recomputes from what it keeps:
+  elementwise kernels, no GEMM. On CPU (TE's pure-JAX path) those primitives do not run and it keeps all."""
   cp = jax.checkpoint_policies
+  check_remat(name, backend)
   if name == "none":
     return None
   if name == "full":
@@ -141,10 +152,18 @@ def remat_policy(name: str, backend: str):
     from transformer_engine.jax.checkpoint_policies import dots_and_te_gemms_with_no_batch_dims
     from transformer_engine.jax.cpp_extensions.attention import FusedAttnFwdPrimitive
 
+    from transformer_engine.jax.cpp_extensions.activation import ActLuPrimitive
+    from transformer_engine.jax.cpp_extensions.normalization import NormFwdPrimitive
+
     def fused_attention(prim, *_, **__) -> bool:
       return prim is FusedAttnFwdPrimitive.outer_primitive
+
+    def all_but_norm_act(prim, *_, **__) -> bool:
+      return prim not in (NormFwdPrimitive.outer_primitive, ActLuPrimitive.outer_primitive)
     dots = dots_and_te_gemms_with_no_batch_dims
     attention = cp.save_from_both_policies(attention, fused_attention)
+    if name == "recompute_norm_act":  # everything but the RMSNorm and SwiGLU outputs: elementwise to redo
+      return all_but_norm_act
   if name == "save_dots":
     return dots
   if name == "save_dots_attn":  # MaxText's minimal_with_context: no GEMM and no attention recomputed
@@ -157,5 +176,6 @@ def remat_policy(name: str, backend: str):
 
 
 __all__ = ["BACKENDS", "FP8_COLLECTION", "PRECISIONS", "RECIPES", "PrecisionError", "check_precision",
-           "get_backend", "make_recipe", "on_gpu", "precision_scope", "remat_policy", "resolve_backend",
+           "check_remat", "get_backend", "make_recipe", "on_gpu", "precision_scope", "remat_policy",
+           "resolve_backend",
            "supported_precisions", "te_installed"]

@@ -136,6 +136,7 @@ def test_data_summary_from_names_and_metadata(tmp_path, capsys):
     (["model.n_heads=5"], "model.n_heads (5) must be a multiple of model.n_kv_heads (2)"),
     (["data.type=text", "data.paths=nowhere.txt"], "data file 'nowhere.txt' not found"),
     (["config=llama8b", "--devices", "6", "--nodes", "4"], "6 devices do not split evenly over 4 nodes"),
+    (["model.backend=flax", "model.remat=recompute_norm_act"], "model.remat=recompute_norm_act needs model.backend=te"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message):
   monkeypatch.chdir(tmp_path)

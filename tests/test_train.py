@@ -46,6 +46,7 @@ def test_cli_trains_and_writes_the_run_directory(tmp_path):
     (["train.stpes=3"], "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
     (["model.d_model=big"], "config key 'model.d_model' expects int"),
     (["model.precision=fp8_delayed", "model.backend=flax"], "needs model.backend=te"),
+    (["model.remat=recompute_norm_act", "model.backend=flax"], "model.remat=recompute_norm_act needs model.backend=te"),
     (["mesh.data=3"], "mesh:"),
     (["run_name=.."], "run_name"),
     (["config="], "config="),

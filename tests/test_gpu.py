@@ -3,7 +3,9 @@
 TE with cuDNN fused attention against the Flax backend, the packed THD path, and FP8 steps.
 """
 
+import contextlib
 import dataclasses
+import io
 import warnings
 
 import jax
@@ -74,8 +76,6 @@ def test_remat_runs_te_norm_and_activation_again_only_where_the_policy_says(rema
   """recompute_norm_act keeps no output of TE's RMSNorm (two per layer; the final norm is outside the blocks) or
   SwiGLU kernel (one per layer): the compiled gradient runs them twice per layer, and attention once. JAX's own
   list of saved residuals names none of them inside the blocks."""
-  import contextlib
-  import io
   model = Transformer(dataclasses.replace(MODEL, backend="te", remat=remat, scan_layers=False), max_segments=8)
   toks = jax.random.randint(jax.random.PRNGKey(1), (2, 256), 0, MODEL.vocab_size)
   with precision_scope("bf16", "te"):

@@ -242,7 +242,7 @@ def quiet():
   try:
     yield
   finally:
-    gc.collect()  # failed reads leave coroutines whose warnings would print at collection
+    gc.collect()  # reads and writes, failed or not, leave coroutines whose warnings would print at collection
     sys.unraisablehook = hook
     for lg in loggers:
       lg.removeFilter(drop)

@@ -150,20 +150,18 @@ def remat_policy(name: str, backend: str):
   if backend == "te":
     # lazy on purpose: TE is imported only once the TE backend is chosen (and set up for this host)
     from transformer_engine.jax.checkpoint_policies import dots_and_te_gemms_with_no_batch_dims
-    from transformer_engine.jax.cpp_extensions.attention import FusedAttnFwdPrimitive
-
     from transformer_engine.jax.cpp_extensions.activation import ActLuPrimitive
+    from transformer_engine.jax.cpp_extensions.attention import FusedAttnFwdPrimitive
     from transformer_engine.jax.cpp_extensions.normalization import NormFwdPrimitive
+
+    if name == "recompute_norm_act":  # everything but the RMSNorm and SwiGLU outputs: elementwise to redo
+      redone = (NormFwdPrimitive.outer_primitive, ActLuPrimitive.outer_primitive)
+      return lambda prim, *_, **__: prim not in redone
 
     def fused_attention(prim, *_, **__) -> bool:
       return prim is FusedAttnFwdPrimitive.outer_primitive
-
-    def all_but_norm_act(prim, *_, **__) -> bool:
-      return prim not in (NormFwdPrimitive.outer_primitive, ActLuPrimitive.outer_primitive)
     dots = dots_and_te_gemms_with_no_batch_dims
     attention = cp.save_from_both_policies(attention, fused_attention)
-    if name == "recompute_norm_act":  # everything but the RMSNorm and SwiGLU outputs: elementwise to redo
-      return all_but_norm_act
   if name == "save_dots":
     return dots
   if name == "save_dots_attn":  # MaxText's minimal_with_context: no GEMM and no attention recomputed

@@ -1,4 +1,5 @@
-# The two commands a new user needs (each sets up .venv first, Transformer Engine included):
+# The two commands a new user needs (each sets up .venv first: scripts/setup.sh, Transformer Engine included
+# when a prebuilt wheel or a CUDA toolkit is there, else without it, saying so in one line):
 #   make train [ARGS="key=value ..."]   train the default model (configs/default.yml, ~2 min on 2 cores) on the embedded corpus
 #   make test                           run the test suite (CPU)
 #   make mutation                       mutation testing of the core (slow, not in `make test`; docs/mutation.md)
@@ -25,9 +26,10 @@ convergence: setup
 test-convergence: setup
 	$(PY) -m pytest -q -m convergence tests/test_convergence.py $(PYTEST_ARGS)
 
-# --dist loadgroup: tests marked xdist_group(name) run on one worker (tests/test_launch.py shares its runs)
+# --dist loadgroup: tests marked xdist_group(name) run on one worker (tests/test_launch.py shares its runs);
+# -rs: the summary lists every skipped test with its reason
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The image on a Debian + Python base made here (scripts/build_image.sh), then `maxlm doctor` and a 5-step train
 # inside it (tests/test_container.py; times in docker/README.md). CI runs it after the main suite.

@@ -261,7 +261,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     denom = count if scale is None else count * scale  # fp32; the scale is a power of 2
     grads = jax.tree_util.tree_map(lambda g: (g / denom).astype(g.dtype), grad_sum)  # keeps bf16 master weights' dtype
     loss = loss_sum / count
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
     finite = loss_finite & grads_finite
 

@@ -239,7 +239,9 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
   flops_known = jax.devices()[0].platform != "cpu"
   if is_main:  # progress and run lines come from process 0 only; warnings and errors from any process
     echo(f"maxlm: {m.name} ({n['total'] / 1e6:.1f}M params, backend={trainer.backend}, "
-         f"precision={m.precision}) on {jax.device_count()} x {kind}, mesh "
+         # precision bf16 quantizes nothing: with model.dtype=float32 everything computes in fp32
+         f"precision={'fp32' if (m.precision, m.dtype) == ('bf16', 'float32') else m.precision}) on "
+         f"{jax.device_count()} x {kind}, mesh "
          f"{dict(trainer.mesh.shape)}, run dir {run_dir}")
     if jax.process_count() > 1:
       echo(f"maxlm: {mesh_placement(trainer.mesh)}")

@@ -162,6 +162,7 @@ def test_finite_data_ends_the_run_with_a_last_save_and_log(tmp_path, capsys):
   last = rows[-1]["step"]
   assert len(rows) == 1 and 1 < last < 1000  # logged once: at the step that took the last batch
   assert f"the training data ended after step {last} (data.num_epochs=1)" in out
+  assert "precision=fp32) on" in out  # the start line: SMALL computes in float32 (precision bf16 quantizes nothing)
   assert sorted(int(p.name) for p in (tmp_path / "r" / "checkpoints").iterdir()) == [last]
   # About one epoch of tokens went through: ~40 docs x 22 tokens (+BOS/EOS) in rows of 8 x 32.
   assert last == pytest.approx(40 * 22 / (8 * 32), abs=3)

@@ -5,11 +5,21 @@
 #
 # hosts.txt lists one line per host, `node1 slots=1`. Every argument goes to `python -m maxlm.train`.
 # MAXLM_NP: processes (default 1); MAXLM_HOSTFILE: mpirun --hostfile (default: all on this host);
-# MAXLM_PYTHON: the Python (default `python` on PATH); MAXLM_MPIRUN_ARGS: more mpirun options (as root:
+# MAXLM_PYTHON: the Python (default: the active virtualenv's, else the .venv of this repository that
+# `make setup` made, else python3 on PATH); MAXLM_MPIRUN_ARGS: more mpirun options (as root:
 # --allow-run-as-root). maxlm finds rank, size and the coordinator (mpirun's host) from OpenMPI 4's
 # environment; OpenMPI 5 also needs distributed.coordinator_address=<first host>:<free port>.
 set -euo pipefail
-PY=${MAXLM_PYTHON:-python}
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+if [ -n "${MAXLM_PYTHON:-}" ]; then PY=$MAXLM_PYTHON
+elif [ -n "${VIRTUAL_ENV:-}" ]; then PY=$VIRTUAL_ENV/bin/python
+elif [ -x "$REPO/.venv/bin/python" ]; then PY=$REPO/.venv/bin/python
+elif python3 -c 'import maxlm' 2>/dev/null; then PY=python3
+else
+  echo "maxlm-launch: error: no Python with maxlm: no MAXLM_PYTHON, no active virtualenv, no .venv in" \
+       "$REPO and python3 cannot import maxlm; run \`make setup\` there or set MAXLM_PYTHON" >&2
+  exit 2
+fi
 args=(-np "${MAXLM_NP:-1}" --bind-to none)
 [ -n "${MAXLM_HOSTFILE:-}" ] && args+=(--hostfile "$MAXLM_HOSTFILE" --map-by ppr:1:node)
 # Remote ranks get only the variables named with -x: pass the ones maxlm, JAX, XLA and NCCL read.

@@ -15,6 +15,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+import warnings
 
 
 def te_installed() -> bool:
@@ -51,6 +52,9 @@ def import_te():
     os.environ["NVTE_JAX_CUSTOM_CALLS"] = "false"
     os.environ.setdefault("NVTE_FUSED_ATTN", "0")
     _preload_nccl()
+    # With the custom calls off (above, on purpose) TE's softmax always takes its JAX path and says so at
+    # every trace; on a CPU that is the expected path, not news. Only this message, only on a CPU.
+    warnings.filterwarnings("ignore", message="Using unfused JAX softmax", category=UserWarning)
   import transformer_engine.jax as te
   if cpu:
     from transformer_engine.jax.cpp_extensions import attention as te_attn

@@ -65,7 +65,8 @@ PIP="$V/bin/python -m pip"
 $PIP install -q --upgrade pip
 # JAX pinned to the newest release that supports Python 3.11 (the H200 image brings its own).
 $PIP install -q "jax==0.10.2" "jaxlib==0.10.2" "flax==0.12.8"
-$PIP install -q -e "$ROOT[dev,viz]"
+# setuptools warns at every editable install that folders named like the package may shadow it: not news
+PYTHONWARNINGS="ignore:Editable installation" $PIP install -q -e "$ROOT[dev,viz]"
 
 install_te_runtime() {  # what TE's libraries load at import, GPU or not
   $PIP install -q "nvidia-cuda-runtime==13.0.96" "nvidia-cublas==13.1.1.3" "nvidia-cudnn-cu13==9.24.0.43" \

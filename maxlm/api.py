@@ -175,18 +175,22 @@ def atomic_dir(out_dir: Path, write, side_files: Sequence[tuple[Path, str]] = ()
   sibling that is renamed at the end, and removed on any error (no half-written output is left)."""
   if out_dir.exists():
     raise ConfigError(f"output directory {out_dir} already exists")
-  if not out_dir.parent.is_dir():
-    raise ConfigError(f"output directory {out_dir}: parent {out_dir.parent} does not exist")
+  missing = [p for p in out_dir.parents if not p.exists()]  # parents made here, removed again on an error
+  if any(p.exists() and not p.is_dir() for p in out_dir.parents):
+    raise ConfigError(f"output directory {out_dir}: a parent is not a directory")
   tmp = out_dir.parent / f".{out_dir.name}.tmp-maxlm"
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir()
   try:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     write(tmp)
     for src, name in side_files:
       shutil.copyfile(src, tmp / name)
     tmp.rename(out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
+    if missing:
+      shutil.rmtree(missing[-1], ignore_errors=True)
     raise
   return out_dir
 
@@ -211,7 +215,8 @@ def run_tokenizer_files(data: DataConfig) -> list[tuple[Path, str]]:
   """(source, HF file name) of a run's tokenizer: data.tokenizer (a tokenizer.json, a SentencePiece or
   tiktoken file, which HF names tokenizer.model, or a directory's tokenizer files), or the shipped
   SentencePiece model of the embedded corpus."""
-  p = tokenizer_path(data.tokenizer) if data.tokenizer else DEFAULT_TOKENIZER if data.type == "embedded" else None
+  embedded = data.type == "embedded" or (data.type == "auto" and not data.paths)
+  p = tokenizer_path(data.tokenizer) if data.tokenizer else DEFAULT_TOKENIZER if embedded else None
   if p is None:
     return []
   if p.is_dir():

@@ -119,7 +119,9 @@ def run(argv: list[str]) -> int:
     out = evaluate(loaded, it, loaded.cfg.train.eval_steps)
   finally:
     it.close()
-  out["step"] = int(loaded.step_dir.name) if loaded.step_dir is not None else None
+  # The step of a checkpoint step directory; None for an HF directory or a `convert hf-to-maxlm` tree.
+  step_dir = loaded.step_dir
+  out["step"] = int(step_dir.name) if step_dir is not None and step_dir.name.isdigit() else None
   out["checkpoint"] = str(loaded.step_dir or own["checkpoint"])
   out["time_s"] = round(time.perf_counter() - t0, 3)
   print(json.dumps(out), flush=True)

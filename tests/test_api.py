@@ -105,3 +105,16 @@ def test_import_maxlm_stays_light():
   code = ("import sys, maxlm; assert 'jax' not in sys.modules; from maxlm import Model; "
           "assert 'jax' in sys.modules and Model.__module__ == 'maxlm.api'")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_atomic_dir_makes_missing_parents_and_leaves_nothing_on_an_error(tmp_path):
+  from maxlm.api import atomic_dir
+  out = atomic_dir(tmp_path / "a" / "b" / "out", lambda d: (d / "f").write_text("x"))
+  assert (out / "f").read_text() == "x" and sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == ["out"]
+
+  def fail(d):
+    (d / "half").write_text("y")
+    raise OSError("disk full")
+  with pytest.raises(OSError):
+    atomic_dir(tmp_path / "c" / "d" / "out", fail)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # c/ and c/d/ made for it are gone again

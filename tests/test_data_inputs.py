@@ -96,3 +96,32 @@ def test_eval_shards_with_shard_training(data):
   byte_train = dataclasses.replace(cfg, paths=str(data / "byte_shards"), eval_paths=str(data / "held.txt"))
   msg = _error(byte_train)  # raw eval text would be tokenized with the default, not the shards' tokenizer
   assert msg.startswith(f"the training shards were tokenized with {data / 'bytes.tiktoken'}, not with ")
+
+
+def test_data_type_auto_reads_the_format_from_the_file_names(data, tmp_path):
+  """data.paths without data.type (the default `auto`) trains on those files, never on the shipped corpus."""
+  from maxlm.data import resolve_type
+  (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+  auto = DataConfig(seq_len=32, global_batch_size=4)
+  assert auto.type == "auto" and resolve_type(auto).type == "embedded"
+  cases = {str(data / "train.txt"): "text", str(tmp_path / "a.jsonl"): "jsonl",
+           str(data / "train_shards"): "arrayrecord",
+           f"{data / 'train.txt'},{tmp_path / 'a.jsonl'}": "mixture"}  # two entries of two formats
+  for paths, want in cases.items():
+    assert resolve_type(dataclasses.replace(auto, paths=paths)).type == want, paths
+  assert resolve_type(dataclasses.replace(auto, paths=f"{data / 'train.txt'}", weights="1")).type == "mixture"
+  # The batches are those of the files: the same as with the type given.
+  got = next(make_train_iterator(_cfg(data, type="auto"), 8192))
+  want = next(make_train_iterator(_cfg(data), 8192))
+  assert (got["inputs"] == want["inputs"]).all()
+  assert check_inputs(_cfg(data, type="auto"), 8192)["train_documents"] == check_inputs(_cfg(data), 8192)[
+      "train_documents"]
+
+
+def test_data_paths_with_a_type_that_ignores_them_is_refused(data, tmp_path):
+  for typ, what in (("embedded", "the shipped corpus"), ("synthetic", "random tokens")):
+    msg = _error(_cfg(data, type=typ))
+    assert msg.startswith(f"data.paths is set, but data.type={typ} does not read files (it would train on {what})")
+  (tmp_path / "notes").write_text("a\n")
+  assert "cannot tell the format of" in _error(_cfg(data, type="auto", paths=str(tmp_path / "notes")))
+  assert "no files match" in _error(_cfg(data, type="auto", paths=str(tmp_path / "*.nothing")))

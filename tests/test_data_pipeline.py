@@ -210,7 +210,7 @@ def test_seed_changes_order(corpus):
 
 def test_state_restore_embedded_default():
   cfg = DataConfig(seq_len=64, global_batch_size=4)
-  assert cfg.type == "embedded"
+  assert cfg.type == "auto"  # the default: no data.paths, so the embedded corpus
   _check_state_restore(cfg, 8192)
   _check_state_restore(dataclasses.replace(cfg, prefetch=0, read_threads=0), 8192, process_index=1,
                        process_count=2)

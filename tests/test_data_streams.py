@@ -75,7 +75,7 @@ def _check_same_runs(runs):
 
 def test_embedded_corpus_same_global_batches_for_1_2_4_8_processes():
   cfg = DataConfig(seq_len=64, global_batch_size=8, packing_bins=8)
-  assert cfg.type == "embedded" and cfg.shuffle
+  assert cfg.type == "auto" and not cfg.paths and cfg.shuffle  # auto without paths: the embedded corpus
   runs = [_global_run(_processes(cfg, n), steps=6) for n in (1, 2, 4, 8)]
   assert all(b["inputs"].shape == (8, 64) for b in runs[0])
   assert all((b["segment_ids"][:, 0] == 1).all() for b in runs[0])  # no empty row: the streams never end

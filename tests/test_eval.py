@@ -156,3 +156,22 @@ def test_bad_input_one_line_and_exit_code(run, capsys, tmp_path):
     assert err.count("\n") == 1 and err.startswith("maxlm: error: ") and msg in err, (args, err)
     assert out == ""
   assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_eval_of_a_converted_tree(run, capsys, tmp_path):
+  """A `convert hf-to-maxlm` output directory (any name) evaluates like the run it came from; it has no step."""
+  from maxlm.convert import main as convert
+  run_dir = run[0]
+  assert convert(["maxlm-to-hf", str(run_dir), str(tmp_path / "hf")]) == 0
+  assert convert(["hf-to-maxlm", str(tmp_path / "hf"), str(tmp_path / "default-back")]) == 0
+  f = tmp_path / "held_out.txt"
+  f.write_text("\n".join(DOCS) + "\n")
+  common = ["data.type=text", f"data.eval_paths={f}", "data.global_batch_size=2", "data.seq_len=16"]
+  capsys.readouterr()
+  code, out, err = _cli(capsys, f"checkpoint={tmp_path / 'default-back'}", *common)
+  assert code == 0, err
+  got = json.loads(out)
+  code, out, err = _cli(capsys, f"checkpoint={run_dir}", *common)
+  want = json.loads(out)
+  assert got["step"] is None and want["step"] == 0
+  assert got["tokens"] == want["tokens"] and np.isfinite(got["loss"])

@@ -16,6 +16,7 @@ import numpy as np
 
 from maxlm.config import DataConfig
 from maxlm.data import legacy, sources, streams
+from maxlm.data.sources import resolve_type  # noqa: F401 - re-exported by maxlm.data
 from maxlm.data.errors import DataError, Skips, first_line, log
 from maxlm.data.packing import BATCH_KEYS, PadRows, finish, pack, read_options
 
@@ -282,6 +283,7 @@ def make_train_iterator(cfg: DataConfig, vocab_size: int, process_index: int = 0
                         process_count: int = 1) -> DataIterator:
   """Infinite (or `num_epochs`-long) iterator of this process's training batches."""
   _check_process(process_index, process_count)
+  cfg = sources.resolve_type(cfg)
   if cfg.type == "synthetic":
     return _synthetic(cfg, vocab_size, process_index, process_count)
   return _train_text(cfg, vocab_size, process_index, process_count)
@@ -291,6 +293,7 @@ def make_eval_iterator(cfg: DataConfig, vocab_size: int, process_index: int = 0,
                        process_count: int = 1) -> DataIterator | None:
   """A fresh finite pass over the held-out data, or None when there is none (synthetic data)."""
   _check_process(process_index, process_count)
+  cfg = sources.resolve_type(cfg)
   if cfg.type == "synthetic":
     return None
   return _eval_text(cfg, vocab_size, process_index, process_count)
@@ -306,6 +309,7 @@ def check_inputs(cfg: DataConfig, vocab_size: int) -> dict:
   the eval inputs as eagerly). Raw text is read (and cached for the iterators); shards open and
   a few records of each are read. Returns {"train_documents": n, "eval_documents": n}.
   """
+  cfg = sources.resolve_type(cfg)
   if cfg.type == "synthetic":
     return {"train_documents": 0, "eval_documents": 0}
   comps, _, _ = sources.load_components(cfg, "train")

@@ -26,7 +26,42 @@ from maxlm.data.tokenizer import ASSETS, Tokenizer, check_vocab, load_tokenizer,
 
 EMBEDDED_CORPUS = ASSETS / "austen.txt.xz"  # one paragraph per line; built by scripts/build_assets.py
 DOCS_PER_READ = 64  # documents read and tokenized per call
-TYPES = ("embedded", "synthetic", "text", "jsonl", "parquet", "arrayrecord", "mixture")
+TYPES = ("auto", "embedded", "synthetic", "text", "jsonl", "parquet", "arrayrecord", "mixture")
+_FILE_TYPES = "text|jsonl|parquet|arrayrecord|mixture"
+
+
+def resolve_type(cfg: DataConfig) -> DataConfig:
+  """`cfg` with `data.type=auto` made concrete: the embedded corpus without data.paths, else the format the
+  file names give (one format: that type; several entries of different formats, or data.weights: a mixture).
+  A type that reads no files (embedded, synthetic) with data.paths set is refused: the paths would be
+  ignored."""
+  entries = split_list(cfg.paths)
+  if cfg.type in ("embedded", "synthetic") and entries:
+    raise DataError(f"data.paths is set, but data.type={cfg.type} does not read files (it would train on "
+                    f"{'the shipped corpus' if cfg.type == 'embedded' else 'random tokens'}); leave data.type "
+                    f"out (auto: the format from the file names) or set data.type={_FILE_TYPES}")
+  if cfg.type != "auto":
+    return cfg
+  if not entries:
+    return dataclasses.replace(cfg, type="embedded")
+  formats = []
+  for entry in entries:
+    found = {_named_format(f) for e in split_list(entry) for f in resolve_files(e)}
+    if "" in found:
+      unnamed = next(f for e in split_list(entry) for f in resolve_files(e) if not _named_format(f))
+      raise DataError(f"data.type=auto cannot tell the format of '{unnamed}' from its name; set "
+                      f"data.type=text (or jsonl, parquet)")
+    formats.append(found)
+  flat = set().union(*formats)
+  if cfg.weights or (len(entries) > 1 and len(flat) > 1):
+    if any(len(f) > 1 for f in formats):
+      raise DataError(f"data.paths mixes formats ({', '.join(sorted(flat))}) inside one entry; give one "
+                      f"entry per format (data.type=auto then makes a mixture)")
+    return dataclasses.replace(cfg, type="mixture")
+  if len(flat) > 1:
+    raise DataError(f"data.paths mixes formats ({', '.join(sorted(flat))}); give one entry per format "
+                    f"(comma-separated) to mix them, or set data.type")
+  return dataclasses.replace(cfg, type=flat.pop())
 
 
 def eval_every(fraction: float) -> int:
@@ -124,6 +159,7 @@ def load_components(cfg: DataConfig, part: str) -> tuple[list[Component], list[f
   """The training (part='train') or eval (part='eval') sources and their mixture weights."""
   if cfg.type not in TYPES:
     raise DataError(f"config key 'data.type' must be one of {', '.join(TYPES)}; got {cfg.type!r}")
+  cfg = resolve_type(cfg)
   skips = Skips(cfg.skip_bad_records)
   if part == "eval" and cfg.eval_paths:
     try:
@@ -167,6 +203,7 @@ def _eval_components(cfg: DataConfig, skips: Skips) -> tuple[list[Component], li
 def train_shards_tokenizer(cfg: DataConfig) -> dict | None:
   """The tokenizer record (`maxlm_data.json`'s) of training's shards when training reads only shards;
   None when it tokenizes raw text (with data.tokenizer). Reads metadata only."""
+  cfg = resolve_type(cfg)
   entries = split_list(cfg.paths) if cfg.type == "mixture" else [cfg.paths]
   if cfg.type not in ("arrayrecord", "mixture") or not any(split_list(e) for e in entries):
     return None

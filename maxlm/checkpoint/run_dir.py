@@ -1,0 +1,66 @@
+"""Who may use a run directory `<output_dir>/<run_name>`.
+
+A run directory belongs to one run. A run starts in it when it is absent or holds no run yet (no logged
+step and no checkpoint: at most what a start that failed before its first step left). A directory that
+holds a run is used again only to resume it: checkpoints on and a checkpoint there (the restore then
+checks that the checkpoint fits this model). Anything else is refused in one line before anything is
+written, so a second run never cuts the metrics of the first or replaces its config.yml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from maxlm.checkpoint.manager import complete_steps
+from maxlm.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Previous:
+  """What an earlier run left in a run directory."""
+  rows: int  # metrics.jsonl rows
+  last_step: int | None  # the step of the last row
+  checkpoints: tuple[int, ...]  # complete checkpoint steps
+
+  @property
+  def holds_run(self) -> bool:
+    return bool(self.rows or self.checkpoints)
+
+  def describe(self) -> str:
+    parts = [f"{self.rows} logged step(s)" + (f", the last step {self.last_step}" if self.last_step else "")]
+    parts.append(f"checkpoint steps {', '.join(map(str, self.checkpoints[-3:]))}" if self.checkpoints
+                 else "no checkpoint")
+    return "; ".join(parts)
+
+
+def _metrics_rows(path: Path) -> tuple[int, int | None]:
+  try:
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+  except OSError:
+    return 0, None
+  last = None
+  for line in reversed(lines):
+    try:
+      last = int(json.loads(line)["step"])
+      break
+    except (ValueError, KeyError, TypeError):
+      continue
+  return len(lines), last
+
+
+def previous(run_dir: Path) -> Previous:
+  rows, last = _metrics_rows(run_dir / "metrics.jsonl")
+  return Previous(rows, last, tuple(complete_steps(run_dir / "checkpoints")))
+
+
+def claim(run_dir: Path, checkpoint_enabled: bool) -> Previous:
+  """What the run directory holds, after checking that this run may use it (ConfigError if not)."""
+  prev = previous(run_dir)
+  if not prev.holds_run or (checkpoint_enabled and prev.checkpoints):
+    return prev
+  why = ("it has no checkpoint to resume from" if checkpoint_enabled
+         else "this run has checkpoints off (checkpoint.enabled=false), so it cannot resume it")
+  raise ConfigError(f"run directory {run_dir} already holds another run ({prev.describe()}) and {why}; "
+                    f"give this run its own run_name=..., or remove {run_dir} to start over")

@@ -8,7 +8,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test mutation test-container convergence test-convergence
+.PHONY: setup train test mutation test-container test-wheel convergence test-convergence
 setup:
 	@bash scripts/setup.sh $(VENV)
 
@@ -36,6 +36,11 @@ test: setup
 # MAXLM_TEST_IMAGE=<tag> tests an image built before instead of building one.
 test-container: setup
 	$(PY) -m pytest -q -m container tests/test_container.py $(PYTEST_ARGS)
+
+# The installed package outside the source tree: `pip wheel .`, a fresh venv, then `maxlm train config=default.yml`,
+# a llama8b dry run, `maxlm doctor` and `from maxlm import Model` from an empty directory (tests/test_wheel.py).
+test-wheel: setup
+	$(PY) -m pytest -q -m wheel tests/test_wheel.py $(PYTEST_ARGS)
 
 # Mutation score per module and the surviving mutants (mutmut; a full run is several hours on 2 cores, see docs/mutation.md). MUTANTS='maxlm.optim*' runs
 # only those mutants (reusing mutants/); MUTATION_CHILDREN=2 by default.

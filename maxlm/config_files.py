@@ -9,7 +9,9 @@ from typing import Any
 from maxlm import config_schema as schema
 from maxlm.config_schema import CliText, ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The shipped configs live in the package (maxlm/configs/, package data in the wheel); the checkout's top-level
+# configs/ is a link to them. So `config=llama8b.yml` finds them from an installed package as from a checkout.
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 MAX_BASE_DEPTH = 32
 
 

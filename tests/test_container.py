@@ -7,8 +7,8 @@ a local debootstrap image: CPU JAX and the prebuilt TE extension). Then, inside 
 3   `maxlm train train.steps=5` as the built-in non-root user (uid 1000), with no network and the run
     directory a mounted host directory: on the host, metrics rows for steps 1..5 with finite losses, the
     resolved config, a checkpoint of step 5, all owned by uid 1000;
-4   the stack inside: JAX is the CPU build pinned in docker/install.py, maxlm runs from the editable
-    source, Transformer Engine imports, and `config=NAME` finds configs/.
+4   the stack inside: JAX is the CPU build pinned in docker/install.py, maxlm runs from its installed package
+    (not editable), Transformer Engine imports, and `config=NAME` finds the configs shipped in it.
 5   docker/install.py's decisions without an image (these run in `make test`): which changes of the base's
     stack fail the build, which versions are out of range, where a TE JAX extension is found (pip wheel
     and source-build layouts), and the link that lets TE find the base's pip cuDNN.
@@ -136,7 +136,7 @@ def test_stack_inside(image):
   assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
   jax_version, backend, path, configs, te, te_jax, module = run.stdout.split()[-7:]
   assert (jax_version, backend) == (want_jax, "cpu")
-  assert path == "/opt/maxlm/src/maxlm/__init__.py"
+  assert path.startswith("/opt/maxlm/venv/lib/") and path.endswith("/site-packages/maxlm/__init__.py")  # installed
   assert configs == "True"
   assert (te, te_jax, module) == (want_te, want_te, "transformer_engine.jax")
 

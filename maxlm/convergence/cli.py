@@ -23,7 +23,7 @@ from maxlm.convergence.suite import Case, Suite, SuiteError, load_suite
 from maxlm.data import DataError
 
 EXIT_FAIL, EXIT_SETUP = 1, 2
-ROOT = CONFIG_DIR.parent
+ROOT = CONFIG_DIR.parent.parent  # the checkout (for the commit a report records)
 
 
 class _Parser(argparse.ArgumentParser):

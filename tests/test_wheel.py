@@ -7,6 +7,7 @@ llama8b, `maxlm doctor` and the library import.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -27,7 +28,12 @@ def _sh(args, cwd, env=None, timeout=1200):
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("wheel")
-  _sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp / "dist"), str(ROOT)], tmp)
+  src = tmp / "src"  # what the wheel is built from (a build in the checkout would leave build/ there)
+  src.mkdir()
+  for name in ("pyproject.toml", "README.md"):
+    shutil.copy(ROOT / name, src / name)
+  shutil.copytree(ROOT / "maxlm", src / "maxlm", ignore=shutil.ignore_patterns("__pycache__"))
+  _sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp / "dist"), str(src)], tmp)
   wheel = next((tmp / "dist").glob("maxlm-*.whl"))
   venv = tmp / "venv"
   _sh([sys.executable, "-m", "venv", str(venv)], tmp)

@@ -24,16 +24,15 @@ from typing import Any
 
 import yaml
 
+from maxlm.errors import BadInput
+
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 _BOUND = re.compile(r"-?inf|-?\d+(\.\d*)?(e-?\d+)?|2\*\*\d+(-1)?")
 _INTERVAL = re.compile(r"([\[(])\s*(\S+?)\s*,\s*(\S+?)\s*([\])])(?: or (-?\d+))?")
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput, ValueError):
   """A bad configuration key, value or file; the message is one line (control characters escaped)."""
-
-  def __init__(self, message: str):
-    super().__init__("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message)))
 
 
 class CliText(str):

@@ -38,6 +38,7 @@ from maxlm.config import Config, ConfigError, DataConfig, load_config
 from maxlm.data import DataError, Tokenizer, load_tokenizer
 from maxlm.data.sources import train_shards_tokenizer
 from maxlm.data.tokenizer import special_ids
+from maxlm.errors import BadInput
 from maxlm.generation import GenerationError, check_settings, generate
 from maxlm.layers import PrecisionError
 
@@ -46,7 +47,7 @@ _KEYS = {"checkpoint": str, "prompt": str, "max_new_tokens": int, "temperature":
 _REPEATED = ("prompt", "stop")
 
 
-class UsageError(ValueError):
+class UsageError(BadInput, ValueError):
   """A bad command-line argument (one line)."""
 
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxlm.config import ModelConfig
+from maxlm.errors import BadInput
 from maxlm.layers import precision_scope, resolve_backend
 from maxlm.model import Transformer
 from maxlm.sharding import TE_MESH_AXES, axis_rules
@@ -39,7 +40,7 @@ _TRACES = {"prefill": 0, "decode": 0}  # incremented while tracing: tests count 
 _COMPILED: dict[tuple, Any] = {}
 
 
-class GenerationError(ValueError):
+class GenerationError(BadInput, ValueError):
   """Bad generation arguments (empty prompt, too long for the model, out-of-range sampling setting)."""
 
 

@@ -30,13 +30,14 @@ import yaml
 
 from maxlm.config import CONFIG_DIR
 from maxlm.convergence.bands import BandSpec
+from maxlm.errors import BadInput
 
 SUITE_DIR = CONFIG_DIR / "convergence"
 METRICS = ("loss_smooth", "loss", "eval_loss", "grad_norm")
 PATH_KEYS = ("data.paths", "data.eval_paths")
 
 
-class SuiteError(ValueError):
+class SuiteError(BadInput, ValueError):
   """A suite or golden file that cannot be used (setup error: exit 2)."""
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import collections
 import logging
 
+from maxlm.errors import BadInput
+
 log = logging.getLogger("maxlm.data")
 
 # Every character str.splitlines() breaks at -> its Python escape (e.g. newline -> backslash n).
 _LINE_BREAKS = str.maketrans({c: ascii(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
 
 
-class DataError(ValueError):
+class DataError(BadInput, ValueError):
   """Bad data input (file, record, tokenizer or data config); the message is one line.
 
   Line breaks in the message (from a file name, a JSON key, a library's error text) are escaped,

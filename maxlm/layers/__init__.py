@@ -11,6 +11,7 @@ import types
 
 import jax
 
+from maxlm.errors import BadInput
 from maxlm.layers import flax_backend
 from maxlm.layers.te_env import import_te, on_gpu, te_installed
 
@@ -23,7 +24,7 @@ RECIPES = {"fp8_delayed": "DelayedScaling", "fp8_current": "Float8CurrentScaling
 FP8_COLLECTION = "fp8_metas"  # == transformer_engine.jax.NVTE_FP8_COLLECTION_NAME
 
 
-class PrecisionError(RuntimeError):
+class PrecisionError(BadInput, RuntimeError):
   """The configured precision cannot run on this machine or backend."""
 
 

@@ -5,7 +5,7 @@
     model = Model.from_pretrained("Llama-3.2-1B", dtype="bfloat16")  # an HF directory (safetensors)
     logits = model.logits(tokens)                              # [B, T] int -> [B, T, V] float32
     new_ids = model.generate([[1, 15, 27]], max_new_tokens=20)  # KV-cache decoding (maxlm.generation)
-    model.save_pretrained("out/hf")                            # HF safetensors + config.json
+    model.save_pretrained("out/hf")                            # HF safetensors (the source's dtype) + config.json
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,8 +27,8 @@ from maxlm.checkpoint import load_params as load_orbax_params
 from maxlm.config import Config, ConfigError, DataConfig, MeshConfig, from_dict, load_config
 from maxlm.data.tokenizer import DEFAULT_TOKENIZER, tokenizer_path
 from maxlm.hf import config as hf_config
-from maxlm.hf.safetensors_io import INDEX, MAX_SHARD_BYTES
-from maxlm.hf.transfer import device_reader, export_hf, load_hf_params
+from maxlm.hf.safetensors_io import INDEX, MAX_SHARD_BYTES, SafetensorsReader
+from maxlm.hf.transfer import device_reader, export_hf, load_hf_params, source_dtype
 from maxlm.layers import precision_scope, resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
@@ -36,6 +37,11 @@ from maxlm.sharding import TE_MESH_AXES, axis_rules, shardings_from_logical, str
 # Files of an HF directory that travel with the weights (tokenizer and generation defaults).
 HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                  "generation_config.json")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # safetensors dtypes an export writes when asked
+# Written by `maxlm convert hf-to-maxlm` beside its tree: the HF source and its safetensors dtype, which
+# an export of the tree writes back by default (so HF bf16 -> maxlm fp32 -> HF gives the original bits).
+HF_SOURCE_FILE = "hf_source.json"
+_TMP = ".maxlm-tmp"  # atomic_dir's hidden work directory inside an existing output directory
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -68,6 +74,21 @@ def read_step_config(step_dir: Path) -> Config:
   return from_dict(data)
 
 
+def checkpoint_source_dtype(step_dir: Path, run: Config) -> str:
+  """The dtype an HF export of a checkpoint keeps by default: the HF source's, recorded in HF_SOURCE_FILE
+  by `maxlm convert hf-to-maxlm`, else the checkpoint's parameter dtype (a float32 run exports float32)."""
+  f = step_dir / HF_SOURCE_FILE
+  if not f.is_file():
+    return run.model.param_dtype
+  try:
+    dtype = json.loads(f.read_text())["dtype"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(f"{f}: unreadable ({e!r})") from None
+  if dtype not in EXPORT_DTYPES:
+    raise CheckpointError(f"{f}: unknown dtype {dtype!r} (expected one of {', '.join(EXPORT_DTYPES)})")
+  return dtype
+
+
 def _abstract_params(cfg: Config, mesh):
   """(ShapeDtypeStructs with shardings, shardings) of the params, without allocating them."""
   model = Transformer(cfg.model)
@@ -91,8 +112,9 @@ class Model:
   """A Llama/Mistral model: its full `config` (a maxlm Config), `params` (on `mesh`) and inference."""
 
   def __init__(self, config: Config, params, mesh, hf_config_dict: dict | None = None,
-               side_files: Sequence[tuple[Path, str]] = ()):
+               side_files: Sequence[tuple[Path, str]] = (), source_dtype: str = "float32"):
     self.config, self.params, self.mesh = config, params, mesh
+    self.source_dtype = source_dtype  # of the loaded weights' files: save_pretrained's default dtype
     self.hf_config = hf_config_dict  # the imported config.json (kept so save_pretrained round-trips it)
     self.side_files = list(side_files)  # (source, file name) of the tokenizer files save_pretrained copies
     self._model = Transformer(config.model)
@@ -103,8 +125,9 @@ class Model:
                       param_dtype: str = "float32", mesh=None) -> "Model":
     """Load an HF directory (config.json + safetensors, sharded or not) or a maxlm run / checkpoints /
     step directory. `dtype` is the compute dtype, `param_dtype` the weights' (float32 holds bf16 files
-    exactly); `mesh` defaults to FSDP over every device. Bad input raises ConfigError (config) or
-    CheckpointError (weights) with a one-line message."""
+    exactly); `mesh` defaults to FSDP over every device. `.source_dtype` remembers the files' dtype (an
+    HF directory's safetensors dtype, float32 if its tensors mix dtypes; a checkpoint's parameter dtype)
+    for save_pretrained. Bad input raises ConfigError (config) or CheckpointError (weights) in one line."""
     path = Path(path)
     if not path.exists():
       raise CheckpointError(f"{path}: no such file or directory")
@@ -116,15 +139,17 @@ class Model:
       data = _hf_data_config(path, hf, m.vocab_size)
       cfg = Config(model=m, data=data)
       _, shardings = _abstract_params(cfg, mesh)
-      params = load_hf_params(path, m, shardings)
+      reader = SafetensorsReader(path)
+      params = load_hf_params(reader, m, shardings)
       side = [(path / n, n) for n in HF_SIDE_FILES if (path / n).is_file()]
-      return cls(cfg, params, mesh, hf_config_dict=hf, side_files=side)
+      return cls(cfg, params, mesh, hf_config_dict=hf, side_files=side, source_dtype=source_dtype(reader, m))
     step_dir = find_step_dir(path)
     run = read_step_config(step_dir)
     cfg = dataclasses.replace(run, model=dataclasses.replace(run.model, **over))
     structs, _ = _abstract_params(cfg, mesh)
     params = load_orbax_params(str(step_dir), structs)
-    return cls(cfg, params, mesh, side_files=run_tokenizer_files(run.data))
+    return cls(cfg, params, mesh, side_files=run_tokenizer_files(run.data),
+               source_dtype=checkpoint_source_dtype(step_dir, run))
 
   def logits(self, tokens, segment_ids=None, positions=None) -> np.ndarray:
     """Logits [B, T, V] (float32, on the host) for int tokens [B, T]; packed rows take segment_ids
@@ -156,25 +181,46 @@ class Model:
                               stop_tokens=stop_tokens, mesh=self.mesh)
     return out.tokens
 
-  def save_pretrained(self, out_dir: str | Path, dtype: str = "bfloat16",
-                      max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write the model in Hugging Face format to `out_dir` (must not exist): safetensors shards of at
-    most max_shard_bytes (with model.safetensors.index.json when there are several), config.json and
-    the tokenizer files. Written beside `out_dir` and renamed when complete."""
+  def save_pretrained(self, out_dir: str | Path, dtype: str | None = None,
+                      max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+    """Write the model in Hugging Face format to `out_dir`: safetensors shards of at most max_shard_bytes
+    (with model.safetensors.index.json when there are several), config.json and the tokenizer files.
+    `dtype` (float32, bfloat16, float16) defaults to `.source_dtype`, so loading and saving is bit for
+    bit. `out_dir` may be missing or an empty directory; a non-empty one is refused unless `overwrite`,
+    which replaces the model files and keeps the others (see atomic_dir). Nothing half-written is left."""
+    dtype = dtype or self.source_dtype
+    if dtype not in EXPORT_DTYPES:
+      raise ConfigError(f"save_pretrained: dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    out = Path(out_dir)
+    if not overwrite and _entries(out):
+      raise ConfigError(f"output directory {out} already exists and is not empty (overwrite=True replaces "
+                        f"its model files)")
     m = self.config.model
     cfg = hf_config.to_hf(m, dtype, base=self.hf_config, max_position=self.config.data.seq_len,
                           bos_id=self.config.data.bos_id, eos_id=self.config.data.eos_id)
     def write(tmp: Path) -> None:
       export_hf(device_reader(self.params, m), m, tmp, dtype, max_shard_bytes)
       write_config_json(tmp, cfg)
-    return atomic_dir(Path(out_dir), write, self.side_files)
+    return atomic_dir(out, write, self.side_files, overwrite=overwrite)
 
 
-def atomic_dir(out_dir: Path, write, side_files: Sequence[tuple[Path, str]] = ()) -> Path:
-  """Create `out_dir` whole or not at all: `write(tmp)` and the side files (source, name) go to a hidden
-  sibling that is renamed at the end, and removed on any error (no half-written output is left)."""
-  if out_dir.exists():
-    raise ConfigError(f"output directory {out_dir} already exists")
+def _entries(out_dir: Path) -> list[Path]:
+  """What an existing directory holds, besides atomic_dir's own leftover work directory; [] if missing."""
+  return [p for p in out_dir.iterdir() if p.name != _TMP] if out_dir.is_dir() else []
+
+
+def atomic_dir(out_dir: Path, write, side_files: Sequence[tuple[Path, str]] = (), overwrite: bool = False) -> Path:
+  """Fill `out_dir` whole or not at all: `write(tmp)` and the side files (source, name) go to a hidden
+  directory, removed on any error (no half-written output is left). A missing `out_dir` is that
+  directory, a sibling renamed at the end (missing parents are made, and removed on an error). An
+  existing empty directory gets the finished files moved in from a hidden directory inside it, and is
+  left empty on an error. A non-empty one is refused (ConfigError) unless `overwrite`: then the new
+  files replace those of the same name, stale HF weights (other *.safetensors, the index) are removed,
+  and other files are kept; a failure while moving the finished files in can leave a mix."""
+  if out_dir.exists() or out_dir.is_symlink():
+    if not out_dir.is_dir():
+      raise ConfigError(f"output directory {out_dir} exists and is not a directory")
+    return _into_existing(out_dir, write, side_files, overwrite)
   missing = [p for p in out_dir.parents if not p.exists()]  # parents made here, removed again on an error
   if any(p.exists() and not p.is_dir() for p in out_dir.parents):
     raise ConfigError(f"output directory {out_dir}: a parent is not a directory")
@@ -183,14 +229,52 @@ def atomic_dir(out_dir: Path, write, side_files: Sequence[tuple[Path, str]] = ()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    write(tmp)
-    for src, name in side_files:
-      shutil.copyfile(src, tmp / name)
+    _fill(tmp, write, side_files)
     tmp.rename(out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     if missing:
       shutil.rmtree(missing[-1], ignore_errors=True)
+    raise
+  return out_dir
+
+
+def _fill(tmp: Path, write, side_files: Sequence[tuple[Path, str]]) -> None:
+  write(tmp)
+  for src, name in side_files:
+    shutil.copyfile(src, tmp / name)
+
+
+def _remove(path: Path) -> None:
+  if path.is_dir() and not path.is_symlink():
+    shutil.rmtree(path)
+  else:
+    path.unlink(missing_ok=True)
+
+
+def _into_existing(out_dir: Path, write, side_files: Sequence[tuple[Path, str]], overwrite: bool) -> Path:
+  """atomic_dir into an existing directory: written in `out_dir/.maxlm-tmp`, then moved up entry by entry."""
+  old = _entries(out_dir)
+  if old and not overwrite:
+    raise ConfigError(f"output directory {out_dir} already exists and is not empty")
+  tmp, moved = out_dir / _TMP, []
+  try:
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed earlier attempt
+    tmp.mkdir()
+    _fill(tmp, write, side_files)
+    new = sorted(p.name for p in tmp.iterdir())
+    for name in new:
+      os.replace(tmp / name, out_dir / name)
+      moved.append(name)
+    tmp.rmdir()
+    for p in old:  # overwrite: weights of the previous model that the new one did not replace
+      if p.name not in new and (p.suffix == ".safetensors" or p.name == INDEX):
+        _remove(p)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not old:  # the directory was empty: leave it so
+      for name in moved:
+        _remove(out_dir / name)
     raise
   return out_dir
 

@@ -5,6 +5,8 @@ and a lazy `import maxlm`."""
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -14,7 +16,7 @@ import reference as R
 from maxlm import Model
 from maxlm.api import run_tokenizer_files
 from maxlm.checkpoint import CheckpointError
-from maxlm.config import DataConfig
+from maxlm.config import ConfigError, DataConfig
 from maxlm.data.tokenizer import SMALL_TOKENIZER
 from maxlm.train import main as train_main
 
@@ -73,7 +75,8 @@ def test_packed_rows_equal_documents_alone(model):
 
 
 def test_save_pretrained_exports_config_weights_and_tokenizer(model, tmp_path):
-  out = model.save_pretrained(tmp_path / "hf", dtype="float32")
+  assert model.source_dtype == "float32"  # the run's model.param_dtype
+  out = model.save_pretrained(tmp_path / "hf")  # float32 by default: the run's parameter dtype
   cfg = json.loads((out / "config.json").read_text())
   assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["torch_dtype"] == "float32"
   assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["tie_word_embeddings"] is False
@@ -84,8 +87,45 @@ def test_save_pretrained_exports_config_weights_and_tokenizer(model, tmp_path):
   have, want = _leaves(back.params), _leaves(model.params)
   assert all(np.array_equal(have[k], want[k]) for k in want)  # fp32 files hold the weights exactly
   assert back.config.data.tokenizer == str(out)  # generate/eval find the tokenizer there
-  with pytest.raises(Exception, match="already exists"):
-    model.save_pretrained(out)
+
+
+def _files(d: Path) -> dict[str, bytes]:
+  return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_save_pretrained_into_existing_directories(model, tmp_path):
+  """Empty: written into (HF's convention; tempfile.TemporaryDirectory() is how people call it), and
+  left empty on an error. Non-empty: refused in one line naming it; overwrite=True replaces the model
+  files, removes stale shards and keeps unrelated files."""
+  want = _files(model.save_pretrained(tmp_path / "ref", max_shard_bytes=40_000))
+  assert len([n for n in want if n.endswith(".safetensors")]) > 1  # sharded, with an index
+  with tempfile.TemporaryDirectory() as d:
+    assert model.save_pretrained(d, max_shard_bytes=40_000) == Path(d)
+    assert _files(Path(d)) == want  # and no hidden work directory left
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  real = model.side_files
+  model.side_files = real + [(tmp_path / "no-such-file", "tokenizer.json")]  # fails after the weights
+  try:
+    with pytest.raises(FileNotFoundError):
+      model.save_pretrained(empty)
+  finally:
+    model.side_files = real
+  assert list(empty.iterdir()) == []
+  full = tmp_path / "full"
+  full.mkdir()
+  (full / "README.md").write_text("notes")
+  (full / "model-00001-of-00009.safetensors").write_text("stale")
+  (full / "config.json").write_text("{}")
+  with pytest.raises(ConfigError) as e:
+    model.save_pretrained(full)
+  assert str(full) in str(e.value) and "not empty" in str(e.value) and "\n" not in str(e.value)
+  assert _files(full).keys() == {"README.md", "model-00001-of-00009.safetensors", "config.json"}
+  model.save_pretrained(full, max_shard_bytes=40_000, overwrite=True)
+  assert _files(full) == want | {"README.md": b"notes"}
+  with pytest.raises(ConfigError, match="dtype 'int8' is not one of float32, bfloat16, float16"):
+    model.save_pretrained(tmp_path / "int8", dtype="int8")
+  assert not (tmp_path / "int8").exists()
 
 
 def test_a_run_naming_a_shipped_tokenizer_exports_that_file(tmp_path, monkeypatch):
@@ -118,3 +158,5 @@ def test_atomic_dir_makes_missing_parents_and_leaves_nothing_on_an_error(tmp_pat
   with pytest.raises(OSError):
     atomic_dir(tmp_path / "c" / "d" / "out", fail)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # c/ and c/d/ made for it are gone again
+  with pytest.raises(ConfigError, match="is not a directory"):
+    atomic_dir(out / "f", lambda d: None)

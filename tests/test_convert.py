@@ -1,15 +1,18 @@
 """`maxlm convert` (maxlm/convert.py): HF golden -> Orbax tree -> fine-tuning run (checkpoint.load_params)
--> HF again, checked against transformers' logits and the original bits; one-line errors and exit codes
-with nothing left on disk."""
+-> HF again, checked against transformers' logits and the original bits; lossless defaults (a float32
+run exports float32, an HF tree its source's dtype); one-line errors and exit codes with nothing left on
+disk."""
 
 import json
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from maxlm import Model
 from maxlm.convert import main as convert
@@ -55,7 +58,8 @@ def test_converted_weights_fine_tune_and_match_transformers(finetuned, capsys):
   logits = Model.from_pretrained(finetuned / "ft", backend="flax").logits(g["tokens"])
   assert np.abs(logits - g["logits"]).max() <= 1e-4  # test_hf's bound: the weights arrived unchanged
   out = finetuned / "hf"
-  assert convert(["maxlm-to-hf", str(finetuned / "ft"), str(out)]) == 0
+  # the run's weights are fp32 master weights (the default would write float32): bf16 when asked
+  assert convert(["maxlm-to-hf", str(finetuned / "ft"), str(out), "--dtype", "bfloat16"]) == 0
   assert "maxlm: wrote" in capsys.readouterr().out
   want, have = bits(GOLDEN / "llama3"), bits(out)
   assert have.keys() == want.keys()
@@ -63,6 +67,77 @@ def test_converted_weights_fine_tune_and_match_transformers(finetuned, capsys):
     assert have[k][0] == want[k][0] == "bfloat16" and np.array_equal(have[k][1], want[k][1]), k
   original = json.loads((GOLDEN / "llama3" / "config.json").read_text())
   assert from_hf(json.loads((out / "config.json").read_text())) == from_hf(original)
+
+
+def _kib(n_bytes: int) -> str:
+  return f"{n_bytes / 1024:.1f} KiB"  # the size line's unit for these tiny models, formatted by hand
+
+
+def _fp32_hf(directory: Path) -> None:
+  """A float32 HF checkpoint (safetensors' own writer): the llama3 golden's config and shapes, random
+  values bf16 cannot hold."""
+  directory.mkdir()
+  rng = np.random.default_rng(5)
+  with safe_open(str(GOLDEN / "llama3" / "model.safetensors"), framework="flax") as st:
+    shapes = {k: st.get_slice(k).get_shape() for k in st.keys()}
+  save_file({k: (0.1 * rng.standard_normal(v)).astype(np.float32) for k, v in shapes.items()},
+            str(directory / "model.safetensors"))
+  cfg = json.loads((GOLDEN / "llama3" / "config.json").read_text()) | {"dtype": "float32"}
+  (directory / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("source", ["bfloat16", "float32"])
+def test_hf_round_trip_keeps_the_source_dtype_and_prints_human_sizes(source, tmp_path, capsys):
+  """HF -> maxlm (float32 tree) -> HF with default dtypes gives the original bits back; an existing
+  empty output directory is fine; the size line is human (it said "0.00 GiB")."""
+  src = GOLDEN / "llama3"
+  if source == "float32":
+    src = tmp_path / "fp32"
+    _fp32_hf(src)
+  want = bits(src)
+  n = sum(x.size for _, x in want.values())
+  (tmp_path / "conv").mkdir()
+  assert convert(["hf-to-maxlm", str(src), str(tmp_path / "conv")]) == 0
+  assert f"{_kib(4 * n)} in float32" in capsys.readouterr().out
+  assert convert(["maxlm-to-hf", str(tmp_path / "conv"), str(tmp_path / "hf")]) == 0
+  assert f"{_kib({'float32': 4, 'bfloat16': 2}[source] * n)} in {source}" in capsys.readouterr().out
+  have = bits(tmp_path / "hf")
+  assert have.keys() == want.keys()
+  for k in want:
+    assert have[k][0] == want[k][0] == source and np.array_equal(have[k][1], want[k][1]), k
+
+
+def test_float32_run_exports_its_exact_weights_by_default(finetuned, tmp_path):
+  """maxlm-to-hf of a float32 run (model.param_dtype float32) is lossless: every HF tensor is float32
+  and holds the run's parameter bits (restored with plain Orbax, laid out by the documented formulas of
+  test_hf's weight-table test). test_hf_round_trip's float32 case streams values bf16 cannot hold through
+  the same export. Equal weights give equal logits, so the greedy text of the README's run round trip
+  no longer changes."""
+  run = finetuned / "ft"
+  assert convert(["maxlm-to-hf", str(run), str(tmp_path / "hf")]) == 0
+  p = jax.tree_util.tree_map(np.asarray, ocp.StandardCheckpointer().restore(run / "checkpoints" / "1" / "params"))
+  d, kv, g, dh = 32, 2, 2, 8  # the llama3 golden's d_model, KV heads, queries per KV head, head_dim
+  want = {"model.embed_tokens.weight": p["embed"]["embedding"], "model.norm.weight": p["lm_head"]["scale"],
+          "lm_head.weight": p["lm_head"]["kernel"].T}
+  lay = p["layers"]
+  for i in range(2):
+    qkv = lay["qkv"]["kernel"][i]  # [D, KV, G+2, Dh]
+    pre = f"model.layers.{i}."
+    want |= {pre + "input_layernorm.weight": lay["qkv"]["scale"][i],
+             pre + "post_attention_layernorm.weight": lay["mlp"]["scale"][i],
+             pre + "self_attn.q_proj.weight": qkv[:, :, :g].reshape(d, kv * g * dh).T,
+             pre + "self_attn.k_proj.weight": qkv[:, :, g].reshape(d, kv * dh).T,
+             pre + "self_attn.v_proj.weight": qkv[:, :, g + 1].reshape(d, kv * dh).T,
+             pre + "self_attn.o_proj.weight": lay["out"]["kernel"][i].reshape(kv * g * dh, d).T,
+             pre + "mlp.gate_proj.weight": lay["mlp"]["wi_kernel"][i][:, 0].T,
+             pre + "mlp.up_proj.weight": lay["mlp"]["wi_kernel"][i][:, 1].T,
+             pre + "mlp.down_proj.weight": lay["mlp"]["wo_kernel"][i].T}
+  have = bits(tmp_path / "hf")
+  assert have.keys() == want.keys()
+  for k, x in want.items():
+    assert x.dtype == np.float32 and have[k][0] == "float32", k
+    assert np.array_equal(have[k][1], np.ascontiguousarray(x).view(np.uint32)), k
+  assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "float32"
 
 
 def test_orbax_tree_restores_with_plain_orbax(tmp_path):
@@ -97,8 +172,8 @@ def _nothing_left(parent: Path, name: str) -> None:
   assert not (parent / name).exists() and not list(parent.glob(f".{name}*"))
 
 
-@pytest.mark.parametrize("case", ["missing", "attention_bias", "qwen", "truncated", "exists", "shard_size",
-                                  "direction"])
+@pytest.mark.parametrize("case", ["missing", "attention_bias", "qwen", "truncated", "not_empty", "shard_size",
+                                  "direction", "truncated_into_empty"])
 def test_bad_input_one_line_exit_code_nothing_written(case, tmp_path, capsys):
   src = tmp_path / "src"
   shutil.copytree(GOLDEN / "llama3", src)
@@ -116,9 +191,15 @@ def test_bad_input_one_line_exit_code_nothing_written(case, tmp_path, capsys):
     f = src / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-64])
     code, words = 3, "model.safetensors: not a valid safetensors file"
-  elif case == "exists":
+  elif case == "not_empty":
     (tmp_path / "out").mkdir()
-    words = "already exists"
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    words = f"output directory {tmp_path / 'out'} already exists and is not empty"
+  elif case == "truncated_into_empty":  # an existing empty output directory is fine, and stays empty
+    (tmp_path / "out").mkdir()
+    f = src / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-64])
+    code, words = 3, "not a valid safetensors file"
   elif case == "shard_size":
     argv = ["maxlm-to-hf", str(src), str(tmp_path / "out"), "--max-shard-size", "lots"]
     words = "--max-shard-size"
@@ -126,8 +207,20 @@ def test_bad_input_one_line_exit_code_nothing_written(case, tmp_path, capsys):
     argv[0], words = "hf-to-orbax", "invalid choice"
   assert convert(argv) == code
   assert words in one_error_line(capsys)
-  if case != "exists":
+  if case == "not_empty":
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
+  elif case == "truncated_into_empty":
+    assert list((tmp_path / "out").iterdir()) == []
+  else:
     _nothing_left(tmp_path, "out")
+
+
+def test_unreadable_hf_source_record_exits_3(tmp_path, capsys):
+  assert convert(["hf-to-maxlm", str(GOLDEN / "llama_tied"), str(tmp_path / "c")]) == 0
+  (tmp_path / "c" / "hf_source.json").write_text('{"dtype": "int4"}')
+  assert convert(["maxlm-to-hf", str(tmp_path / "c"), str(tmp_path / "out")]) == 3
+  assert "hf_source.json: unknown dtype 'int4'" in one_error_line(capsys)
+  _nothing_left(tmp_path, "out")
 
 
 def test_damaged_checkpoint_exits_3(finetuned, tmp_path, capsys):

@@ -4,6 +4,7 @@ The `hf` test repeats the comparison live when transformers and torch are import
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import jax
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from maxlm import Model
 from maxlm.checkpoint import CheckpointError
@@ -94,7 +96,7 @@ def test_greedy_tokens_match_transformers():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_save_pretrained_writes_the_original_tensors_and_config(name, tmp_path):
-  out = model(name).save_pretrained(tmp_path / "out", dtype="bfloat16")
+  out = model(name).save_pretrained(tmp_path / "out")  # the goldens are bf16: kept by default
   assert hf_tensors(out).keys() == hf_tensors(GOLDEN / name).keys()
   for k, (dtype, bits) in hf_tensors(GOLDEN / name).items():
     have_dtype, have = hf_tensors(out)[k]
@@ -103,6 +105,60 @@ def test_save_pretrained_writes_the_original_tensors_and_config(name, tmp_path):
   written = json.loads((out / "config.json").read_text())
   assert written == original
   assert not list(tmp_path.glob(".*"))  # the temporary directory was renamed away
+
+
+def _fp32_hf_dir(directory: Path, mixed: bool = False) -> dict[str, np.ndarray]:
+  """A float32 HF checkpoint (safetensors' own writer) with the llama3 golden's config and tensor shapes
+  and random values that bf16 cannot hold; `mixed` stores the embedding in bf16 instead. Returns the
+  float32 tensors."""
+  directory.mkdir()
+  rng = np.random.default_rng(3)
+  with safe_open(str(GOLDEN / "llama3" / "model.safetensors"), framework="flax") as st:
+    shapes = {k: st.get_slice(k).get_shape() for k in st.keys()}
+  tensors = {k: (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+  files = {k: v for k, v in tensors.items() if not (mixed and k == "model.embed_tokens.weight")}
+  save_file(files, str(directory / "model.safetensors"))
+  if mixed:  # bf16 from the top 16 bits (truncation: any bf16 value will do), in a file of its own
+    bf16 = (tensors["model.embed_tokens.weight"].view(np.uint32) >> 16).astype(np.uint16)
+    tensors["model.embed_tokens.weight"] = (bf16.astype(np.uint32) << 16).view(np.float32)
+    save_file({"model.embed_tokens.weight": bf16.view(jnp.bfloat16)}, str(directory / "embed.safetensors"))
+  cfg = json.loads((GOLDEN / "llama3" / "config.json").read_text()) | {"dtype": "float32"}
+  (directory / "config.json").write_text(json.dumps(cfg))
+  return tensors
+
+
+def _bf16_round(x: np.ndarray) -> np.ndarray:
+  """float32 -> bfloat16 bits, round to nearest even, on the integer bits (finite values)."""
+  b = x.view(np.uint32).astype(np.uint64)
+  return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def test_float32_checkpoint_round_trips_bit_for_bit_and_converts_when_asked(tmp_path):
+  tensors = _fp32_hf_dir(tmp_path / "fp32")
+  m = Model.from_pretrained(tmp_path / "fp32", backend="flax")
+  assert m.source_dtype == "float32"
+  with tempfile.TemporaryDirectory() as d:  # an existing empty directory, as transformers users write
+    m.save_pretrained(d)
+    have = hf_tensors(Path(d))
+    assert have.keys() == tensors.keys()
+    for k, x in tensors.items():
+      assert have[k][0] == "float32" and np.array_equal(have[k][1], x.view(np.uint32)), k
+    assert json.loads((Path(d) / "config.json").read_text()) == json.loads((tmp_path / "fp32" / "config.json")
+                                                                           .read_text())
+  out = m.save_pretrained(tmp_path / "bf16", dtype="bfloat16")
+  have = hf_tensors(out)
+  for k, x in tensors.items():
+    assert have[k][0] == "bfloat16" and np.array_equal(have[k][1], _bf16_round(x)), k
+  assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_mixed_dtypes_are_kept_in_float32(tmp_path):
+  """A bf16 embedding beside float32 tensors: float32 holds both exactly, so that is the default."""
+  tensors = _fp32_hf_dir(tmp_path / "mixed", mixed=True)
+  m = Model.from_pretrained(tmp_path / "mixed", backend="flax")
+  have = hf_tensors(m.save_pretrained(tmp_path / "out"))
+  for k, x in tensors.items():
+    assert have[k][0] == "float32" and np.array_equal(have[k][1], x.view(np.uint32)), k
 
 
 def test_shards_stay_under_the_limit_and_reload(tmp_path):

@@ -77,6 +77,10 @@ class SafetensorsReader:
   def shape(self, name: str) -> tuple[int, ...]:
     return self._info(name)[2]
 
+  def dtype(self, name: str) -> str:
+    """The numpy name of a tensor's file dtype ('bfloat16', 'float32', ...)."""
+    return DTYPES[self._info(name)[1]].name
+
   def _info(self, name: str):
     if name not in self.tensors:
       raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the safetensors files")

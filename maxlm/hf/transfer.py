@@ -35,6 +35,18 @@ def check_tensors(reader: SafetensorsReader, m: ModelConfig) -> None:
     reader.get(name)  # raises, naming the missing tensor
 
 
+def source_dtype(reader: SafetensorsReader, m: ModelConfig) -> str:
+  """The dtype of the HF tensors `m` is made of (what an export writes by default, so that a round trip is
+  bit for bit): their one dtype, or float32 when they mix float16/bfloat16/float32 (it holds each exactly;
+  float64 files, which maxlm holds in float32 at most, give float32 too)."""
+  dtypes = {reader.dtype(name) for name, _ in hf_tensor_list(m)}
+  return dtypes.pop() if len(dtypes) == 1 and dtypes <= {"float16", "bfloat16"} else "float32"
+
+
+def _reader(src: Path | SafetensorsReader) -> SafetensorsReader:
+  return src if isinstance(src, SafetensorsReader) else SafetensorsReader(src)
+
+
 def _from_hf(reader: SafetensorsReader, e: Entry, layer: int | None) -> np.ndarray:
   return e.to_maxlm([reader.get(n, s) for n, s in zip(e.hf_names(layer), e.shapes)])
 
@@ -51,10 +63,10 @@ def _get(tree, path: tuple[str, ...]):
   return tree
 
 
-def load_hf_params(hf_dir: Path, m: ModelConfig, shardings) -> dict:
-  """The params tree of `m` (scanned or not, as `m.scan_layers` says) from HF safetensors, placed with
-  `shardings` (a tree like the params) in `m.param_dtype`."""
-  reader = SafetensorsReader(hf_dir)
+def load_hf_params(src: Path | SafetensorsReader, m: ModelConfig, shardings) -> dict:
+  """The params tree of `m` (scanned or not, as `m.scan_layers` says) from HF safetensors (a directory or
+  its reader), placed with `shardings` (a tree like the params) in `m.param_dtype`."""
+  reader = _reader(src)
   check_tensors(reader, m)
   pdt = np.dtype(jax.numpy.dtype(m.param_dtype))
   params: dict = {}
@@ -73,10 +85,12 @@ def load_hf_params(hf_dir: Path, m: ModelConfig, shardings) -> dict:
   return params
 
 
-def hf_to_orbax(hf_dir: Path, out_params: Path, m: ModelConfig, dtype: str, scan: bool = True) -> int:
-  """Write the Orbax parameter tree of `m` (stacked layers when `scan`) from HF safetensors, one layer
-  of one parameter at a time, in `dtype`. Returns the bytes written (uncompressed)."""
-  reader = SafetensorsReader(hf_dir)
+def hf_to_orbax(src: Path | SafetensorsReader, out_params: Path, m: ModelConfig, dtype: str,
+                scan: bool = True) -> int:
+  """Write the Orbax parameter tree of `m` (stacked layers when `scan`) from HF safetensors (a directory
+  or its reader), one layer of one parameter at a time, in `dtype`. Returns the bytes written
+  (uncompressed)."""
+  reader = _reader(src)
   check_tensors(reader, m)
   writer = OrbaxWriter(out_params)
   dt, total = np.dtype(jax.numpy.dtype(dtype)), 0

@@ -181,6 +181,16 @@ class TrainConfig:
   deterministic: bool = option(False, "make GPU runs repeat bit for bit: XLA deterministic ops and "
                                "Transformer Engine's deterministic kernels, set before the backend starts "
                                "(costs some speed)")
+  watchdog: str = option("auto", "end a process whose run stops making progress, with exit 76, which "
+                         "launch/slurm requeues (maxlm/watchdog.py); auto = for runs of several processes",
+                         choices=("auto", "always", "never"))
+  watchdog_factor: float = option(10.0, "watchdog: a phase may take this x the median step time (x the steps "
+                                  "in flight)", within="[1, inf)")
+  watchdog_floor_s: float = option(300.0, "watchdog: the least limit of a phase once step times are known",
+                                   within="(0, inf)")
+  watchdog_first_step_s: float = option(1800.0, "watchdog: the limit before a step time is known (build, "
+                                        "restore, compile, the first logged steps) and for every checkpoint "
+                                        "save and evaluation", within="(0, inf)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 
+from maxlm import watchdog
 from maxlm.config import Config, ConfigError, DistributedConfig, local_device_ids, to_dict
 from maxlm.process_output import PrefixedStream, prefix_output, restore_output  # noqa: F401 (re-exported)
 
@@ -226,6 +227,11 @@ class _Watchdog:
     self._done.set()
 
 
+def _heartbeat(cfg: Config, num_processes: int) -> dict:
+  seconds = watchdog.jax_heartbeat_s(cfg.train, num_processes)
+  return {} if seconds is None else {"heartbeat_timeout_seconds": seconds}
+
+
 def _first_line(e: BaseException) -> str:
   return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
@@ -257,7 +263,9 @@ def initialize(cfg: Config, on_timeout: Callable[[str], None],
             process_id=launch.process_id,
             local_device_ids=list(launch.local_device_ids) if launch.local_device_ids is not None else None,
             cluster_detection_method="deactivate",
-            initialization_timeout=d.initialization_timeout_s + JAX_TIMEOUT_MARGIN_S)
+            initialization_timeout=d.initialization_timeout_s + JAX_TIMEOUT_MARGIN_S,
+            # with the hang watchdog on, a stopped peer is the watchdog's to report (exit 76, requeued)
+            **_heartbeat(cfg, launch.num_processes))
       except jax.errors.JaxRuntimeError as e:  # e.g. process 0 cannot listen on the coordinator's port
         hint = "; is its port in use?" if launch.process_id == 0 else ""
         raise ConfigError(f"distributed: starting process {launch.process_id}/{launch.num_processes} with "

@@ -3,8 +3,10 @@
 Exit codes: 0 done, 1 run-time failure (e.g. non-finite loss with train.nonfinite=stop), 2 bad
 configuration or input (one-line message, nothing written), 3 checkpoint error (none usable, or a
 save failed; earlier checkpoints stay intact), 75 preempted by SIGTERM (a checkpoint of the last
-step was saved when checkpointing is on; rerun the same command to resume), 130 interrupted
-(SIGINT) before the first step.
+step was saved when checkpointing is on; rerun the same command to resume), 76 hung: the watchdog
+saw a phase of the run take far longer than its steps do (train.watchdog; one line names the phase and
+the file with every thread's stack; rerun to resume from the last checkpoint), 130 interrupted (SIGINT)
+before the first step.
 
 `--help` lists every config key with its type, default and meaning; `--help SECTION` one section.
 `--dry-run` sizes the run without building it (config, mesh, parameters, FLOPs, memory per device,

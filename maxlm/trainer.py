@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from maxlm import data as data_lib
-from maxlm import sizing
+from maxlm import sizing, watchdog
 from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
 from maxlm.checkpoint import start as start_checkpoints
 from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml, to_dict
@@ -248,6 +248,7 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
 
   ckpt, writer = None, None
   profiler = Profiler(cfg.profile, run_dir, is_main, echo=echo)
+  wd = watchdog.start(cfg.train, run_dir, jax.process_index(), jax.process_count())  # arm(): each host phase
   try:
     ckpt = start_checkpoints(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
     start_step = int(jax.device_get(trainer.state.step))
@@ -259,11 +260,13 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
     t_train0, steps_timed = None, 0
     batches = Batches(trainer.train_data, finite=d.num_epochs > 0)
     for step in range(start_step, t.steps):
+      wd.arm("data wait", step + 1)
       local = batches.take()
       if local is None:  # finite data that had ended before this (resumed) run
         if is_main:
           echo(f"maxlm: the training data ended (data.num_epochs={d.num_epochs}) before step {step + 1}")
         break
+      wd.arm("step dispatch", step + 1, dispatch=True)  # the host waits here when the device's queue is full
       with profiler.step(step + 1):  # NVTX/XProf step range; opens the profile window at its first step
         trainer.state, metrics = trainer.train_step(trainer.state, trainer.to_device(local))
       profiler.step_done(step + 1, metrics)  # closes the window after its last step
@@ -284,6 +287,7 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
       stop = preemption.reached(done)
       save_s = 0.0
       if ckpt is not None and (stop or last or ckpt.due(done)):
+        wd.arm("checkpoint save", done, slow=True)
         if t.nonfinite == "stop":  # never checkpoint past a skipped update
           checked = _check_finite(jax.device_get(metrics), checked, skipped, done, ckpt)
         jax.block_until_ready(trainer.state)  # the step's own time stays training time
@@ -295,6 +299,7 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
         ckpt.poll()
       if done % t.log_every and not last and not stop:
         continue
+      wd.arm("metrics fetch", done, sync=True)
       metrics = jax.device_get(metrics)
       now = time.perf_counter()
       row = {k: float(v) for k, v in metrics.items() if k not in ("finite", "tokens")}
@@ -305,6 +310,7 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
         dt = now - t_last - paused  # training only: checkpoint saves are reported as save_s
         row.update(throughput(tokens_per_step * steps_since, flops * steps_since, dt, trainer.n_devices, peak))
         row["step_time"] = dt / steps_since
+        wd.step_time(row["step_time"])
         steps_timed += steps_since
       else:
         row.update({"tokens_per_sec": None, "tflops_per_device": None, "mfu": None, "step_time": None})
@@ -322,6 +328,7 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
              f"{row['loss']}, grad norm {row['grad_norm']})")
         logged_skips = row["nonfinite_steps"]
       if trainer.eval_data_factory and t.eval_every and (done % t.eval_every == 0 or last):
+        wd.arm("evaluation", done, slow=True)
         row.update(trainer.evaluate())
       now = time.perf_counter()
       row["elapsed_s"] = now - t_start
@@ -333,6 +340,7 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
       t_last, steps_since, paused = time.perf_counter(), 0, 0.0
       if stop:
         if ckpt is not None:
+          wd.arm("checkpoint save", done, slow=True)
           ckpt.wait()
           echo(f"maxlm: {preemption.signal} at step {done}: checkpoint step {done} saved in "
                f"{ckpt.directory}; exiting with code {EXIT_PREEMPTED} (rerun the same command to resume)")
@@ -349,7 +357,9 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
     if writer is not None:
       writer.close()
     if ckpt is not None:
+      wd.arm("checkpoint close", slow=True)
       ckpt.close()  # waits for the save in flight
+    wd.stop()
   return 0
 
 

@@ -12,6 +12,8 @@ Environment:
   MAXLM_TEST_READONLY_AFTER=N  before the first save after step N, remount the checkpoints directory
                              read-only (run under `unshare -m` with that directory bind-mounted on itself)
   MAXLM_TEST_DISTRIBUTED=ADDR,N,I  jax.distributed with N CPU processes (this one I; Gloo collectives)
+  MAXLM_TEST_DATA_HANG=N,P   process P's N-th training batch read of this start blocks forever (a stuck
+                             read: the hang watchdog's case), after printing "DATA-HANG <N>"
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -86,15 +89,41 @@ def poisoned_losses(cfg, steps: list[int]):
   return poisoned
 
 
+class BlockingData:
+  """A training data iterator whose `n`-th batch read blocks forever."""
+
+  def __init__(self, data, n: int):
+    self._data, self._n, self._reads = data, n, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self._reads += 1
+    if self._reads == self._n:
+      print(f"DATA-HANG {self._n}", flush=True)
+      threading.Event().wait()
+    return next(self._data)
+
+  def __getattr__(self, name):
+    return getattr(self._data, name)
+
+
 def install_hooks(argv: list[str]) -> None:
+  import jax
+
   from maxlm import train
   from maxlm.checkpoint import manager as checkpoint
   trace = os.environ.get("MAXLM_TEST_TRACE")
   pause = float(os.environ.get("MAXLM_TEST_STEP_SLEEP", "0"))
+  hang = os.environ.get("MAXLM_TEST_DATA_HANG")
+  data_hang = [int(v) for v in hang.split(",")] if hang else None
   build = train.Trainer.build
 
   def traced_build(self):
     build(self)
+    if data_hang and data_hang[1] == jax.process_index():
+      self.train_data = BlockingData(self.train_data, data_hang[0])
     inner = self.train_step
 
     def step(state, batch):

@@ -7,7 +7,11 @@
 2   `scancel --signal=TERM` mid-run: both tasks save at the same step and exit 75, the template requeues,
     the job resumes and ends with the loss and parameters of the uninterrupted run of test 1, bit for bit;
 3   launch/mpi/train.sh (mpirun -np 2) gives the numbers of test 1;
-4   python started in the batch shell of a 2-task job (no srun) stops with one line.
+4   python started in the batch shell of a 2-task job (no srun) stops with one line;
+5   hangs: one task SIGSTOPped mid-run, then (after the requeue) one task's data read blocking: each time the
+    other process ends with the hang watchdog's line (exit 76), not JAX's abort, the template requeues, and
+    the third start ends with the loss and parameters of test 1's run, bit for bit;
+6   a job that hangs at every start is requeued MAXLM_MAX_RESTARTS times, then stops with exit code 76.
 (The other fail-fast cases need no launcher: tests/test_distributed.py.)
 
 `scripts/ci_services.sh start` installs and starts SLURM and OpenMPI (CI runs it, see .ci/run); without
@@ -19,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -315,3 +320,107 @@ def test_python_in_the_batch_shell_without_srun_stops_with_one_line(runs, tmp_pa
   assert lines[0].startswith(f"maxlm: error: distributed: started in the batch shell of SLURM job {job.id} "
                              "(2 tasks) without srun"), lines
   assert not (tmp_path / "runs").exists()
+
+
+def _requeued_then_started(job: Job, restarts: int, timeout: float) -> None:
+  """Wait until `job` is pending after its `restarts`-th requeue, then start it at once (the requeue delay
+  is about 120 s otherwise)."""
+  end = time.monotonic() + timeout
+  while True:
+    info = job.info()
+    if info.get("JobState") == "PENDING" and info.get("Restarts") == str(restarts):
+      break
+    ended = info.get("JobState") not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED")
+    if ended or time.monotonic() > end:
+      subprocess.run(["scancel", job.id], timeout=30)
+      pytest.fail(f"job {job.id} not requeued a {restarts}. time ({info.get('JobState')}, restarts "
+                  f"{info.get('Restarts')}):\n{job.output()[-3000:]}")
+    time.sleep(0.3)
+  time.sleep(2)  # slurmd refuses a restart within the second of the requeue (see the preemption test)
+  subprocess.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now"], check=True, timeout=30)
+
+
+@slurm
+def test_sbatch_hangs_end_with_the_watchdog_requeue_and_resume_bit_identical(runs, tmp_path):
+  if (why := _slurm_missing()):
+    pytest.skip(why)
+  # The template's Python is a shim that records each task's pid (exec keeps it) and picks the hang of each
+  # start: start 1 sleeps 0.5 s after each step, so that the test stops process 0 mid-run (SIGSTOP: it never
+  # runs again); at start 2, process 1's 3rd batch read blocks forever; start 3 runs through.
+  pids = tmp_path / "pids"
+  pids.mkdir()
+  shim = tmp_path / "python-hangs"
+  shim.write_text(f"#!/bin/sh\n# called as: $0 -m maxlm.train ARGS\nshift 2\n"
+                  f"echo $$ > {pids}/start${{SLURM_RESTART_COUNT:-0}}-task$SLURM_PROCID\n"
+                  "case \"${SLURM_RESTART_COUNT:-0}\" in\n"
+                  "  0) export MAXLM_TEST_STEP_SLEEP=0.5 ;;\n  1) export MAXLM_TEST_DATA_HANG=3,1 ;;\nesac\n"
+                  f"exec {sys.executable} {ROOT / 'tests' / 'resume_launcher.py'} \"$@\"\n")
+  shim.chmod(0o755)
+  # Limits: 3 s once a step time is known (the steps take ~0.5 s at start 1, ~0.01 s after); 120 s before
+  # that and for saves, which covers the first step's compile on a loaded 2-core machine. A task left after
+  # another ended is killed 2 s later (MAXLM_TASK_WAIT_S).
+  watchdog = ["train.watchdog_floor_s=3", "train.watchdog_first_step_s=120", "checkpoint.every=5"]
+  env = _env(1, runs.cache_dir, MAXLM_PYTHON=str(shim), MAXLM_TASK_WAIT_S="2")
+  job = Job.of_template(tmp_path / "job", [*TWO_PROCESSES, *SAVED, *watchdog], env)
+  end = time.monotonic() + 180
+  while not re.search(r"step 6/20 \|", job.output()):
+    alive = job.info().get("JobState") in ("PENDING", "RUNNING")
+    assert time.monotonic() < end and alive, job.output()[-3000:]
+    time.sleep(0.2)
+  os.kill(int((pids / "start0-task0").read_text()), signal.SIGSTOP)  # process 0 hosts JAX's coordinator
+  for restarts in (1, 2):
+    _requeued_then_started(job, restarts, timeout=150)
+  info = job.wait()
+  out = job.output()
+  assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out[-3000:])
+
+  starts = re.split(r"^maxlm-launch: job \d+ start \d+ .*$", out, flags=re.M)[1:]
+  assert len(starts) == 3, out[-3000:]
+  line = r"\[process (\d)/2 [^\]]+\] maxlm: error: watchdog: ([a-z ]+) at step (\d+) has taken ([\d.]+) s \(limit "
+  line += r"([\d.]+) s: .*\); stacks of every thread in (\S+); exiting with code 76$"
+  for start in starts:
+    assert "Check failure" not in start and "Aborted" not in start, start[-3000:]  # JAX's abort: not seen
+  # start 1: the survivor, process 1, ended itself within 3 s (floor) + 1 s (the thread's poll) + slack
+  fired = re.findall(line, starts[0], flags=re.M)
+  assert [f[0] for f in fired] == ["1"], starts[0][-3000:]
+  assert 3 <= float(fired[0][4]) <= float(fired[0][3]) < float(fired[0][4]) + 2, fired
+  assert "hung (exit 76, see the watchdog's line above): requeueing (restart 1 of at most 3" in starts[0]
+  # start 2: process 1 stuck in its 3rd read after resuming from step 5 (step 8); process 0, waiting for it in
+  # a collective, may end itself too or be killed first
+  fired = re.findall(line, starts[1], flags=re.M)
+  assert ("1", "data wait", "8") in [f[:3] for f in fired] and "DATA-HANG 3" in starts[1], starts[1][-3000:]
+  assert "requeueing (restart 2 of at most 3" in starts[1]
+  assert all("maxlm: resumed from checkpoint step 5" in start for start in starts[1:]), out[-3000:]
+  assert out.rstrip().splitlines()[-1].startswith(f"maxlm-launch: job {job.id} finished with exit code 0")
+  stacks = {p.name: p.read_text() for p in (job.run_dir / "watchdog").iterdir()}
+  assert len(stacks) == len(re.findall(line, out, flags=re.M)), stacks.keys()
+  hung_read = stacks[next(n for n in stacks if n.startswith("stacks-process1-step8-"))]
+  assert "in __next__" in hung_read and "Current thread" in hung_read and "MainThread" in hung_read
+
+  straight = runs.get("sbatch_2")  # the same 2-task run, never interrupted
+  _same_losses(job.run_dir, straight.run_dir, EXACT)
+  got = _params(job.run_dir / "checkpoints" / str(STEPS))
+  want = _params(straight.run_dir / "checkpoints" / str(STEPS))
+  assert got.keys() == want.keys() and got
+  for k in want:
+    assert got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes(), k
+
+
+@slurm
+def test_sbatch_requeues_after_a_hang_at_most_max_restarts_times(tmp_path):
+  if (why := _slurm_missing()):
+    pytest.skip(why)
+  # No trainer: task 1 exits 76 at once, as the watchdog does; task 0 stays stuck until srun kills it.
+  fake = tmp_path / "python-always-hangs"
+  fake.write_text("#!/bin/sh\n[ \"$SLURM_PROCID\" = 1 ] && exit 76\nexec sleep 600\n")
+  fake.chmod(0o755)
+  env = _env(1, tmp_path, MAXLM_PYTHON=str(fake), MAXLM_TASK_WAIT_S="1", MAXLM_MAX_RESTARTS="1")
+  job = Job.of_template(tmp_path / "job", [], env)
+  _requeued_then_started(job, 1, timeout=60)
+  info = job.wait(timeout=60)
+  out = job.output()
+  # srun's own code was 137 (task 0 killed) at both starts: the template read task 1's 76 from srun's line
+  assert info["JobState"] == "FAILED" and info["ExitCode"] == "76:0" and info["Restarts"] == "1", (info, out)
+  assert "task 0: Killed" in out and "requeueing (restart 1 of at most 1 after a hang)" in out, out
+  assert "not requeued, its restarts after a hang are used up (1 of MAXLM_MAX_RESTARTS=1)" in out, out
+  assert out.rstrip().splitlines()[-1].startswith(f"maxlm-launch: job {job.id} finished with exit code 76")

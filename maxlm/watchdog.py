@@ -1,0 +1,217 @@
+"""The hang watchdog: a training process that stops making progress ends itself, so that the launcher
+can requeue the job and it resumes from its last checkpoint.
+
+A multi-process run hangs when one process stops (a frozen node, SIGSTOP) or stays alive but stuck (a
+collective that never completes, a data read or a checkpoint write that blocks). The stuck process still
+sends JAX's heartbeats, so every process would wait until the job's time limit; a stopped one makes
+JAX's coordination service abort the others after its heartbeat timeout, with a C++ stack and exit 134
+that no launcher acts on.
+
+The trainer marks the points of its loop where the host is anyway with `arm(phase, step)` (a batch is
+taken, a step is dispatched, metrics are fetched, a checkpoint is saved ...): the phase runs until the
+next `arm`. One thread ("maxlm-watchdog") checks, once a second or at the phase's deadline if sooner, that
+the current phase has not run past its limit. If it has, the thread writes the stack of every Python
+thread to <run_dir>/watchdog/, prints one line
+
+  maxlm: error: watchdog: <phase> at step N has taken X s (limit Y s: 10 x median step Z s, floor F s);
+  stacks of every thread in <file>; exiting with code 76
+
+and ends the process with EXIT_HUNG (76); launch/slurm requeues the job on it (launch/README.md).
+
+No host sync is added: `arm` only records the phase (one tuple assignment) and the thread reads it.
+With asynchronous dispatch the host waits for the device inside later phases (a metrics fetch, a
+dispatch when the device's queue is full, a data read that asks the other processes), so a hang shows
+as one of them not ending. Limits:
+
+* a step-time median is known (from the trainer's `step_time`, measured between two host syncs: the
+  first comes after the first logged interval): max(train.watchdog_floor_s, train.watchdog_factor x
+  median x n), n the steps dispatched since the host last waited for the device (each of them may still
+  be running when the phase starts, and the phase may wait for all of them);
+* no median yet (restoring a checkpoint, the first step's trace and compile, the steps up to the first
+  metrics row), and always for checkpoint saves and evaluations (`slow=True`):
+  train.watchdog_first_step_s.
+
+`train.watchdog=auto` turns it on for runs of several processes, the ones a hang holds up and a launcher
+requeues; a one-process run is often interactive (a notebook, a debugger paused on a breakpoint) and has
+no peer to wait for: `train.watchdog=always` watches it too.
+"""
+
+from __future__ import annotations
+
+import collections
+import faulthandler
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from maxlm.config import TrainConfig
+
+EXIT_HUNG = 76  # after EX_TEMPFAIL (75, preempted): "try again", from the last checkpoint
+SAMPLES = 101  # the median is over the last SAMPLES step times (odd: one middle value)
+POLL_S = 1.0  # the thread wakes at least this often
+STACKS_WRITE_S = 10.0  # a stuck file system may be the hang: then the stacks go to stderr instead
+# JAX's heartbeat timeout while the watchdog is on (maxlm.distributed passes it): a stopped process is
+# then caught by the watchdog of the others, whose exit code the launcher acts on, not by JAX's abort
+# (with JAX's default, 100 s, the others aborted with exit 134 about 80 s after a peer was SIGSTOPped,
+# seen on CPU with tests/test_launch.py's hang test and the watchdog off).
+HEARTBEAT_S = 86400
+
+
+def enabled(t: TrainConfig, process_count: int) -> bool:
+  return t.watchdog == "always" or (t.watchdog == "auto" and process_count > 1)
+
+
+def jax_heartbeat_s(t: TrainConfig, process_count: int) -> int | None:
+  """The heartbeat timeout to give jax.distributed.initialize; None: JAX's default."""
+  return HEARTBEAT_S if enabled(t, process_count) else None
+
+
+class _Phase(NamedTuple):  # a NamedTuple: made 3 times a step, ~4x cheaper than a frozen dataclass
+  name: str
+  step: int
+  start: float
+  limit: float
+  median: float | None  # None: the slow limit (train.watchdog_first_step_s)
+  in_flight: int
+  why_slow: str = ""
+
+
+class Watchdog:
+  """Create with `start()`; `arm(phase, step)` at every host point of the loop, `step_time(s)` with
+  every measured step time, `stop()` at the end. `exit` is for tests."""
+
+  def __init__(self, t: TrainConfig, stack_dir: Path, process_index: int = 0, exit=os._exit):
+    self.factor, self.floor_s, self.slow_s = t.watchdog_factor, t.watchdog_floor_s, t.watchdog_first_step_s
+    self.stack_dir, self.process_index = Path(stack_dir), process_index
+    self._exit = exit
+    self._samples: collections.deque[float] = collections.deque(maxlen=SAMPLES)
+    self.median: float | None = None
+    self._in_flight = 0  # steps dispatched since the host last waited for the device
+    self._phase: _Phase | None = None  # replaced whole: one assignment, atomic for the thread
+    self._done = threading.Event()
+    self._armed = threading.Event()  # the thread waits for the first phase
+    self._thread = threading.Thread(target=self._watch, name="maxlm-watchdog", daemon=True)
+    self._thread.start()
+
+  def arm(self, phase: str, step: int | None = None, *, slow: bool = False, dispatch: bool = False,
+          sync: bool = False) -> None:
+    """From now on the run is in `phase` of `step` (None: the step of the phase before). `dispatch`: the
+    phase dispatches one more step; `sync`: it waits for every step dispatched so far (a fetch), so the
+    phases after it start with none in flight."""
+    step = (self._phase.step if self._phase else 0) if step is None else step
+    self._in_flight += dispatch
+    n = max(1, self._in_flight)
+    if sync:
+      self._in_flight = 0
+    now = time.monotonic()
+    if slow or self.median is None:
+      why = "for saves and evaluations" if slow else "no step time is known yet"
+      self._phase = _Phase(phase, step, now, self.slow_s, None, n, why)
+    else:
+      self._phase = _Phase(phase, step, now, max(self.floor_s, self.factor * self.median * n), self.median, n)
+    if not self._armed.is_set():
+      self._armed.set()
+
+  @property
+  def phase(self) -> _Phase | None:
+    """The phase now timed (None once stopped)."""
+    return self._phase
+
+  def step_time(self, seconds: float | None) -> None:
+    """One measured time per step (a logged interval's training time over its steps)."""
+    if seconds is not None and seconds > 0:
+      self._samples.append(seconds)
+      self.median = statistics.median(self._samples)
+
+  def stop(self) -> None:
+    self._phase = None
+    self._done.set()
+    self._armed.set()
+
+  # --- the thread ---------------------------------------------------------------------------------
+
+  def _watch(self) -> None:
+    self._armed.wait()
+    while not self._done.is_set():
+      phase = self._phase
+      wait = POLL_S
+      if phase is not None:
+        late = time.monotonic() - phase.start - phase.limit
+        if late >= 0 and self._phase is phase:
+          self._fire(phase)
+          return
+        wait = min(POLL_S, max(-late, 0.001))
+      self._done.wait(wait)
+
+  def message(self, phase: _Phase, taken: float, stacks: str) -> str:
+    if phase.median is None:
+      how = f"train.watchdog_first_step_s, {phase.why_slow}"
+    else:
+      steps = f" x {phase.in_flight} steps in flight" if phase.in_flight > 1 else ""
+      how = f"{self.factor:g} x median step {phase.median:.3g} s{steps}, floor {self.floor_s:g} s"
+    return (f"maxlm: error: watchdog: {phase.name} at step {phase.step} has taken {taken:.1f} s (limit "
+            f"{phase.limit:.1f} s: {how}); stacks of every thread in {stacks}; exiting with code {EXIT_HUNG}")
+
+  def _fire(self, phase: _Phase) -> None:
+    taken = time.monotonic() - phase.start
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = self.stack_dir / f"stacks-process{self.process_index}-step{phase.step}-{stamp}.txt"
+    failed = []
+
+    def write() -> None:
+      try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+          f.write(self.message(phase, taken, str(path)) + "\n\nthreads: " + ", ".join(
+              f"0x{t.ident or 0:016x} {t.name}" for t in threading.enumerate()) + "\n\n")
+          f.flush()
+          faulthandler.dump_traceback(f, all_threads=True)
+      except OSError as e:
+        failed.append(e.strerror or str(e))
+
+    writer = threading.Thread(target=write, name="maxlm-watchdog-stacks", daemon=True)
+    writer.start()
+    writer.join(STACKS_WRITE_S)
+    where = str(path)
+    if failed or writer.is_alive():  # an unwritable or stuck run directory: the stacks go to stderr
+      why = failed[0] if failed else f"no answer within {STACKS_WRITE_S:g} s"
+      where = f"stderr (cannot write {path}: {why})"
+      faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
+    prefix = getattr(sys.stderr, "prefix", "")  # `[process i/N host] ` (maxlm.process_output)
+    os.write(2, f"{prefix}{self.message(phase, taken, where)}\n".encode())
+    _flush_stdout()
+    self._exit(EXIT_HUNG)
+
+
+def _flush_stdout(timeout: float = 1.0) -> None:
+  """Flush stdout, but never wait on it for long (the stuck thread may hold its lock)."""
+  th = threading.Thread(target=lambda: sys.stdout.flush(), daemon=True)
+  th.start()
+  th.join(timeout)
+
+
+class _Off:
+  """The watchdog when it is off: every call does nothing."""
+
+  def arm(self, *a, **kw) -> None:
+    pass
+
+  def step_time(self, seconds) -> None:
+    pass
+
+  def stop(self) -> None:
+    pass
+
+
+def start(t: TrainConfig, run_dir: Path, process_index: int, process_count: int) -> Watchdog | _Off:
+  """The run's watchdog, armed for the phase "restore" (resuming from a checkpoint); `_Off` when
+  train.watchdog is off for this run."""
+  if not enabled(t, process_count):
+    return _Off()
+  wd = Watchdog(t, Path(run_dir) / "watchdog", process_index)
+  wd.arm("restore", 0)
+  return wd

@@ -1,0 +1,227 @@
+"""The hang watchdog (`maxlm.watchdog`): its limits (median step time x factor x steps in flight, the floor,
+the slow limit), the one line, the stack file and the exit code (in subprocesses, for the real os._exit), and
+the trainer's phases on a real one-process run whose data read blocks. The multi-process cases (a SIGSTOPped
+peer, a stuck read in one process) with the SLURM template's requeue are in tests/test_launch.py."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from maxlm import watchdog
+from maxlm.config import ConfigError, TrainConfig, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TrainConfig(watchdog_factor=10.0, watchdog_floor_s=1.0, watchdog_first_step_s=100.0)
+
+
+def _quiet_watchdog(t=T, **kw):
+  """A watchdog whose exit only records the code (its limits here are never reached)."""
+  codes = []
+  return watchdog.Watchdog(t, Path("/nonexistent"), exit=codes.append, **kw), codes
+
+
+def test_limits_follow_the_median_the_steps_in_flight_and_the_floor():
+  wd, codes = _quiet_watchdog()
+  try:
+    wd.arm("restore", 0)
+    assert (wd.phase.name, wd.phase.limit, wd.phase.median) == ("restore", 100.0, None)  # no step time yet
+    for s in (0.1, 0.3, 0.2, None, 0.0):  # None / 0: intervals without a measured step, ignored
+      wd.step_time(s)
+    assert wd.median == 0.2
+    wd.arm("data wait", 1)
+    assert wd.phase.limit == pytest.approx(10 * 0.2 * 1)  # nothing in flight counts as one step
+    limits = []
+    for step in (1, 2, 3):  # three steps dispatched, none fetched: the host may wait for all three
+      wd.arm("step dispatch", step, dispatch=True)
+      limits.append(wd.phase.limit)
+    assert limits == pytest.approx([2.0, 4.0, 6.0])
+    wd.arm("metrics fetch", 3, sync=True)  # waits for the three; nothing is in flight after it
+    assert wd.phase.limit == pytest.approx(6.0) and wd.phase.in_flight == 3
+    wd.arm("data wait", 4)
+    assert wd.phase.limit == pytest.approx(2.0) and wd.phase.step == 4
+    wd.arm("checkpoint save", 4, slow=True)  # saves and evaluations: the slow limit, median or not
+    assert wd.phase.limit == 100.0
+    wd.arm("checkpoint close", slow=True)  # no step given: the step of the phase before
+    assert wd.phase.step == 4
+    wd.step_time(0.01)  # median of 0.1, 0.3, 0.2, 0.01 = 0.15: 1.5 s, above the floor
+    wd.arm("data wait", 5)
+    assert wd.phase.limit == pytest.approx(1.5)
+  finally:
+    wd.stop()
+  wd, _ = _quiet_watchdog()
+  try:
+    wd.step_time(0.01)
+    wd.arm("data wait", 1)
+    assert wd.phase.limit == 1.0  # 10 x 0.01 s = 0.1 s is below the floor
+  finally:
+    wd.stop()
+  assert codes == []
+
+
+def test_the_median_is_over_the_last_101_step_times():
+  wd, _ = _quiet_watchdog()
+  try:
+    for s in [1.0] * 101 + [3.0] * 50:  # kept: 51 x 1.0, 50 x 3.0
+      wd.step_time(s)
+    assert wd.median == 1.0
+    wd.step_time(3.0)  # kept: 50 x 1.0, 51 x 3.0
+    assert wd.median == 3.0
+  finally:
+    wd.stop()
+
+
+def test_rearming_restarts_the_clock_and_stop_ends_the_thread():
+  t = TrainConfig(watchdog_floor_s=0.3, watchdog_first_step_s=0.3)
+  wd, codes = _quiet_watchdog(t)
+  for i in range(8):  # 8 phases of 0.1 s: 0.8 s in all, each far inside its 0.3 s limit
+    wd.arm("step dispatch", i + 1, dispatch=True)
+    time.sleep(0.1)
+  wd.stop()
+  time.sleep(0.5)  # past the last phase's deadline: a stopped watchdog does not fire
+  assert codes == [] and "maxlm-watchdog" not in [th.name for th in threading.enumerate()]
+
+
+def test_slow_limit_fires_in_process_with_the_exit_code(tmp_path):
+  t = TrainConfig(watchdog_floor_s=10.0, watchdog_first_step_s=0.2)
+  codes = []
+  wd = watchdog.Watchdog(t, tmp_path / "watchdog", exit=codes.append)
+  wd.arm("restore", 0)  # no step time yet: the slow limit, 0.2 s
+  end = time.monotonic() + 5
+  while not codes and time.monotonic() < end:
+    time.sleep(0.05)
+  assert codes == [watchdog.EXIT_HUNG] == [76]
+  [stacks] = (tmp_path / "watchdog").iterdir()
+  first = stacks.read_text().splitlines()[0]
+  # taken: the limit plus the thread's wake-up (it sleeps until the deadline, and at most 1 s at a time)
+  assert re.fullmatch(r"maxlm: error: watchdog: restore at step 0 has taken 0\.[2-9] s \(limit 0\.2 s: "
+                      r"train\.watchdog_first_step_s, no step time is known yet\); stacks of every thread in "
+                      + re.escape(str(stacks)) + "; exiting with code 76", first), first
+
+
+def test_a_stuck_run_directory_sends_the_stacks_to_stderr(tmp_path, monkeypatch, capfd):
+  # the hang may be the file system itself: writing the stack file must not hold the exit up
+  monkeypatch.setattr(watchdog, "STACKS_WRITE_S", 0.3)
+  monkeypatch.setattr(watchdog, "open", lambda *a, **kw: threading.Event().wait(), raising=False)
+  codes = []
+  wd = watchdog.Watchdog(TrainConfig(watchdog_first_step_s=0.1), tmp_path / "watchdog", exit=codes.append)
+  wd.arm("checkpoint save", 7, slow=True)
+  end = time.monotonic() + 5
+  while not codes and time.monotonic() < end:
+    time.sleep(0.05)
+  assert codes == [76]
+  err = capfd.readouterr().err
+  assert "Current thread" in err and re.search(
+      r"\(limit 0\.1 s: train\.watchdog_first_step_s, for saves and evaluations\); stacks of every thread in "
+      r"stderr \(cannot write " + re.escape(str(tmp_path / "watchdog")) + r"/stacks-process0-step7-\d{8}-\d{6}"
+      r"\.txt: no answer within 0\.3 s\); exiting with code 76$", err.splitlines()[-1]), err[-500:]
+
+
+CHILD = r"""
+import sys, threading, time
+from pathlib import Path
+from maxlm import watchdog
+from maxlm.config import TrainConfig
+from maxlm.process_output import prefix_output
+prefix_output("[process 1/2 hostx] ")
+wd = watchdog.Watchdog(TrainConfig(watchdog_factor=10.0, watchdog_floor_s=0.5), Path(sys.argv[1]), process_index=1)
+wd.step_time(0.02)  # limit max(0.5, 10 x 0.02 x 1) = 0.5 s
+for step in range(1, 6):  # 1 s of phases of 0.1 s each: no exit
+  wd.arm("step dispatch", step, dispatch=True)
+  time.sleep(0.1)
+  wd.arm("metrics fetch", step, sync=True)
+  time.sleep(0.1)
+print("ALIVE", flush=True)
+
+def stuck_in_a_collective():
+  threading.Event().wait()
+
+wd.arm("metrics fetch", 6, sync=True)
+stuck_in_a_collective()
+"""
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_a_stuck_phase_ends_the_process_with_one_line_the_stacks_and_code_76(tmp_path, writable):
+  if writable:
+    stack_dir = tmp_path / "run" / "watchdog"
+  else:
+    (tmp_path / "run").write_text("a file, not a directory")
+    stack_dir = tmp_path / "run" / "watchdog"
+  t0 = time.monotonic()
+  r = subprocess.run([sys.executable, "-c", CHILD, str(stack_dir)], cwd=ROOT, capture_output=True, text=True,
+                     timeout=60)
+  assert r.returncode == 76 and r.stdout == "[process 1/2 hostx] ALIVE\n", (r.returncode, r.stdout, r.stderr)
+  lines = r.stderr.splitlines()
+  pattern = (r"\[process 1/2 hostx\] maxlm: error: watchdog: metrics fetch at step 6 has taken ([\d.]+) s \(limit "
+             r"0\.5 s: 10 x median step 0\.02 s, floor 0\.5 s\); stacks of every thread in (.+); exiting with code 76")
+  if writable:
+    assert len(lines) == 1, r.stderr
+    m = re.fullmatch(pattern, lines[0])
+    assert m and Path(m[2]).parent == stack_dir, lines
+    text = Path(m[2]).read_text()
+    assert text.startswith(lines[0].removeprefix("[process 1/2 hostx] ")), text
+    assert Path(m[2]).name.startswith("stacks-process1-step6-")
+  else:  # the stacks go to stderr, before the line, which says where they went
+    m = re.fullmatch(pattern, lines[-1])
+    assert m and m[2].startswith(f"stderr (cannot write {stack_dir}/stacks-process1-step6-"), lines[-1]
+    text = r.stderr
+    assert not stack_dir.exists()
+  # the stuck main thread is named with its frame; the phase overran its limit by at most the poll interval
+  assert "in stuck_in_a_collective" in text and "Current thread" in text
+  if writable:
+    assert "MainThread" in text and "maxlm-watchdog" in text
+  assert 0.5 <= float(m[1]) < 0.5 + watchdog.POLL_S + 0.5, m[1]  # 0.5 s of slack for a loaded host
+  assert time.monotonic() - t0 < 30
+
+
+def test_on_for_several_processes_and_jax_heartbeat_raised_with_it():
+  auto, always, never = (TrainConfig(watchdog=w) for w in ("auto", "always", "never"))
+  assert [watchdog.enabled(auto, n) for n in (1, 2)] == [False, True]
+  assert [watchdog.enabled(always, n) for n in (1, 2)] == [True, True]
+  assert [watchdog.enabled(never, n) for n in (1, 2)] == [False, False]
+  assert watchdog.jax_heartbeat_s(auto, 1) is None and watchdog.jax_heartbeat_s(never, 8) is None
+  # a stopped peer must be the watchdog's to report: JAX's heartbeat outlasts every limit in use
+  assert watchdog.jax_heartbeat_s(auto, 2) == watchdog.HEARTBEAT_S >= 10 * T.watchdog_first_step_s
+  assert isinstance(watchdog.start(auto, Path("/nonexistent"), 0, 1), watchdog._Off)
+
+
+@pytest.mark.parametrize("arg,key", [("train.watchdog=on", "train.watchdog"),
+                                     ("train.watchdog_factor=0.5", "train.watchdog_factor"),
+                                     ("train.watchdog_floor_s=0", "train.watchdog_floor_s"),
+                                     ("train.watchdog_first_step_s=-1", "train.watchdog_first_step_s")])
+def test_bad_watchdog_keys_are_refused(arg, key):
+  with pytest.raises(ConfigError, match=re.escape(f"'{key}'")):
+    load_config([arg])
+
+
+TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
+        "model.n_layers=1", "model.remat=none", "model.backend=flax", "model.vocab_size=128", "data.type=synthetic",
+        "data.seq_len=16", "data.global_batch_size=4", "train.log_every=1", "train.eval_every=0", "run_name=r"]
+
+
+def test_a_run_whose_data_read_blocks_ends_with_the_watchdog(tmp_path):
+  # One process, watched on purpose (train.watchdog=always); its 3rd batch read blocks forever
+  # (tests/resume_launcher.py). Steps 1 and 2 run and log; the read of step 3 ends the run 1 s (the floor:
+  # the CPU steps take milliseconds) after it started.
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "MAXLM_TEST_DATA_HANG": "3,0",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+  r = subprocess.run([sys.executable, str(ROOT / "tests" / "resume_launcher.py"), f"output_dir={tmp_path}", *TINY,
+                      "train.steps=6", "train.watchdog=always", "train.watchdog_floor_s=1"],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 76, (r.returncode, r.stderr[-3000:])
+  last = r.stderr.splitlines()[-1]
+  m = re.fullmatch(r"maxlm: error: watchdog: data wait at step 3 has taken 1\.\d s \(limit 1\.0 s: 10 x median "
+                   r"step [\d.e-]+ s, floor 1 s\); stacks of every thread in (\S+); exiting with code 76", last)
+  assert m, last
+  assert "DATA-HANG 3" in r.stdout and "step 2/6 |" in r.stdout and "step 3/6" not in r.stdout
+  rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+  assert [row["step"] for row in rows] == [1, 2]
+  stacks = Path(m[1])
+  assert stacks.parent == tmp_path / "r" / "watchdog" and "in __next__" in stacks.read_text()

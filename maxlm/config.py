@@ -54,7 +54,7 @@ class ModelConfig:
   sliding_window: int = option(0, "0 = full causal attention; W > 0 = Mistral-style window of W tokens",
                                within="[0, inf)")
   tie_embeddings: bool = option(False, "the LM head reuses the token embedding")
-  param_dtype: str = option("float32", "master weights (also their gradients and Adam moments)",
+  param_dtype: str = option("float32", "master weights (also their gradients; Adam's moments: optim.state_dtype)",
                             choices=("float32", "bfloat16"))
   dtype: str = option("bfloat16", "compute dtype (model.precision=fp16 computes in float16)",
                       choices=("float32", "bfloat16"))
@@ -149,6 +149,13 @@ class OptimConfig:
   decay_norms_and_embeddings: bool = option(False, "also decay norm scales and embeddings")
   clip_grad_norm: float = option(1.0, "clip the global gradient norm to this; 0 disables clipping",
                                  within="[0, inf)")
+  state_dtype: str = option("float32", "dtype AdamW's two moments are stored in; the update is computed in "
+                            "float32 either way (moments upcast, new ones rounded to nearest even)",
+                            choices=("float32", "bfloat16"))
+  offload: str = option("none", "host: the optimizer state lives in pinned host memory; after the backward "
+                        "pass the update streams it through the device a few parameters at a time (no moments "
+                        "on the GPU during forward and backward; costs host-device transfers each step)",
+                        choices=("none", "host"))
 
 
 _DEGREE = "[1, inf) or -1"

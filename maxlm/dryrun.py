@@ -156,7 +156,8 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
           "remat", "scan_layers")} | {"backend": backend},
           "train": {"steps": t.steps, "grad_accum": t.grad_accum, "seed": t.seed},
           "optim": {"learning_rate": cfg.optim.learning_rate, "schedule": cfg.optim.schedule,
-                    "warmup_steps": cfg.optim.warmup_steps, "weight_decay": cfg.optim.weight_decay},
+                    "warmup_steps": cfg.optim.warmup_steps, "weight_decay": cfg.optim.weight_decay,
+                    "state_dtype": cfg.optim.state_dtype, "offload": cfg.optim.offload},
           "run_dir": str(cfg.run_dir)},
       "mesh": {"devices": n_devices, "nodes": n_nodes, **degrees, "intra_node": ici, "inter_node": dcn},
       "params": {"total": total, "embedding": embedding, "non_embedding": total - embedding,
@@ -213,7 +214,8 @@ def render(p: dict) -> str:
       "memory  per device, estimated:",
   ]
   rows = [("params", f"{m['param_dtype']}, sharded over fsdp x tensor"),
-          ("optimizer", "AdamW mu and nu, same dtype and shards as the params"),
+          ("optimizer", f"AdamW mu and nu in {c['optim']['state_dtype']}, the params' shards"
+           + ("; in host memory (optim.offload=host)" if c["optim"]["offload"] == "host" else "")),
           ("gradients", "same dtype and shards as the params"),
           ("fp8_meta", f"TE delayed-scaling amax histories and scales, from {mem['fp8_meta_from']}"),
           ("logits", "one micro-batch, fp32 for the loss + the compute-dtype copy"),
@@ -224,6 +226,9 @@ def render(p: dict) -> str:
   lines.append(f"  {'lower bound':<12}{_gib(est['lower_bound']):>11}   all but the activations: certainly needed "
                f"({est['lower_bound'] / 1e9:.1f} GB)")
   lines.append(f"  {'total':<12}{_gib(est['total']):>11}   ({est['total'] / 1e9:.1f} GB, the unit of peak_memory_gb)")
+  if est["host"]:
+    lines.append(f"  {'host':<12}{_gib(est['host']):>11}   the optimizer state in pinned host memory, not in "
+                 "the totals")
   if "device_bytes" in mem:
     verdict = "fits" if mem["fits"] else ("the lower bound fits, the total does not" if mem["lower_bound_fits"]
                                           else "does NOT fit (the run stops at start)")

@@ -3,8 +3,11 @@
 `estimate(cfg, n_devices)` gives bytes per device for each part:
 
 * params: the parameters, in `model.param_dtype`.
-* optimizer: AdamW's two moments, in the parameter dtype (optax's default; fp32 for the fp32 master
-  weights every shipped config uses).
+* optimizer: AdamW's two moments, in `optim.state_dtype` (2 x 4 bytes per parameter for float32, 2 x 2
+  for bfloat16); 0 with `optim.offload=host`, where they live in host memory (the update streams them
+  through the device a few parameters at a time after the backward pass: not counted here).
+* host: the optimizer state in pinned host memory per device (`optim.offload=host`), else 0; not part of
+  lower_bound or total, which are device memory.
 * gradients: one gradient per parameter, in the parameter dtype.
 * fp8_meta: TE's delayed-scaling state (`fp8_metas`): per quantized GEMM (4 per layer, + the LM head
   with `model.fp8_lm_head` when unchunked), an fp32 amax history and scale for its input, kernel and gradient;
@@ -97,7 +100,8 @@ def _logit_positions(m, seq_len: int) -> int:
 
 def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
              state: dict[str, int] | None = None) -> dict[str, int]:
-  """Bytes per device: params, optimizer, gradients, fp8_meta, logits, activations, lower_bound, total."""
+  """Bytes per device: params, optimizer, gradients, fp8_meta, logits, activations, lower_bound, total, and
+  host (pinned host memory, not in the totals)."""
   if n_devices < 1 or n_nodes < 1:
     raise ValueError(f"n_devices ({n_devices}) and n_nodes ({n_nodes}) must be >= 1")
   from maxlm.model import count_params  # lazy: maxlm.model imports jax, the rest here needs none
@@ -111,11 +115,14 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
   rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
   vocab = -(-m.vocab_size // deg["tensor"])
   logit_bytes = 4 + (c_bytes if c_bytes != 4 else 0)
+  moments = -(-2 * n_params * DTYPE_BYTES[cfg.optim.state_dtype] // shards)
   if state is not None:
-    params = state["params"]
+    params, moments = state["params"], state["optimizer"]
+  host = cfg.optim.offload == "host"
   out = {
       "params": params,
-      "optimizer": 2 * params if state is None else state["optimizer"],
+      "optimizer": 0 if host else moments,
+      "host": moments if host else 0,
       "gradients": params,
       "fp8_meta": fp8_meta_bytes(m) if state is None else state["fp8_meta"],
       "logits": rows * _logit_positions(m, d.seq_len) * vocab * logit_bytes,

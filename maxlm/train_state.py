@@ -1,5 +1,6 @@
 """The train state (params, optimizer state, non-param model collections, step, RNG, fp16 loss scale) and
-its shardings."""
+its shardings, with their memory kinds: `optim.offload=host` keeps the optimizer state in pinned host
+memory between steps (maxlm/offload.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from flax import linen as nn
 from jax.sharding import Mesh
 
 from maxlm.loss_scale import LossScale, init_loss_scale
+from maxlm.offload import place
 from maxlm.sharding import shardings_from_logical, strip_boxes
 
 
@@ -45,19 +47,21 @@ def init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, rng: j
 
 
 def abstract_state(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh, batch: int,
-                   seq_len: int):
-  """(ShapeDtypeStructs with shardings, shardings) of the state, without allocating it."""
+                   seq_len: int, offload: str = "none"):
+  """(ShapeDtypeStructs with shardings, shardings) of the state, without allocating it; `offload` as in
+  `place`."""
   abstract = jax.eval_shape(lambda r: init_boxed(model, optimizer, r, batch, seq_len),
                             jax.random.PRNGKey(0))
-  shardings = shardings_from_logical(abstract, mesh)
+  shardings = place(shardings_from_logical(abstract, mesh), offload)
   structs = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                    strip_boxes(abstract), shardings)
   return structs, shardings
 
 
 def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int,
-                       batch: int, seq_len: int):
-  """(state, shardings): the state initialized directly into its shards (no host copy)."""
-  _, shardings = abstract_state(model, optimizer, mesh, batch, seq_len)
+                       batch: int, seq_len: int, offload: str = "none"):
+  """(state, shardings): the state initialized directly into its shards (no host copy), each leaf in
+  the memory `offload` gives it (see `place`)."""
+  _, shardings = abstract_state(model, optimizer, mesh, batch, seq_len, offload)
   init = lambda r: nn.unbox(init_boxed(model, optimizer, r, batch, seq_len))
   return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed)), shardings

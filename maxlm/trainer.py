@@ -182,7 +182,7 @@ class Trainer:
     micro = cfg.data.global_batch_size // cfg.train.grad_accum
     with self.scope():
       self.state, self.state_shardings = create_train_state(
-          self.model, self.optimizer, self.mesh, cfg.train.seed, micro, cfg.data.seq_len)
+          self.model, self.optimizer, self.mesh, cfg.train.seed, micro, cfg.data.seq_len, cfg.optim.offload)
     self.batch_sharding = batch_sharding(self.mesh)
     bs = {k: self.batch_sharding for k in data_lib.BATCH_KEYS}
     step = make_train_step(self.model, self.optimizer, self.schedule, grad_accum=cfg.train.grad_accum,

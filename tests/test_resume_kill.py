@@ -35,7 +35,7 @@ class Run:
   count = 0
   cache: Path | None = None
 
-  def __init__(self, root: Path, **env):
+  def __init__(self, root: Path, extra: tuple[str, ...] = (), **env):
     Run.count += 1
     self.root, self.log = root, root / f"log{Run.count}.txt"
     root.mkdir(parents=True, exist_ok=True)
@@ -47,7 +47,7 @@ class Run:
     self.complete_at_start = complete_steps(self.ckpt_dir)
     self._trace_start = len(_trace(root))
     with open(self.log, "w") as out:
-      self.proc = subprocess.Popen([sys.executable, str(LAUNCHER), f"output_dir={root}", *ARGS], cwd=ROOT,
+      self.proc = subprocess.Popen([sys.executable, str(LAUNCHER), f"output_dir={root}", *ARGS, *extra], cwd=ROOT,
                                    env=e, stdout=out, stderr=subprocess.STDOUT)
 
   @property
@@ -185,3 +185,24 @@ def test_sigterm_and_sigint_save_then_exit_75_and_resume_bit_identical(reference
   assert run.finish() == 0, run.text()
   run.check_resumed()
   _same_as_reference(tmp_path, reference)
+
+
+def test_kill9_then_resume_is_bit_identical_with_bf16_moments_in_host_memory(reference, tmp_path):
+  """optim.state_dtype=bfloat16 and optim.offload=host together: a run killed with SIGKILL between checkpoints
+  resumes from the last one and ends bit-identical to an uninterrupted run with the same options."""
+  levers = ("optim.state_dtype=bfloat16", "optim.offload=host")
+  whole = Run(tmp_path / "whole", extra=levers)
+  assert whole.finish() == 0, whole.text()
+  want = {"losses": {r["step"]: (r["loss"], r["grad_norm"]) for r in _metrics(tmp_path / "whole")},
+          "batches": dict(_trace(tmp_path / "whole")), "final": _final_arrays(tmp_path / "whole")}
+  assert want["batches"] == reference["batches"]  # the same data; only the optimizer differs
+  moments = [v for k, v in want["final"].items() if ".mu[" in k or ".nu[" in k]
+  assert moments and {dtype for _, dtype, _ in moments} == {"bfloat16"}
+  run = Run(tmp_path / "killed", extra=levers, step_sleep=0.1)
+  run.wait_for(lambda: run.last_step() >= 6)
+  run.proc.kill()
+  assert run.proc.wait() == -signal.SIGKILL
+  run = Run(tmp_path / "killed", extra=levers)
+  assert run.finish() == 0, run.text()
+  run.check_resumed()
+  _same_as_reference(tmp_path / "killed", want)

@@ -59,7 +59,8 @@ def test_mesh_degrees_divide_the_right_parts():
 def test_dtypes_and_micro_batch():
   cfg = load_config(["train.grad_accum=4", "model.param_dtype=bfloat16", "model.dtype=float32"])
   est = estimate(cfg, 1)
-  assert est["params"] == 2 * TINY_PARAMS and est["optimizer"] == 2 * 2 * TINY_PARAMS  # moments in bf16
+  # moments in optim.state_dtype, float32 by default, whatever the params' dtype
+  assert est["params"] == 2 * TINY_PARAMS and est["optimizer"] == 2 * 4 * TINY_PARAMS
   assert est["logits"] == (8 // 4) * 128 * 8192 * 4  # micro-batch of 2 rows; fp32 logits, no second copy
 
 
@@ -147,3 +148,26 @@ def test_chunked_loss_holds_one_chunk_of_logits():
   # fp16 computes in 2 bytes whatever model.dtype says
   fp16 = with_(base, model={"precision": "fp16", "dtype": "float32"})
   assert estimate(fp16, 1)["logits"] == 8 * 128 * 8192 * (4 + 2)
+
+
+def test_optimizer_state_dtype_and_host_offload():
+  """optim.state_dtype=bfloat16: 2 moments x 2 bytes per parameter; optim.offload=host: none of it on the
+  device (lower_bound and total drop by it) and all of it in the `host` term. Llama 3 8B on one device: the
+  issue's 29.9 GiB of fp32 params, 29.9 of grads and 59.8 of fp32 moments."""
+  base = load_config(["config=llama8b", "mesh.fsdp=1"])
+  est = estimate(base, 1)
+  assert est["optimizer"] == 8 * L8_PARAMS and est["host"] == 0 and est["params"] == est["gradients"] == 4 * L8_PARAMS
+  assert human_bytes(est["optimizer"]) == "59.8 GiB" and human_bytes(est["params"]) == "29.9 GiB"
+  bf16 = estimate(with_(base, optim={"state_dtype": "bfloat16"}), 1)
+  assert bf16["optimizer"] == 4 * L8_PARAMS and bf16["host"] == 0
+  assert bf16["lower_bound"] == est["lower_bound"] - 4 * L8_PARAMS
+  for dtype, nbytes in (("float32", 8), ("bfloat16", 4)):
+    off = estimate(with_(base, optim={"state_dtype": dtype, "offload": "host"}), 1)
+    assert off["optimizer"] == 0 and off["host"] == nbytes * L8_PARAMS
+    assert off["lower_bound"] == est["lower_bound"] - 8 * L8_PARAMS and off["total"] == est["total"] - 8 * L8_PARAMS
+  # sharded: the host term is per device, like the rest
+  assert estimate(load_config(["config=llama8b", "optim.offload=host"]), 8)["host"] == 8 * L8_PARAMS // 8
+  # measured bytes (the dry run reads them off the abstract state) move to the host term too
+  state = {"params": 100, "optimizer": 208, "fp8_meta": 0}
+  off = estimate(with_(base, optim={"offload": "host"}), 1, state=state)
+  assert (off["params"], off["gradients"], off["optimizer"], off["host"]) == (100, 100, 0, 208)

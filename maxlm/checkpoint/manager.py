@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -327,19 +328,21 @@ class Checkpointer:
           f"checkpoint step {step} in {self.directory} does not fit this model/optimizer: "
           f"{'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}"
           + (f" (config changes since: {', '.join(changes[:6])})" if changes else ""))
-    params, rest = _split(target)
+    as_saved = saved_dtypes(arrays, target)  # read as written: every checksum is checked, then cast
+    params, rest = _split(as_saved)
     try:
       with quiet():
         out = self._mngr.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(params), state=ocp.args.StandardRestore(rest)))
     except Exception as e:
       raise Corrupt(reason(e)) from None
-    state = target.replace(params=out["params"], **out["state"])
+    state = as_saved.replace(params=out["params"], **out["state"])
     bad = wrong_checksums(arrays, state)
     if bad:
       raise Corrupt(f"{len(bad)} array(s) differ from their saved checksums ({', '.join(bad[:3])}) "
                     f"in {path}/params or {path}/state")
-    return Restored(step, state, _decode(_data_state(head["data"], step)), head["config"], path)
+    return Restored(step, cast_like(state, target), _decode(_data_state(head["data"], step)), head["config"],
+                    path)
 
   def _quarantine(self, steps: list[int]) -> None:
     if _primary():
@@ -365,6 +368,24 @@ def _check_digests(head: dict, path: Path) -> None:
   for item in ("data", "config"):
     if json_digest(head[item]) != digests.get(item):
       raise Corrupt(f"{path}/{item} differs from its saved sha256 (in {path}/meta)")
+
+
+def saved_dtypes(arrays: dict[str, list], target):
+  """`target` (ShapeDtypeStructs) with every leaf's dtype as the checkpoint's `meta` records it: e.g. the
+  moments of a run with another optim.state_dtype."""
+  def one(path, x):
+    return jax.ShapeDtypeStruct(x.shape, jnp.dtype(arrays[jax.tree_util.keystr(path)][1]), sharding=x.sharding)
+  return jax.tree_util.tree_map_with_path(one, target)
+
+
+def cast_like(state, target):
+  """`state` with each array whose dtype differs from `target`'s cast to it (on the device, round to nearest
+  even) and placed with the target's sharding (and memory kind: optim.offload); the rest as it is."""
+  def one(x, t):
+    if x.dtype == t.dtype:
+      return x
+    return jax.device_put(jax.device_put(x, t.sharding.with_memory_kind("device")).astype(t.dtype), t.sharding)
+  return jax.tree_util.tree_map(one, state, target)
 
 
 def abstract_like(state, shardings):

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxlm.offload import to_device_memory
+
 MANIFEST = "maxlm_files.json"
 
 log = logging.getLogger("maxlm")
@@ -58,6 +60,7 @@ def _leaf_finite(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def _fingerprint(leaves):
+  leaves = to_device_memory(leaves)  # optim.offload=host: the optimizer state is hashed on the device
   return (jnp.stack([_leaf_hash(x) for x in leaves]), jnp.stack([_leaf_finite(x) for x in leaves]))
 
 

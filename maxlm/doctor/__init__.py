@@ -58,7 +58,7 @@ def checkpoint_bytes(cfg: Config) -> int:
   """One checkpoint: parameters, both Adam moments and FP8 metadata of the whole model (one device)."""
   whole = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=1, tensor=1, dcn_data=1, dcn_fsdp=1, dcn_tensor=1))
   est = sizing.estimate(whole, 1)
-  return est["params"] + est["optimizer"] + est.get("fp8_meta", 0)
+  return est["params"] + est["optimizer"] + est["host"] + est.get("fp8_meta", 0)
 
 
 def _attention_shape(m) -> str:

@@ -1,0 +1,47 @@
+"""`optim.offload=host`: the optimizer state in pinned host memory between steps.
+
+`place` gives the train state's shardings their memory kinds (the jitted step's in/out shardings and the
+checkpoint restore target carry them). Inside a jitted function `to_device_memory` / `to_host_memory` move
+values between the memories (JAX lowers the moves on GPU and TPU; on CPU every memory kind is the same
+memory and they change only the abstract values' memory space), and `in_host_memory` tells where a traced
+value lives. The optimizer (maxlm/optim.py) streams the state through the device one parameter at a time.
+"""
+
+from __future__ import annotations
+
+import jax
+
+HOST = "pinned_host"  # JAX's memory kind of page-locked host memory (DMA to and from the GPU)
+OFFLOADS = ("none", "host")  # optim.offload
+
+
+def place(shardings, offload: str):
+  """A TrainState of shardings with their memory kinds: offload="host" puts every optimizer-state leaf
+  (moments and step counts) in pinned host memory; "none" leaves every leaf in the default (device) memory."""
+  if offload not in OFFLOADS:
+    raise ValueError(f"unknown offload {offload!r}")
+  if offload == "none":
+    return shardings
+  return shardings.replace(opt_state=jax.tree_util.tree_map(lambda s: s.with_memory_kind(HOST),
+                                                            shardings.opt_state))
+
+
+def _space(x):
+  return jax.typeof(x).memory_space
+
+
+def in_host_memory(tree) -> bool:
+  """Whether any leaf of `tree` (arrays or tracers) is in host memory."""
+  return any(_space(x) == jax.memory.Space.Host for x in jax.tree_util.tree_leaves(tree))
+
+
+def to_device_memory(tree):
+  """`tree` with its host-memory leaves moved into device memory (same sharding); the others as they are."""
+  return jax.tree_util.tree_map(
+      lambda x: jax.device_put(x, jax.memory.Space.Device) if _space(x) == jax.memory.Space.Host else x, tree)
+
+
+def to_host_memory(tree):
+  """`tree` with its device-memory leaves moved into host memory (same sharding); the others as they are."""
+  return jax.tree_util.tree_map(
+      lambda x: jax.device_put(x, jax.memory.Space.Host) if _space(x) == jax.memory.Space.Device else x, tree)

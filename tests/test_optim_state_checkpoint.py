@@ -1,0 +1,77 @@
+"""Checkpoints across the optimizer-state levers (optim.state_dtype, optim.offload, maxlm/optim.py and
+maxlm/offload.py): a checkpoint of a run with bfloat16 moments in host memory resumes under the plain
+config (float32 moments on the device), and the reverse. The layout is the same (leaf paths and shapes);
+the moments are read as saved, their checksums verified, then cast (float32 -> bfloat16 rounds to
+nearest even, bfloat16 -> float32 is exact) into the memory the resuming run keeps them in; the next
+step runs."""
+
+import jax
+import numpy as np
+import pytest
+from resume_launcher import compile_cache
+
+from maxlm.checkpoint import start
+from maxlm.config import load_config
+from maxlm.train import Trainer, main
+
+SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
+         "model.n_layers=1", "model.vocab_size=128", "model.remat=none", "data.type=synthetic",
+         "data.seq_len=16", "data.global_batch_size=8", "optim.warmup_steps=0", "train.log_every=1",
+         "train.eval_every=0", "checkpoint.enabled=true", "model.backend=flax", "run_name=r"]
+PLAIN = ["optim.state_dtype=float32", "optim.offload=none"]
+LEVERS = ["optim.state_dtype=bfloat16", "optim.offload=host"]
+BF16 = np.dtype(jax.numpy.bfloat16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_compilations(tmp_path_factory):
+  with compile_cache(tmp_path_factory.mktemp("xla-cache")):
+    yield
+
+
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+  """float32 -> the nearest bfloat16 (ties to even), as float32: the top 16 bits after adding 0x7FFF plus the
+  lowest kept bit (finite inputs)."""
+  u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+  u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+  return u.astype(np.uint32).view(np.float32)
+
+
+def _resumed(args):
+  """A Trainer built from `args`, resumed from its run's checkpoint."""
+  cfg = load_config(args)
+  t = Trainer(cfg)
+  t.build()
+  start(t, cfg).close()
+  return t
+
+
+def _leaves(state) -> dict:
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  return {jax.tree_util.keystr(p): x for p, x in flat}
+
+
+@pytest.mark.parametrize("saved_with,resumed_with", [(PLAIN, LEVERS), (LEVERS, PLAIN)], ids=["to-levers", "to-plain"])
+def test_checkpoint_resumes_across_state_dtype_and_offload(tmp_path, saved_with, resumed_with):
+  args = SMALL + [f"output_dir={tmp_path}"]
+  assert main(args + saved_with + ["train.steps=2"]) == 0
+  # the reference: the checkpoint resumed under the config that wrote it (every array as saved, checksums
+  # verified; tests/test_checkpoint*.py), moments cast here
+  saved = {k: np.asarray(x) for k, x in _leaves(_resumed(args + saved_with + ["train.steps=3"]).state).items()}
+  t = _resumed(args + resumed_with + ["train.steps=3"])
+  got = _leaves(t.state)
+  assert got.keys() == saved.keys()
+  bf16 = "optim.state_dtype=bfloat16" in resumed_with
+  moments = [k for k in got if ".mu[" in k or ".nu[" in k]
+  assert moments and int(got[".step"]) == 2
+  for k, x in got.items():
+    want = saved[k]
+    assert x.shape == want.shape, k
+    if k in moments:
+      assert x.dtype == (BF16 if bf16 else np.float32), k
+      assert x.sharding.memory_kind == ("pinned_host" if bf16 else "device"), k
+      want = _round_bf16(want) if bf16 else want.astype(np.float32)  # bf16 -> f32 is exact
+    assert np.array_equal(np.asarray(x, np.float32) if k in moments else np.asarray(x), want), k
+  t.state, m = t.train_step(t.state, t.to_device(next(t.train_data)))
+  assert bool(m["finite"]) and int(t.state.step) == 3
+

@@ -24,6 +24,7 @@ COMMANDS = {
   "generate": "maxlm.generate",
   "convert": "maxlm.convert",
   "convergence": "maxlm.convergence",
+  "plan": "maxlm.plan_cmd",
 }
 
 EXIT_BAD_INPUT = 2

@@ -250,6 +250,21 @@ class XlaConfig:
   preset: str = option("auto", "auto = hopper on H100/H200, blackwell on B200/B300, none on CPU and other GPUs "
                        "(from nvidia-smi); a flag you set in XLA_FLAGS wins over the preset's",
                        choices=("auto", "none", "hopper", "blackwell"))
+  mem_fraction: float = option(0.0, "share of each GPU's memory XLA's allocator may use (sets "
+                               "XLA_CLIENT_MEM_FRACTION before the backend starts; yours wins); 0 = auto: 0.95 on "
+                               "an NVIDIA GPU (XLA's own default 0.75 leaves 35 GiB of an H200 unused), unset "
+                               "on CPU", within="[0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+  """The memory planner (maxlm/plan.py, `maxlm plan`): it compiles the train step ahead of time for
+  settings of the memory levers and reads XLA's memory analysis of each (nothing is allocated)."""
+  mode: str = option("off", "auto = before building, choose the fastest setting of plan.levers whose measured "
+                     "peak fits the device (printed in one line); off = the config as given",
+                     choices=("off", "auto"))
+  levers: str = option("all", "the config keys plan.mode=auto may set, comma-separated (the others keep their "
+                       "value); all = model.remat,train.grad_accum,optim.offload,optim.state_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +281,7 @@ class Config:
   distributed: DistributedConfig = DistributedConfig()
   profile: ProfileConfig = ProfileConfig()
   xla: XlaConfig = XlaConfig()
+  plan: PlanConfig = PlanConfig()
 
   @property
   def run_dir(self) -> Path:

@@ -25,7 +25,8 @@ from pathlib import Path
 import jax
 from jax.sharding import AbstractMesh
 
-from maxlm import sizing
+from maxlm import plan as planner
+from maxlm import sizing, xla_presets
 from maxlm.config import Config, ConfigError, DataConfig, load_config
 from maxlm.data import DataError
 from maxlm.data.readers import META_NAME, file_format, resolve_files, split_list
@@ -36,6 +37,7 @@ from maxlm.mesh import AXES, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import Transformer, count_params, flops_per_step
 from maxlm.optim import make_optimizer
+from maxlm.plan_measure import apply_mem_fraction
 from maxlm.sharding import axis_rules
 from maxlm.train_state import abstract_state
 from maxlm.trainer import check_batch_split, device_memory_bytes
@@ -256,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
   try:
     opts, words = parse_flags(argv)
     cfg = load_config(words)
+    apply_mem_fraction(cfg.xla.mem_fraction, xla_presets.detect_gpu() is not None)  # as the trainer does
+    chosen = None
+    if cfg.plan.mode == "auto":  # the trainer's choice, measured the same way (maxlm/plan.py)
+      chosen = planner.choose(cfg, opts.get("devices"), opts.get("nodes"),
+                              int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None)
+      cfg = chosen.cfg
     local = "devices" not in opts and "nodes" not in opts
     n_nodes = opts.get("nodes", 1 if not local else jax.process_count())
     n_devices = opts.get("devices", jax.device_count() if local else n_nodes * jax.local_device_count())
@@ -266,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
   except (ConfigError, DataError, PrecisionError) as e:
     print(f"maxlm: error: {e}", file=sys.stderr, flush=True)
     return 2
-  print(json.dumps(p, indent=1) if opts["json"] else render(p), flush=True)
+  if chosen is not None:
+    p["plan"] = chosen.line()
+  print(json.dumps(p, indent=1) if opts["json"] else render(p) + (f"\n{p['plan']}" if chosen else ""), flush=True)
   return 0
 
 

@@ -1,6 +1,7 @@
 """Train a model: `maxlm train [config=FILE] [key=value ...]` (= `python -m maxlm.train`).
 
-Exit codes: 0 done, 1 run-time failure (e.g. non-finite loss with train.nonfinite=stop), 2 bad
+Exit codes: 0 done, 1 run-time failure (e.g. non-finite loss with train.nonfinite=stop, or out of device
+memory: one line naming the levers, XLA's sizes and the next lever to try), 2 bad
 configuration or input (one-line message, nothing written), 3 checkpoint error (none usable, or a
 save failed; earlier checkpoints stay intact), 75 preempted by SIGTERM (a checkpoint of the last
 step was saved when checkpointing is on; rerun the same command to resume), 76 hung: the watchdog
@@ -11,6 +12,8 @@ before the first step.
 `--help` lists every config key with its type, default and meaning; `--help SECTION` one section.
 `--dry-run` sizes the run without building it (config, mesh, parameters, FLOPs, memory per device,
 data; `--json`, `--devices N`, `--nodes M`, `--device-memory-gb G`; see maxlm/dryrun.py) and exits 0.
+`plan.mode=auto` chooses the memory levers by compiling the step ahead of time first (`maxlm plan`,
+maxlm/plan.py) and prints the choice in one line.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from maxlm.config import Config, ConfigError, help_text, load_config
 from maxlm.data import DataError
 from maxlm.layers import PrecisionError
 from maxlm.metrics import echo
+from maxlm.plan import oom_message
+from maxlm.plan_measure import apply_mem_fraction, is_oom
 from maxlm.trainer import RunError, Trainer, train
 
 EXIT_BAD_INPUT = 2
@@ -55,6 +60,9 @@ def run(cfg: Config, t_start: float | None = None) -> int:
         echo(f"maxlm: {xla_line}")
       for line in runtime.configure(deterministic=cfg.train.deterministic):
         echo(f"maxlm: train.deterministic=true: {line}")
+      mem_line = apply_mem_fraction(cfg.xla.mem_fraction, xla_presets.detect_gpu() is not None)
+      if mem_line:
+        echo(f"maxlm: {mem_line}")
       # Before anything asks JAX about devices. From here on (for the rest of the process: tracebacks
       # too) every output line of a multi-process run carries `[process i/N host]`.
       distributed.initialize(cfg, on_timeout=_exit_distributed_timeout)
@@ -68,6 +76,10 @@ def run(cfg: Config, t_start: float | None = None) -> int:
       return _fail(str(e), 1)
     except CheckpointError as e:
       return _fail(str(e), EXIT_CHECKPOINT)
+    except Exception as e:  # noqa: BLE001 - only XLA's out of memory becomes a line; the rest is re-raised
+      if not is_oom(e):
+        raise
+      return _fail(oom_message(cfg, e), 1)
   finally:
     preemption.close()
 

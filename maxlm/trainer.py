@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from maxlm import data as data_lib
+from maxlm import plan as planner
 from maxlm import sizing, watchdog
 from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
 from maxlm.checkpoint import start as start_checkpoints
@@ -149,9 +150,11 @@ class Trainer:
     check_remat(cfg.model.remat, self.backend)
     self.mesh = make_mesh(cfg.mesh)
     self._check_batch_split()
-    mem = device_memory_bytes()
-    if mem:
+    if cfg.plan.mode == "auto":  # the levers measured by XLA replace the config's (maxlm/plan.py): it checks the fit
+      cfg = self.cfg = planner.auto(cfg, echo if jax.process_index() == 0 else None)
+    elif mem := device_memory_bytes():
       sizing.check_fits(cfg, jax.device_count(), mem, n_nodes=jax.process_count())
+    planner.remember(self)  # for the out-of-memory line (maxlm/train.py)
     self.packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
     self.model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row)
     pi, pc = jax.process_index(), jax.process_count()

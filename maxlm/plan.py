@@ -1,0 +1,374 @@
+"""Memory planner: the fastest setting of the memory levers whose train step fits, as measured by XLA.
+
+Levers (each a plain config key; `plan.levers` lists those the planner may set): `model.remat`,
+`train.grad_accum` (micro-batches at the same global batch), `optim.offload` (none | host) and
+`optim.state_dtype` (float32 | bfloat16). `candidates` lists their settings, fastest expected first;
+`search` walks that list and compiles the train step of each plausible one ahead of time on abstract
+shapes (maxlm/plan_measure.py: XLA's `memory_analysis()`, nothing allocated); the first whose measured peak
+fits the usable memory wins, so the choice is deterministic.
+
+* Order. Exact levers first: remat, accumulation and offload change where memory goes, not the math.
+  `optim.state_dtype=bfloat16` rounds the Adam moments, so it comes only after every float32 setting.
+  Within each group the order follows `step_time` (an estimate, below), ties in lever order.
+* Pruning (the analytic model, maxlm/sizing.py, only prunes). A candidate is not compiled when the bytes
+  it certainly needs (params, gradients (twice when accumulating: the sum and a micro-batch's), logits,
+  FP8 state, the moments unless offloaded) plus a share of sizing's rough activations exceed the usable
+  memory. The share starts at one half, then is the least (measured - certain) / activations seen so far,
+  at most 1: calibrated on XLA's own numbers, so that a big model compiles few candidates (4 for the 8B
+  shape on one H200, 100 s).
+* Usable memory: device memory x `xla.mem_fraction` (0.95 on a GPU by default; XLA's own default is 0.75),
+  less a margin of 2%: XLA's estimate equalled the allocator's measured peak on the H200 (41.8 and 38.7 GB,
+  benchmarks/README.md), and the margin covers fragmentation of XLA's memory pool.
+* Step time (an estimate, never measured here): the step's FLOPs (maxlm.model.flops_per_step) plus what
+  the remat policy recomputes, at the device's bf16 peak x 0.57 (the MFU maxlm measured for the 8B shape
+  on one H200: 563.5 of 989 TFLOP/s); FSDP and data-parallel traffic at link bandwidth, overlapped with
+  compute; plus, per extra micro-batch, the weights read again from HBM and the gradient sum, plus the
+  optimizer state's trip to the host and back at PCIe bandwidth for `optim.offload=host`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+import weakref
+
+import jax
+
+from maxlm import sizing
+from maxlm.config import Config, ConfigError, load_config
+from maxlm.layers import resolve_backend
+from maxlm.mesh import mesh_shape
+from maxlm.metrics import device_peak_flops
+from maxlm.model import count_params, flops_per_step
+from maxlm.plan_measure import Target, fraction_in_environment, make_target
+
+# remat policies from the most kept to the least (what each keeps per layer: maxlm/layers remat_policy)
+REMAT_ORDER = ("none", "recompute_norm_act", "save_dots_attn", "save_dots", "save_qkv_attn", "save_attn", "full")
+LEVERS = ("model.remat", "train.grad_accum", "optim.offload", "optim.state_dtype")
+MFU = 0.57  # measured on one H200 for the 8B shape (benchmarks/README.md)
+# bytes/s: HBM, NVLink per direction, host link (PCIe Gen5 x16 in practice; Grace's C2C for GH/GB), network
+# (matched in this order: GH200 before H200, GB200 before B200)
+_BANDWIDTH = {"GH200": (4.0e12, 450e9, 450e9, 50e9), "GB200": (8e12, 900e9, 450e9, 100e9),
+              "H200": (4.8e12, 450e9, 55e9, 50e9), "H100": (3.35e12, 450e9, 55e9, 50e9),
+              "B200": (8e12, 900e9, 55e9, 100e9)}
+# forward parts of a layer that each remat policy recomputes (TE backend: fused attention outputs kept)
+_RECOMPUTED = {"none": (), "recompute_norm_act": (), "save_dots_attn": (), "save_dots": ("attn",),
+               "save_qkv_attn": ("out", "mlp"), "save_attn": ("qkv", "out", "mlp"),
+               "full": ("qkv", "out", "mlp", "attn")}
+
+
+def parse_levers(text: str) -> tuple[str, ...]:
+  """plan.levers as keys; ConfigError (one line) for an unknown one."""
+  if text.strip() == "all":
+    return LEVERS
+  keys = tuple(k.strip() for k in text.split(",") if k.strip())
+  bad = [k for k in keys if k not in LEVERS]
+  if bad:
+    raise ConfigError(f"config key 'plan.levers': unknown lever {bad[0]!r} (levers: {', '.join(LEVERS)})")
+  return keys
+
+
+def current(cfg: Config) -> dict:
+  """The lever values of `cfg`, in LEVERS order."""
+  return {"model.remat": cfg.model.remat, "train.grad_accum": cfg.train.grad_accum,
+          "optim.offload": cfg.optim.offload, "optim.state_dtype": cfg.optim.state_dtype}
+
+
+def apply(cfg: Config, overrides: dict) -> Config:
+  """`cfg` with the lever values set (validated like command-line overrides)."""
+  return load_config([f"{k}={v}" for k, v in overrides.items()], base=cfg)
+
+
+def _degrees(cfg: Config, target: Target) -> dict:
+  ici, dcn = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)
+  return dict(zip(("data", "fsdp", "tensor"), (i * j for i, j in zip(ici, dcn))))
+
+
+def lever_values(cfg: Config, target: Target, backend: str) -> dict[str, tuple]:
+  """Every value each lever may take here, fastest (least saving) first; the config's own value for
+  the levers not in plan.levers. Accumulation keeps each micro-batch split evenly over the data devices."""
+  chosen = parse_levers(cfg.plan.levers)
+  deg = _degrees(cfg, target)
+  dp, batch = deg["data"] * deg["fsdp"], cfg.data.global_batch_size
+  powers = (2 ** i for i in range(int(math.log2(batch)) + 1))
+  accums = tuple(a for a in powers if batch % a == 0 and (batch // a) % dp == 0)
+  remats = tuple(r for r in REMAT_ORDER if r != "recompute_norm_act" or backend == "te")
+  offloads = ("none", "host") if target.gpu else ("none",)  # a CPU has one memory: host offload saves nothing
+  values = {"model.remat": remats, "train.grad_accum": accums, "optim.offload": offloads,
+            "optim.state_dtype": ("float32", "bfloat16")}
+  now = current(cfg)
+  return {k: (values[k] if k in chosen else (now[k],)) for k in LEVERS}
+
+
+def candidates(cfg: Config, target: Target, backend: str) -> list[dict]:
+  """Every combination of lever values, in search order: exact levers first, then by estimated step time,
+  then lever order (deterministic)."""
+  values = lever_values(cfg, target, backend)
+  rows = [dict(zip(LEVERS, combo)) for combo in itertools.product(*values.values())]
+  rank = {k: {v: i for i, v in enumerate(vs)} for k, vs in values.items()}
+
+  def key(o):
+    t = round(step_time(apply(cfg, o), target)["total_s"], 9)  # rounding: ties broken by lever order
+    return (o["optim.state_dtype"] != values["optim.state_dtype"][0], t, [rank[k][o[k]] for k in LEVERS])
+  return sorted(rows, key=key)
+
+
+def _hardware(kind: str) -> tuple[float, float, float, float, float]:
+  """(peak bf16 FLOP/s, HBM, link, host link, network bytes/s); H200 figures where the kind is unknown
+  (the estimate then only orders the candidates)."""
+  peak = device_peak_flops(kind) or 989e12
+  for name, bw in _BANDWIDTH.items():
+    if name.lower() in kind.lower():
+      return (peak, *bw)
+  return (peak, *_BANDWIDTH["H200"])
+
+
+def _recompute_flops(cfg: Config) -> float:
+  """FLOPs the backward pass redoes under the remat policy (forward GEMMs and attention of every layer)."""
+  m, d = cfg.model, cfg.data
+  s = d.seq_len
+  w = m.sliding_window if m.sliding_window and m.sliding_window < s else s
+  per_token = {"qkv": 2 * m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim,
+               "out": 2 * m.n_heads * m.head_dim * m.d_model, "mlp": 6 * m.d_model * m.ffn_dim,
+               "attn": 4 * (s * w - w * w / 2) / s * m.n_heads * m.head_dim}
+  parts = _RECOMPUTED[m.remat]
+  return d.global_batch_size * s * m.n_layers * sum(per_token[p] for p in parts)
+
+
+def step_time(cfg: Config, target: Target) -> dict:
+  """Estimated seconds per step (see the module doc): compute, communication, accumulation, offload."""
+  peak, hbm, link, host, net = _hardware(target.kind)
+  m, n = cfg.model, target.n_devices
+  deg = _degrees(cfg, target)
+  params = count_params(m)
+  compute = (flops_per_step(m, cfg.data.global_batch_size, cfg.data.seq_len) + _recompute_flops(cfg)) / (
+      n * peak * MFU)
+  shards = deg["fsdp"] * deg["tensor"]
+  a = cfg.train.grad_accum
+  gathered = params["total"] / deg["tensor"]  # what FSDP gathers, per device, per micro-batch
+  fsdp = a * 3 * gathered * 2 * (deg["fsdp"] - 1) / deg["fsdp"] / link  # 2 gathers (bf16) + scatter
+  bw = net if target.n_nodes > 1 else link
+  data = 2 * 4 * params["total"] / shards * (deg["data"] - 1) / deg["data"] / bw  # fp32 all-reduce
+  accum = (a - 1) * (3 * 2 * params["matmul"] / deg["tensor"] + 2 * 4 * params["total"] / shards) / hbm
+  state_bytes = sizing.DTYPE_BYTES[cfg.optim.state_dtype]
+  offload = 2 * 2 * params["total"] / shards * state_bytes / host if cfg.optim.offload == "host" else 0.0
+  total = max(compute, fsdp + data) + accum + offload
+  return {"compute_s": compute, "comm_s": fsdp + data, "accum_s": accum, "offload_s": offload, "total_s": total}
+
+
+def certain_bytes(cfg: Config, target: Target) -> dict:
+  """Bytes per device: "certain" = sizing's params, gradients (twice when accumulating), FP8 state, logits
+  and the moments in optim.state_dtype unless offloaded; "activations" = sizing's rough activation estimate."""
+  est = sizing.estimate(cfg, target.n_devices, target.n_nodes)
+  per_param = sizing.DTYPE_BYTES[cfg.model.param_dtype]
+  moments = 0 if cfg.optim.offload == "host" else (  # offloaded: streamed a few parameters at a time
+      est["params"] // per_param * 2 * sizing.DTYPE_BYTES[cfg.optim.state_dtype])
+  grads = est["gradients"] * (2 if cfg.train.grad_accum > 1 else 1)  # accumulating: the sum + a micro-batch's
+  certain = est["params"] + grads + est["fp8_meta"] + est["logits"] + moments
+  return {"certain": certain, "activations": est["activations"]}
+
+
+@dataclasses.dataclass
+class Row:
+  overrides: dict
+  status: str  # "fits", "too big", "pruned", "not tried"
+  certain: int
+  measured: int | None = None  # XLA's per-device bytes
+  how: str = ""  # "measured" or the arithmetic used
+  time: dict | None = None
+  note: str = ""
+  stats: dict | None = None  # everything the measurement returned
+  plausible: int | None = None  # what the analytic model took as plausible, where it pruned
+
+
+@dataclasses.dataclass
+class Plan:
+  target: Target
+  rows: list[Row]
+  chosen: Row | None
+  cfg: Config  # the config with the chosen levers (the input config when none fits)
+
+  def line(self) -> str:
+    """The one line the trainer prints."""
+    if self.chosen is None:
+      return "no plan fits"
+    c = self.chosen
+    levers = ", ".join(f"{k}={v}" for k, v in c.overrides.items())
+    n = sum(r.measured is not None or r.note.startswith("XLA ran out") for r in self.rows)
+    return (f"plan: {levers} (peak {sizing.human_bytes(c.measured)} of {sizing.human_bytes(self.target.usable)} "
+            f"usable per device; measured by XLA on "
+            f"{'simulated CPU devices' if self.target.simulated else 'the devices at hand'}"
+            f"; {n} compiled, {len(self.rows) - n} not)")
+
+
+def search(cfg: Config, target: Target, measure, backend: str, everything: bool = False) -> Plan:
+  """Walk the candidates in order; `measure(cfg) -> plan_measure.measure's dict`. everything=True measures
+  every plausible candidate (for the table) but still chooses the first that fits."""
+  rows, chosen = [], None
+  share = 0.5  # of the rough activations taken as plausible: then the least share XLA showed (module doc)
+  for o in candidates(cfg, target, backend):
+    c = apply(cfg, o)
+    need = certain_bytes(c, target)
+    row = Row(o, "not tried", need["certain"], time=step_time(c, target))
+    rows.append(row)
+    if chosen is not None and not everything:
+      continue
+    plausible = need["certain"] + int(share * need["activations"])
+    if plausible > target.usable:
+      row.status, row.plausible = "pruned", plausible
+      row.note = (f"certain {sizing.human_bytes(need['certain'])}" if need["certain"] > target.usable else
+                  f"certain + {share:.2f} x activations = {sizing.human_bytes(plausible)}")
+      continue
+    measured = measure(c)
+    if "oom" in measured:
+      row.status, row.note = "too big", f"XLA ran out of memory compiling: {measured['oom']}"
+      continue
+    row.measured, row.how, row.stats = measured["device"], measured.get("how", "measured"), measured
+    if need["activations"] > 0:  # calibrated: the least share seen, at most 1
+      seen = max(0, row.measured - need["certain"]) / need["activations"]
+      share = min(share if any(r.measured for r in rows[:-1]) else 1.0, seen)
+    row.status = "fits" if row.measured <= target.usable else "too big"
+    if row.status == "fits" and chosen is None:
+      chosen = row
+  return Plan(target, rows, chosen, apply(cfg, chosen.overrides) if chosen else cfg)
+
+
+def _label(o: dict) -> str:
+  return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in o.items())
+
+
+def run_search(cfg: Config, target: Target, everything: bool = False) -> Plan:
+  """`search` on the target's devices (at hand or simulated)."""
+  parse_levers(cfg.plan.levers)
+  return search(cfg, target, target.measure, resolve_backend(cfg.model.backend), everything)
+
+
+def most_saving(cfg: Config, target: Target) -> dict | None:
+  """Every lever at its most saving value (None where the mesh or the batch does not split)."""
+  try:
+    values = lever_values(cfg, target, resolve_backend(cfg.model.backend))
+  except ConfigError:  # the mesh does not fit this device count
+    return None
+  return {k: vs[-1] for k, vs in values.items()} if all(values.values()) else None
+
+
+def smallest_devices(cfg: Config, target: Target, limit: int = 4096) -> tuple[int, dict, int] | None:
+  """(n, levers, measured bytes): the fewest devices (doubling) on which every lever at its most saving
+  value fits, measured on n simulated CPU devices; None up to `limit` devices."""
+  n = target.n_devices * 2
+  while n <= limit:
+    t = Target(n, 1, target.kind, target.device_bytes, target.fraction, True, assumed=target.assumed)
+    o = most_saving(cfg, t)
+    if o is None and n > cfg.data.global_batch_size:
+      return None  # the batch cannot split over more devices either
+    if o is not None and certain_bytes(apply(cfg, o), t)["certain"] <= t.usable:
+      try:
+        m = t.measure(apply(cfg, o))
+      finally:
+        t.close()
+      if "oom" not in m and m["device"] <= t.usable:
+        return n, o, m["device"]
+    n *= 2
+  return None
+
+
+def no_fit_message(cfg: Config, p: Plan) -> str:
+  """One line: nothing fits here, the least that was needed, and the device count that fits."""
+  t = p.target
+  tried = [r for r in p.rows if r.measured is not None]
+  least = min(tried, key=lambda r: r.measured) if tried else None
+  msg = f"no setting of plan.levers ({','.join(parse_levers(cfg.plan.levers))}) fits {t.describe()}"
+  pruned = [r for r in p.rows if r.status == "pruned"]
+  if least is not None:
+    msg += f"; the least measured, {_label(least.overrides)}, needs {sizing.human_bytes(least.measured)}"
+  elif pruned:
+    r = min(pruned, key=lambda r: r.plausible)
+    msg += (f"; the analytic model pruned every candidate, the least being {_label(r.overrides)} at "
+            f"{sizing.human_bytes(r.plausible)} ({r.note})")
+  else:
+    msg += "; no candidate: the global batch does not split over the data-parallel devices"
+  found = smallest_devices(cfg, t) if t.gpu else None
+  if found:
+    n, o, need = found
+    msg += (f"; the smallest device count that fits is {n} ({_label(o)}: {sizing.human_bytes(need)} per device, "
+            f"measured on {n} simulated CPU devices; `maxlm plan ... --devices {n}` shows the plan)")
+  elif t.gpu and most_saving(cfg, dataclasses.replace(t, n_devices=2 * t.n_devices)) is None:
+    msg += (f"; data.global_batch_size={cfg.data.global_batch_size} does not split over {2 * t.n_devices} "
+            "devices, so more devices do not help unless it grows")
+  elif t.gpu:
+    msg += "; no device count up to 4096 fits either"
+  return msg
+
+
+def choose(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
+           device_memory: int | None = None) -> Plan:
+  """The plan for the devices at hand (or `make_target`'s simulated ones); ConfigError (one line) when
+  nothing fits."""
+  target = make_target(cfg, n_devices, n_nodes, device_memory)
+  try:
+    p = run_search(cfg, target)
+  finally:
+    target.close()
+  if p.chosen is None:
+    raise ConfigError(no_fit_message(cfg, p))
+  return p
+
+
+def auto(cfg: Config, say=None) -> Config:
+  """plan.mode=auto in the trainer: cfg with the levers chosen on the devices at hand, the choice printed
+  in one line by `say`."""
+  p = choose(cfg)
+  if say is not None:
+    say(f"maxlm: {p.line()}")
+  return p.cfg
+
+
+def next_lever(cfg: Config, target: Target) -> str:
+  """The next more memory-saving value of the first lever that has one, as key=value."""
+  try:
+    values = lever_values(dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, levers="all")), target,
+                          resolve_backend(cfg.model.backend))
+  except ConfigError:
+    values = {}
+  now = current(cfg)
+  for k in LEVERS:
+    vs = values.get(k, ())
+    if now[k] in vs and vs.index(now[k]) + 1 < len(vs):
+      return f"{k}={vs[vs.index(now[k]) + 1]}"
+  return "more devices"
+
+
+_TRAINER = None  # a weak reference to the last Trainer built, for the out-of-memory line
+
+
+def remember(trainer) -> None:
+  global _TRAINER
+  _TRAINER = weakref.ref(trainer)
+
+
+def oom_message(cfg: Config, error: BaseException) -> str:
+  """One line for an out-of-memory error of a run: the levers, the sizes and the next lever to try."""
+  trainer = _TRAINER() if _TRAINER is not None else None
+  cfg = getattr(trainer, "cfg", cfg)  # the plan's levers when plan.mode=auto chose them
+  dev = jax.devices()[0]
+  gpu = dev.platform == "gpu"
+  limit = (dev.memory_stats() or {}).get("bytes_limit") if hasattr(dev, "memory_stats") else None
+  target = Target(jax.device_count(), jax.process_count(), dev.device_kind if gpu else "cpu", limit or 0,
+                  None, False)
+  text = str(error)
+  alloc = re.search(r"allocat\w*\s+([\d.]+\s*[KMGTP]?i?B)", text)
+  est = getattr(getattr(trainer, "jitted_train_step", None), "compiled_memory_gb", None)
+  sizes = [f"XLA could not allocate {alloc.group(1)}" if alloc else "XLA ran out of device memory"]
+  if est is not None:
+    sizes.append(f"XLA's estimate of the step is {sizing.human_bytes(est * 1e9)} per device")
+  if limit:
+    frac = fraction_in_environment()
+    sizes.append(f"the device has {sizing.human_bytes(limit)} for XLA"
+                 + (f" (xla.mem_fraction {frac:g})" if frac else ""))
+  levers = ", ".join(f"{k}={v}" for k, v in current(cfg).items())
+  how = "chosen by plan.mode=auto" if cfg.plan.mode == "auto" else "plan.mode=off"
+  hint = "" if cfg.plan.mode == "auto" else " (or plan.mode=auto, which measures the levers before it starts)"
+  return (f"out of memory on {jax.device_count()} x {target.kind} with {levers} ({how}): {'; '.join(sizes)}; "
+          f"next lever: {next_lever(cfg, target)}{hint}")

@@ -1,0 +1,108 @@
+"""Choose the memory levers of a run, measured by XLA: `maxlm plan config=FILE [key=value ...] [--devices N]`.
+
+Compiles the train step ahead of time (abstract shapes: nothing is allocated) for settings of the levers in
+`plan.levers` (model.remat, train.grad_accum, optim.offload, optim.state_dtype), fastest expected first, and
+reads XLA's memory analysis of each; the first that fits is chosen (maxlm/plan.py says how they are
+ordered and pruned). It prints a table of the candidates it compiled: per-device peak, the bytes the
+analytic model says are certainly needed, and an estimated step time and tokens/s; the chosen row is
+marked `*`. `plan.mode=auto` makes the trainer (and `--dry-run`) apply the same choice.
+
+Options: `--devices N` / `--nodes M` plan for N devices over M nodes (default: the devices here; more than
+are here are simulated on CPU devices in a child process: XLA:CPU's buffer assignment with fused
+attention's footprint, which differs from XLA:GPU's, see maxlm/plan_measure.py); `--device-memory-gb G`
+one device's memory in GB (a GPU's total before `xla.mem_fraction`; default: this GPU's, or an H200's when
+simulating without a GPU here); `--simulate` measures on simulated CPU devices even where the devices are
+here (to compare the two); `--all` compiles every plausible candidate for the table; `--json`.
+
+Exit codes: 0 with a plan; 2 when nothing fits or on a bad config (one line naming the smallest device
+count that fits, when there is one).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from maxlm import plan, xla_presets
+from maxlm.cli import command_main
+from maxlm.config import ConfigError, load_config
+from maxlm.data import DataError
+from maxlm.dryrun import parse_flags
+from maxlm.layers import PrecisionError
+from maxlm.plan_measure import apply_mem_fraction, make_target
+from maxlm.sizing import human_bytes
+
+COLUMNS = ("model.remat", "train.grad_accum", "optim.offload", "optim.state_dtype")
+
+
+def _cell(x, fmt: str) -> str:
+  return "-" if x is None else format(x, fmt)
+
+
+def render(p: plan.Plan, cfg, everything: bool = False) -> str:
+  """The table: every compiled candidate (every candidate with --all), the chosen one marked."""
+  t = p.target
+  tokens = cfg.data.global_batch_size * cfg.data.seq_len
+  lines = [f"maxlm plan: {cfg.model.name} on {t.describe()}",
+           f"{'':2}{'#':>4}  {'model.remat':<19}{'grad_accum':>10}  {'offload':<8}{'state_dtype':<12}"
+           f"{'certain':>11}{'measured':>12}{'est. step':>11}{'est. tok/s':>12}  status"]
+  shown = [(i, r) for i, r in enumerate(p.rows, 1) if everything or r.measured is not None or r is p.chosen]
+  for i, r in shown:
+    o, s = r.overrides, r.time["total_s"]
+    timing = f"{s:>10.3g}s{tokens / s:>12,.0f}" if t.gpu else f"{'-':>11}{'-':>12}"  # no CPU model
+    status = r.status + (f": {r.note}" if r.note else "") + ("" if r.how in ("", "measured") else f" ({r.how})")
+    lines.append(f"{'*' if r is p.chosen else '':2}{i:>4}  {o['model.remat']:<19}{o['train.grad_accum']:>10}  "
+                 f"{o['optim.offload']:<8}{o['optim.state_dtype']:<12}{human_bytes(r.certain):>11}"
+                 f"{(human_bytes(r.measured) if r.measured is not None else '-'):>12}{timing}  {status}")
+  counts = {k: sum(r.status == k for r in p.rows) for k in ("pruned", "not tried")}
+  if not everything:
+    lines.append(f"      not shown: {counts['pruned']} pruned by the analytic model (certain bytes + a share of the "
+                 f"rough activations over the usable memory), {counts['not tried']} after the choice; --all lists "
+                 "every candidate and compiles each one not pruned")
+  lines.append("est. step / tok/s: estimates (FLOPs + remat recompute at 57% of the bf16 peak, FSDP traffic, "
+               "host transfers), never measured here")
+  if p.chosen is not None:
+    lines.append("chosen: " + " ".join(f"{k}={v}" for k, v in p.chosen.overrides.items())
+                 + f"  (plan.mode=auto applies it; {p.line()})")
+  return "\n".join(lines)
+
+
+def as_json(p: plan.Plan) -> str:
+  rows = [{"levers": r.overrides, "status": r.status, "certain_bytes": r.certain, "measured_bytes": r.measured,
+           "how": r.how, "note": r.note, "step_time_s": r.time["total_s"], "chosen": r is p.chosen,
+           "xla": r.stats}
+          for r in p.rows]
+  t = p.target
+  return json.dumps({"target": {"devices": t.n_devices, "nodes": t.n_nodes, "kind": t.kind,
+                                "device_bytes": t.device_bytes, "mem_fraction": t.fraction, "usable_bytes": t.usable,
+                                "simulated": t.simulated},
+                     "chosen": p.chosen.overrides if p.chosen else None, "candidates": rows}, indent=1)
+
+
+def run(argv: list[str]) -> int:
+  everything, simulate = "--all" in argv, "--simulate" in argv
+  opts, words = parse_flags([a for a in argv if a not in ("--all", "--simulate")])
+  cfg = load_config(words)
+  plan.parse_levers(cfg.plan.levers)
+  gpu = xla_presets.detect_gpu() is not None  # before the backend starts: XLA reads both settings then
+  for line in (xla_presets.apply(cfg.xla.preset), apply_mem_fraction(cfg.xla.mem_fraction, gpu)):
+    if line:  # on stderr under --json, whose stdout is the JSON alone
+      print(f"maxlm: {line}", file=sys.stderr if opts["json"] else sys.stdout, flush=True)
+  memory = int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None
+  target = make_target(cfg, opts.get("devices"), opts.get("nodes"), memory, simulate)
+  try:
+    p = plan.run_search(cfg, target, everything)
+  finally:
+    target.close()
+  print(as_json(p) if opts["json"] else render(p, cfg, everything), flush=True)
+  if p.chosen is None:
+    raise ConfigError(plan.no_fit_message(cfg, p))
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  return command_main(__doc__, run, argv, (ConfigError, DataError, PrecisionError), ())
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,368 @@
+"""Per-device memory of the real train step, measured by XLA: compiled ahead of time on abstract shapes.
+
+`measure(cfg)` builds the train step exactly as `maxlm.trainer.Trainer.build` does (model, optimizer,
+shardings, `make_train_step`, the same `jax.jit` in/out shardings and donation), lowers it on
+`jax.ShapeDtypeStruct`s that carry their shardings, compiles it and reads `memory_analysis()`. Nothing is
+allocated. Per device: arguments + outputs + temporaries - aliased (the donated state), the formula of
+`maxlm.step.compiled_memory_gb`; the host_* fields (state in pinned host memory) are kept apart.
+
+On the devices at hand the step is the one that will run. For more devices than are present,
+`Simulator(n)` runs the same measurement in one child process on n simulated CPU devices
+(`--xla_force_host_platform_device_count=n`, `JAX_PLATFORMS=cpu`), one JSON line per config. That is
+XLA:CPU's buffer assignment, not XLA:GPU's: no Transformer Engine kernels, other fusions. Its worst
+difference, the [B, H, T, T] attention scores that CPU attention materializes and cuDNN's fused attention
+never holds (52.3 GB of temporaries per device for the 8B shape at sequence 8192 on 8 devices, of which the
+scores are most), is removed by `gpu_footprint=True`: a stand-in with fused attention's footprint
+(custom VJP keeping q, k, v, the output and fp32 softmax statistics [B, H, T]; its values are not
+attention's), used only for such measurements. Unrolled layers (`model.scan_layers=false`) are measured
+scanned: XLA:CPU's unrolled program keeps far more than XLA:GPU's memory-aware scheduler does, and more with
+every layer (the 8B shape on one simulated device, full remat, bfloat16 moments: 679 GiB unrolled, where the
+H200 measured 110 GiB with save_attn; cut to 4 layers on 8 devices: 19.9 GiB unrolled, 12.0 GiB scanned, 3.9
+GB more per unrolled layer against 0.57 GB per scanned one, about a layer's state and activations). Scanned,
+80 layers also compile in the time of 4. Against XLA:GPU on one H200 (the 8B shape cut to 4 layers, batch 4 x
+4096, every remat policy; docs/plan.md) the scanned simulation was 29% to 67% high: a conservative stand-in,
+not a measurement of the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from maxlm.config import Config, ConfigError, from_dict, to_dict
+from maxlm.data.packing import BATCH_KEYS
+from maxlm.layers import get_backend, precision_scope, resolve_backend
+from maxlm.mesh import make_mesh
+from maxlm.model import Transformer
+from maxlm.optim import LAG, make_optimizer
+from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
+from maxlm.sizing import human_bytes
+from maxlm.step import make_train_step
+from maxlm.train_state import abstract_state
+
+FIELDS = ("argument", "output", "alias", "temp")
+OOM_STATUS = "RESOURCE_EXHAUSTED"
+
+
+def memory_stats(compiled) -> dict[str, int]:
+  """Bytes per device of a compiled step: XLA's fields, `device` (arguments + outputs + temporaries -
+  aliased, as step.compiled_memory_gb) and `host` (the same over the host_* fields)."""
+  m = compiled.memory_analysis()
+  if m is None:
+    raise RuntimeError("this JAX backend gives no compiled memory analysis")
+  out = {}
+  for where in ("", "host_"):
+    for k in FIELDS:
+      out[where + k] = int(getattr(m, f"{where}{k}_size_in_bytes", 0) or 0)
+  out["device"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+  out["host"] = out["host_argument"] + out["host_output"] + out["host_temp"] - out["host_alias"]
+  return out
+
+
+@jax.custom_vjp
+def _fused_standin(q, k, v):
+  return _standin_fwd(q, k, v)[0]
+
+
+def _standin_fwd(q, k, v):
+  """Same inputs, output and residuals as a fused attention kernel; not attention's values."""
+  g = q.shape[2] // k.shape[2]
+  s = jnp.sum(q.astype(jnp.float32) * jnp.repeat(k, g, axis=2), axis=-1)  # [B, T, H]
+  out = (jnp.repeat(v, g, axis=2) * jax.nn.sigmoid(s)[..., None]).astype(q.dtype)  # [B, T, H, Dh]
+  stats = jnp.moveaxis(s, 1, 2)  # [B, H, T] fp32, as cuDNN's softmax statistics
+  return out, (q, k, v, out, stats)
+
+
+def _standin_bwd(res, d_out):
+  q, k, v, _, stats = res
+  b, t, kv, dh = k.shape
+  g = q.shape[2] // kv
+  w = jax.nn.sigmoid(jnp.moveaxis(stats, 2, 1))[..., None]  # [B, T, H, 1]
+  dw = d_out.astype(jnp.float32) * w  # [B, T, H, Dh]
+  dq = (dw * jnp.repeat(k, g, axis=2)).astype(q.dtype)  # [B, T, H, Dh]
+  dk = (dw * q).reshape(b, t, kv, g, dh).sum(3).astype(k.dtype)  # [B, T, KV, Dh]
+  dv = dw.reshape(b, t, kv, g, dh).sum(3).astype(v.dtype)  # [B, T, KV, Dh]
+  return dq, dk, dv
+
+
+_fused_standin.defvjp(_standin_fwd, _standin_bwd)
+
+
+def standin_attention(q, k, v, **_):
+  """`attention` of a layer backend, with fused attention's memory footprint (see the module doc)."""
+  return _fused_standin(q, k, v)  # [B, T, H, Dh]
+
+
+@contextlib.contextmanager
+def fused_attention_footprint(backend: str, enabled: bool = True):
+  """Swap the backend's `attention` for the stand-in while a step is traced (measurements only)."""
+  module = get_backend(backend)
+  saved = module.attention
+  if enabled:
+    module.attention = standin_attention
+  try:
+    yield
+  finally:
+    module.attention = saved
+
+
+def _shard_bytes(structs) -> int:
+  """Bytes one device holds of a tree of abstract arrays carrying their shardings."""
+  return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(structs))
+
+
+def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrolled: bool = False):
+  """(compiled train step of `cfg` on `devices` (default: all), {"params", "opt_state", "opt_leaf_fp32": bytes
+  per device}), from abstract shapes only. unrolled: the model is scanned for the measurement only, so a
+  scanned stack counts per layer in opt_leaf_fp32."""
+  mesh = make_mesh(cfg.mesh, devices)
+  backend = resolve_backend(cfg.model.backend)
+  model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row)
+  optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+  micro = cfg.data.global_batch_size // cfg.train.grad_accum
+  step = make_train_step(model, optimizer, schedule, grad_accum=cfg.train.grad_accum,
+                         packed=cfg.data.type != "synthetic")  # data.type=auto is never synthetic
+  scope = precision_scope(cfg.model.precision, backend, cfg.model.fp8_amax_history_len, TE_MESH_AXES)
+  with jax.set_mesh(mesh), axis_rules(), scope, fused_attention_footprint(backend, fused_attention):
+    structs, shardings = abstract_state(model, optimizer, mesh, micro, cfg.data.seq_len, cfg.optim.offload)
+    bs = batch_sharding(mesh)
+    batch = {k: jax.ShapeDtypeStruct((cfg.data.global_batch_size, cfg.data.seq_len), jnp.int32, sharding=bs)
+             for k in BATCH_KEYS}  # [B, T] each
+    jitted = jax.jit(step, in_shardings=(shardings, {k: bs for k in BATCH_KEYS}),
+                     out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
+    compiled = jitted.lower(structs, batch).compile()
+  return compiled, {"params": _shard_bytes(structs.params), "opt_state": _shard_bytes(structs.opt_state),
+                    "opt_leaf_fp32": _largest_parameter(structs.params, cfg.model.n_layers if unrolled else 1)}
+
+
+def _largest_parameter(params, n_layers: int) -> int:
+  """Float32 bytes of one device's shard of the largest parameter, a scanned stack counted per layer (what
+  an unrolled model's streamed update moves at once; see `offloaded`)."""
+  sizes = []
+  for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
+    n = math.prod(a.sharding.shard_shape(a.shape)) * 4
+    stacked = any(getattr(k, "key", None) == "layers" for k in path)
+    sizes.append(n // n_layers if stacked else n)
+  return max(sizes, default=0)
+
+
+def is_oom(e: BaseException) -> bool:
+  """An XLA out-of-memory error (RESOURCE_EXHAUSTED), at compile or at run time."""
+  return isinstance(e, jax.errors.JaxRuntimeError) and OOM_STATUS in str(e)
+
+
+def measure(cfg: Config, devices=None, gpu_footprint: bool = False) -> dict:
+  """memory_stats of cfg's compiled train step, with the state's parts and "how" the device bytes were
+  found; {"oom": message} where XLA itself runs out compiling. gpu_footprint (measuring for a GPU on CPU
+  devices): attention with fused attention's footprint, and an offloaded optimizer state by `offloaded`."""
+  how, unrolled = "measured", gpu_footprint and not cfg.model.scan_layers
+  if unrolled:  # see the module doc
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
+    how = "measured, layers scanned"
+  try:
+    compiled, parts = compile_step(cfg, devices, gpu_footprint, unrolled)
+  except jax.errors.JaxRuntimeError as e:
+    if not is_oom(e):
+      raise
+    return {"oom": str(e).splitlines()[0][:300]}
+  out = memory_stats(compiled) | parts | {"how": how}
+  return offloaded(out) if gpu_footprint and cfg.optim.offload == "host" else out
+
+
+def offloaded(stats: dict) -> dict:
+  """XLA:CPU has one memory (host offload compiles to the same program), so there the device bytes of an
+  optimizer state kept in host memory are arithmetic: the measured peak less the state, plus what the
+  streamed update (maxlm/optim.py) holds on the device at once: the moments of LAG parameters, each upcast
+  to float32 and updated (old and new), taken for the largest parameter (of each layer where the
+  layers were scanned for the measurement only; a whole stack where the model scans them)."""
+  stream = LAG * 2 * 2 * stats["opt_leaf_fp32"]  # LAG parameters x (old, new) x (mu, nu)
+  return stats | {"device": stats["device"] - stats["opt_state"] + stream,
+                  "how": f"arithmetic: XLA:CPU's peak - the optimizer state + {LAG} streamed parameters' moments"}
+
+
+def simulated_env(n_devices: int) -> dict[str, str]:
+  """The environment of a child with n simulated CPU devices (other XLA flags kept: CPU accepts them)."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  # LLVM's optimization level changes the generated code, not the HLO buffer assignment: compiles faster
+  if not any(f.startswith("--xla_backend_optimization_level") for f in flags):
+    flags.append("--xla_backend_optimization_level=0")
+  flags.append(f"--xla_force_host_platform_device_count={n_devices}")
+  return {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+
+
+class Simulator:
+  """`measure(..., gpu_footprint=True)` on n simulated CPU devices in one child process (started on the first
+  call). Configs that differ only in optim.offload are one program there: compiled once."""
+
+  def __init__(self, n_devices: int):
+    self.n, self.proc, self.cache = n_devices, None, {}
+
+  def measure(self, cfg: Config) -> dict:
+    data = to_dict(cfg)
+    data["optim"]["offload"] = "none"
+    key = json.dumps(data, sort_keys=True)
+    if key not in self.cache:
+      self.cache[key] = self._ask(key)
+    out = self.cache[key]
+    if "error" in out:
+      raise ConfigError(out["error"])
+    return offloaded(out) if "oom" not in out and cfg.optim.offload == "host" else out
+
+  def _ask(self, line: str) -> dict:
+    if self.proc is None:
+      self.proc = subprocess.Popen([sys.executable, "-m", "maxlm.plan_measure"], env=simulated_env(self.n),
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self.proc.stdin.write(line + "\n")
+    self.proc.stdin.flush()
+    answer = self.proc.stdout.readline()
+    if not answer:
+      code = self.proc.wait()
+      self.proc = None
+      raise RuntimeError(f"the measuring process on {self.n} simulated CPU devices ended (exit code {code}) "
+                         "before it answered; its output is above")
+    return json.loads(answer)
+
+  def close(self) -> None:
+    if self.proc is not None:
+      self.proc.stdin.close()
+      self.proc.wait()
+      self.proc = None
+
+
+MARGIN = 0.02  # of the usable memory, for fragmentation of XLA's pool (see maxlm/plan.py)
+GPU_FRACTION = 0.95  # xla.mem_fraction=auto on a GPU
+XLA_DEFAULT_FRACTION = 0.75
+DEFAULT_GPU = ("NVIDIA H200", int(139.87 * 2**30))  # what JAX reports of an H200: 104.9 GiB at 0.75
+FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # the new name, the old one
+
+
+@dataclasses.dataclass
+class Target:
+  """Where a plan is for: devices, their memory, and how the step is measured (see `make_target`)."""
+  n_devices: int
+  n_nodes: int
+  kind: str  # device kind, e.g. "NVIDIA H200"; "cpu" for CPU devices
+  device_bytes: int  # one device's memory (a GPU's total; a CPU device's share of RAM)
+  fraction: float | None  # xla.mem_fraction in effect on a GPU; None on CPU
+  simulated: bool  # measured on simulated CPU devices (`Simulator`), else on the devices at hand
+  devices: list | None = None  # the devices at hand to measure on
+  assumed: str = ""  # what was assumed about the device (no GPU here to ask)
+  _sim: Simulator | None = None
+
+  @property
+  def usable(self) -> int:
+    return int(self.device_bytes * (self.fraction or 1.0) * (1 - MARGIN))
+
+  @property
+  def gpu(self) -> bool:
+    return self.kind != "cpu"
+
+  def measure(self, cfg: Config) -> dict:
+    if not self.simulated:
+      return measure(cfg, self.devices)
+    self._sim = self._sim or Simulator(self.n_devices)
+    return self._sim.measure(cfg)
+
+  def close(self) -> None:
+    if self._sim is not None:
+      self._sim.close()
+
+  def describe(self) -> str:
+    how = (f"on {self.n_devices} simulated CPU devices (XLA:CPU, with fused attention's footprint)"
+           if self.simulated else "on the devices at hand")
+    frac = f" x xla.mem_fraction {self.fraction:g}" if self.fraction else ""
+    return (f"{self.n_devices} x {self.kind}{self.assumed}: {human_bytes(self.device_bytes)}{frac} - {MARGIN:.0%} "
+            f"= {human_bytes(self.usable)} usable per device; memory measured by XLA {how}")
+
+
+def fraction_in_environment() -> float | None:
+  for var in FRACTION_VARS:
+    if os.environ.get(var):
+      try:
+        return float(os.environ[var])
+      except ValueError:
+        raise ConfigError(f"{var}={os.environ[var]!r} is not a number") from None
+  return None
+
+
+def apply_mem_fraction(value: float, gpu: bool) -> str | None:
+  """xla.mem_fraction, before the backend starts: a line for the log, or None when nothing was set. A
+  fraction already in the environment wins; 0 (auto) means 0.95 on a GPU and nothing on CPU."""
+  have = fraction_in_environment()
+  if have is not None:
+    if value and value != have:
+      return f"xla.mem_fraction={value:g} not applied: your environment sets {have:g}"
+    return None
+  if not value and not gpu:
+    return None
+  why = "set" if value else ("auto on an NVIDIA GPU: XLA's default 0.75 leaves a quarter unused, 35 GiB of an "
+                             "H200; the 5% left outside XLA's pool holds the CUDA context, cuBLAS/cuDNN "
+                             "workspaces and NCCL buffers")
+  value = value or GPU_FRACTION
+  os.environ[FRACTION_VARS[0]] = f"{value:g}"
+  return f"xla.mem_fraction={value:g} ({why}): {FRACTION_VARS[0]}={value:g}"
+
+
+def _local_memory(dev) -> int | None:
+  """The allocator's limit of a GPU; a CPU device's share of the host's RAM."""
+  stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
+  except (ValueError, OSError):
+    return None
+
+
+def make_target(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
+                device_memory: int | None = None, simulate: bool = False) -> Target:
+  """The devices at hand (all, or the first n_devices of one process), else (or with simulate) n_devices
+  simulated ones for a GPU: this machine's kind and memory when it has a GPU, else an H200's (said so).
+  device_memory: bytes of one device (a GPU's total, before xla.mem_fraction; on CPU what a device may use)."""
+  dev = jax.devices()[0]
+  gpu_here = dev.platform == "gpu"
+  frac_here = (fraction_in_environment() or XLA_DEFAULT_FRACTION) if gpu_here else None
+  here = _local_memory(dev)
+  at_hand = not simulate and ((n_devices is None and n_nodes is None) or (
+      jax.process_count() == 1 and (n_nodes or 1) == 1 and n_devices <= jax.device_count()))
+  if at_hand:
+    n = n_devices or jax.device_count()
+    total = device_memory or (int(here / frac_here) if gpu_here and here else here)
+    if not total:
+      raise ConfigError("this device reports no memory size: give --device-memory-gb G")
+    return Target(n, n_nodes or jax.process_count(), dev.device_kind if gpu_here else "cpu", total, frac_here,
+                  False, jax.devices()[:n])
+  kind, total, assumed = DEFAULT_GPU + (" (assumed: no GPU here)",)
+  if gpu_here and here:
+    kind, total, assumed = dev.device_kind, int(here / frac_here), ""
+  frac = fraction_in_environment() or cfg.xla.mem_fraction or GPU_FRACTION
+  n_nodes = n_nodes or 1
+  return Target(n_devices or n_nodes * jax.local_device_count(), n_nodes, kind, device_memory or total, frac, True,
+                assumed=assumed if not device_memory else "")
+
+
+def worker() -> int:
+  """Child side of `Simulator`: one config (JSON) per input line, one result (JSON) per output line."""
+  out = sys.stdout
+  sys.stdout = sys.stderr  # anything else printed goes to stderr: stdout carries the answers only
+  for line in sys.stdin:
+    try:
+      result = measure(from_dict(json.loads(line)), gpu_footprint=True)
+    except ConfigError as e:
+      result = {"error": str(e)}
+    out.write(json.dumps(result) + "\n")
+    out.flush()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(worker())

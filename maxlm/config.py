@@ -92,8 +92,10 @@ class ModelConfig:
 class DataConfig:
   """Training data, tokenizer and packing; also checked in maxlm.data (DataError). Lists are
   comma-separated strings (paths may be globs or directories)."""
-  type: str = option("embedded", "embedded = the shipped Austen corpus; synthetic = random tokens",
-                     choices=("embedded", "synthetic", "text", "jsonl", "parquet", "arrayrecord", "mixture"))
+  type: str = option("auto", "auto = the shipped Austen corpus (embedded) without data.paths, else the format "
+                     "the file names give (several formats or data.weights: mixture); synthetic = random tokens",
+                     choices=("auto", "embedded", "synthetic", "text", "jsonl", "parquet", "arrayrecord",
+                              "mixture"))
   seq_len: int = option(128, "tokens per row; positions are int32", within="[1, 2**31-1]")
   global_batch_size: int = option(8, "rows per step over all devices", within="[1, inf)")
   seed: int = option(0, "shuffle seed; per-source seeds add up to 7919 per mixture entry, hence < 2**31",
@@ -206,7 +208,8 @@ class CheckpointConfig:
   directory holds checkpoints resumes from the latest usable one."""
   every: int = option(0, "save every N steps (async); 0 = only at the end (also saved on SIGTERM/SIGINT)",
                       within="[0, inf)")
-  enabled: bool = option(False, "write checkpoints and resume from them")
+  enabled: bool = option(True, "write checkpoints (at least the last step's) and resume from them; false: the "
+                         "run keeps no weights")
   keep: int = option(3, "keep the last K checkpoints (0 = all)", within="[0, inf)")
   keep_period: int = option(0, "also keep every checkpoint whose step is a multiple of M (0 = none)",
                             within="[0, inf)")
@@ -271,7 +274,8 @@ class PlanConfig:
 class Config:
   """A whole run."""
   output_dir: str = option("runs", "parent of the run directory")
-  run_name: str = option("default", "the run directory <output_dir>/<run_name>: one plain name")
+  run_name: str = option("default", "the run directory <output_dir>/<run_name>: one plain name; with config=FILE "
+                         "and no run_name the file's name (config=llama8b.yml: llama8b)")
   model: ModelConfig = ModelConfig()
   data: DataConfig = DataConfig()
   optim: OptimConfig = OptimConfig()
@@ -329,7 +333,11 @@ def load_config(args: list[str] | None = None, base: Config | None = None) -> Co
   config_file, overrides = parse_overrides(list(args or []))
   cfg = base or Config()
   if config_file is not None:
-    for path, data in yaml_layers(resolve_config_path(config_file)):
+    layers = yaml_layers(resolve_config_path(config_file))
+    if base is None and not any("run_name" in data for _, data in layers) and "run_name" not in overrides:
+      # Runs of different configs never share a directory by default (maxlm/checkpoint/run_dir.py).
+      cfg = dataclasses.replace(cfg, run_name=Path(config_file).name.removesuffix(".yml").removesuffix(".yaml"))
+    for path, data in layers:
       try:
         cfg = _apply(cfg, data)
       except ConfigError as e:

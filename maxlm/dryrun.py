@@ -31,6 +31,7 @@ from maxlm.config import Config, ConfigError, DataConfig, load_config
 from maxlm.data import DataError
 from maxlm.data.readers import META_NAME, file_format, resolve_files, split_list
 from maxlm.data.shards import read_meta
+from maxlm.data.sources import resolve_type
 from maxlm.layers import (PRECISIONS, RECIPES, PrecisionError, check_remat, precision_scope, resolve_backend,
                           supported_precisions)
 from maxlm.mesh import AXES, mesh_shape
@@ -101,6 +102,7 @@ def _data_entry(spec: str, fmt: str) -> dict:
 
 def data_summary(d: DataConfig, steps: int) -> dict:
   """What the run reads, from names and metadata only (no document is read)."""
+  d = resolve_type(d)  # data.type=auto: the format from the file names
   out = {"type": d.type, "seq_len": d.seq_len, "global_batch_size": d.global_batch_size,
          "tokens_per_step": d.global_batch_size * d.seq_len, "tokens_total": steps * d.global_batch_size * d.seq_len}
   if d.type == "synthetic":

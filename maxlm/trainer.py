@@ -8,21 +8,25 @@ output directory), then create the run directory, build the state, resume from c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
+import yaml
 
 from maxlm import data as data_lib
 from maxlm import plan as planner
 from maxlm import sizing, watchdog
 from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
+from maxlm.checkpoint import run_dir as run_dirs
 from maxlm.checkpoint import start as start_checkpoints
 from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml, to_dict
-from maxlm.layers import check_precision, check_remat, precision_scope, resolve_backend
+from maxlm.layers import PrecisionError, check_precision, check_remat, precision_scope, resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line, throughput
 from maxlm.model import Transformer, count_params, flops_per_step
@@ -222,17 +226,35 @@ class Trainer:
 
 
 def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> int:
-  """Run `cfg` to train.steps; returns the exit code (0 done, 75 preempted)."""
+  """Run `cfg` to train.steps; returns the exit code (0 done, 75 preempted).
+
+  The run directory is claimed first (maxlm/checkpoint/run_dir.py: a directory holding another run is used
+  only to resume it). A directory this call created is removed again when the run fails on bad input or a
+  checkpoint before it logged a step or saved a checkpoint, so such a failure leaves nothing behind."""
   t_start = time.perf_counter() if t_start is None else t_start
+  cfg = dataclasses.replace(cfg, data=data_lib.resolve_type(cfg.data))  # data.type=auto made concrete
   trainer = Trainer(cfg)
   run_dir = cfg.run_dir
   is_main = jax.process_index() == 0
   if cfg.checkpoint.load_params and not Path(cfg.checkpoint.load_params).exists():
     raise CheckpointError(f"checkpoint.load_params={cfg.checkpoint.load_params}: no such file or directory")
+  cfg = trainer.cfg  # with plan.mode=auto, the levers the planner chose
+  run_dirs.claim(run_dir, yaml.safe_load(dump_yaml(cfg)), cfg.checkpoint.enabled)
+  created = is_main and not run_dir.exists()
   if is_main:
     _check_writable(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yml").write_text(dump_yaml(cfg))
+  try:
+    return _train(cfg, trainer, preemption, t_start)
+  except (ConfigError, CheckpointError, data_lib.DataError, PrecisionError):
+    if created and not run_dirs.previous(run_dir).holds_run:
+      shutil.rmtree(run_dir, ignore_errors=True)
+    raise
+
+
+def _train(cfg: Config, trainer: Trainer, preemption: Preemption, t_start: float) -> int:
+  run_dir = cfg.run_dir
+  is_main = jax.process_index() == 0
   trainer.build()
   m, t, d = cfg.model, cfg.train, cfg.data
   n = count_params(m)
@@ -241,11 +263,7 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
   peak = device_peak_flops(kind)
   flops_known = jax.devices()[0].platform != "cpu"
   if is_main:  # progress and run lines come from process 0 only; warnings and errors from any process
-    echo(f"maxlm: {m.name} ({n['total'] / 1e6:.1f}M params, backend={trainer.backend}, "
-         # precision bf16 quantizes nothing: with model.dtype=float32 everything computes in fp32
-         f"precision={'fp32' if (m.precision, m.dtype) == ('bf16', 'float32') else m.precision}) on "
-         f"{jax.device_count()} x {kind}, mesh "
-         f"{dict(trainer.mesh.shape)}, run dir {run_dir}")
+    echo(_start_line(cfg, trainer, n["total"], kind))
     if jax.process_count() > 1:
       echo(f"maxlm: {mesh_placement(trainer.mesh)}")
 
@@ -255,6 +273,11 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
   try:
     ckpt = start_checkpoints(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
     start_step = int(jax.device_get(trainer.state.step))
+    if is_main:  # only now is the run known to start (a checkpoint that does not fit has stopped it)
+      (run_dir / "config.yml").write_text(dump_yaml(cfg))
+    if start_step >= t.steps and is_main:
+      echo(f"maxlm: {run_dir} is already at step {start_step} of train.steps={t.steps}: nothing to train "
+           f"(more steps: train.steps=N; a new run: run_name=...)")
     writer = MetricsWriter(run_dir, enabled=is_main, start_step=start_step)
     checked, skipped = start_step, int(jax.device_get(trainer.state.nonfinite_steps))
     logged_skips = skipped
@@ -282,11 +305,8 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
         steps_since = 0
         first_step_s = t_last - t_start
         preemption.step_started(checkpointing=ckpt is not None)
-        mem, est = peak_memory_gb(), trainer.jitted_train_step.compiled_memory_gb
         if is_main:
-          echo(f"maxlm: first step {done} done {first_step_s:.1f} s after start (trace, compile and run)"
-               + (f", peak device memory {mem:.1f} GB" if mem is not None else "")
-               + (f", XLA's compiled estimate {est:.1f} GB per device" if est is not None else ""))
+          echo(_first_step_line(done, first_step_s, trainer.jitted_train_step.compiled_memory_gb))
       stop = preemption.reached(done)
       save_s = 0.0
       if ckpt is not None and (stop or last or ckpt.due(done)):
@@ -304,19 +324,12 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
         continue
       wd.arm("metrics fetch", done, sync=True)
       metrics = jax.device_get(metrics)
-      now = time.perf_counter()
-      row = {k: float(v) for k, v in metrics.items() if k not in ("finite", "tokens")}
-      row["nonfinite_steps"] = int(metrics["nonfinite_steps"])
-      if "overflow_steps" in metrics:  # fp16 loss scaling: skips for overflow, not non-finite steps
-        row["overflow_steps"] = int(metrics["overflow_steps"])
+      # training time only: checkpoint saves are reported as save_s
+      row = _row(metrics, steps_since, time.perf_counter() - t_last - paused, tokens_per_step, flops,
+                 trainer.n_devices, peak)
       if steps_since:
-        dt = now - t_last - paused  # training only: checkpoint saves are reported as save_s
-        row.update(throughput(tokens_per_step * steps_since, flops * steps_since, dt, trainer.n_devices, peak))
-        row["step_time"] = dt / steps_since
         wd.step_time(row["step_time"])
         steps_timed += steps_since
-      else:
-        row.update({"tokens_per_sec": None, "tflops_per_device": None, "mfu": None, "step_time": None})
       if paused:
         row["save_s"] = paused
       if first_step_s is not None:
@@ -345,11 +358,7 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
         if ckpt is not None:
           wd.arm("checkpoint save", done, slow=True)
           ckpt.wait()
-          echo(f"maxlm: {preemption.signal} at step {done}: checkpoint step {done} saved in "
-               f"{ckpt.directory}; exiting with code {EXIT_PREEMPTED} (rerun the same command to resume)")
-        else:
-          echo(f"maxlm: {preemption.signal} at step {done}: nothing was saved (checkpoint.enabled=false), "
-               f"so a rerun starts again from step 0; exiting with code {EXIT_PREEMPTED}")
+        echo(_preempted_line(preemption.signal, done, ckpt))
         return EXIT_PREEMPTED
       if batches.ended and done < t.steps:
         if is_main:
@@ -364,6 +373,44 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
       ckpt.close()  # waits for the save in flight
     wd.stop()
   return 0
+
+
+def _start_line(cfg: Config, trainer: Trainer, n_params: int, kind: str) -> str:
+  m = cfg.model
+  # precision bf16 quantizes nothing: with model.dtype=float32 everything computes in fp32
+  precision = "fp32" if (m.precision, m.dtype) == ("bf16", "float32") else m.precision
+  return (f"maxlm: {m.name} ({n_params / 1e6:.1f}M params, backend={trainer.backend}, precision={precision}) on "
+          f"{jax.device_count()} x {kind}, mesh {dict(trainer.mesh.shape)}, run dir {cfg.run_dir}")
+
+
+def _first_step_line(done: int, seconds: float, estimate_gb: float | None) -> str:
+  mem = peak_memory_gb()
+  return (f"maxlm: first step {done} done {seconds:.1f} s after start (trace, compile and run)"
+          + (f", peak device memory {mem:.1f} GB" if mem is not None else "")
+          + (f", XLA's compiled estimate {estimate_gb:.1f} GB per device" if estimate_gb is not None else ""))
+
+
+def _row(metrics: dict, steps: int, seconds: float, tokens_per_step: int, flops: float, n_devices: int,
+         peak: float | None) -> dict:
+  """A metrics row from the fetched step metrics and the `steps` trained in `seconds` since the last row."""
+  row = {k: float(v) for k, v in metrics.items() if k not in ("finite", "tokens")}
+  row["nonfinite_steps"] = int(metrics["nonfinite_steps"])
+  if "overflow_steps" in metrics:  # fp16 loss scaling: skips for overflow, not non-finite steps
+    row["overflow_steps"] = int(metrics["overflow_steps"])
+  if steps:
+    row.update(throughput(tokens_per_step * steps, flops * steps, seconds, n_devices, peak))
+    row["step_time"] = seconds / steps
+  else:
+    row.update({"tokens_per_sec": None, "tflops_per_device": None, "mfu": None, "step_time": None})
+  return row
+
+
+def _preempted_line(signal_name: str, done: int, ckpt) -> str:
+  if ckpt is not None:
+    return (f"maxlm: {signal_name} at step {done}: checkpoint step {done} saved in {ckpt.directory}; exiting "
+            f"with code {EXIT_PREEMPTED} (rerun the same command to resume)")
+  return (f"maxlm: {signal_name} at step {done}: nothing was saved (checkpoint.enabled=false), so a rerun "
+          f"starts again from step 0; exiting with code {EXIT_PREEMPTED}")
 
 
 def _check_finite(metrics: dict, checked: int, skipped: int, done: int, ckpt) -> int:

@@ -184,7 +184,7 @@ def test_every_shipped_config_loads():
     (["mesh.fsdp=0"], "config key 'mesh.fsdp' must be in [1, inf) or -1, got 0"),
     (["mesh.dcn_data=-2"], "config key 'mesh.dcn_data' must be in [1, inf) or -1, got -2"),
     (["checkpoint.keep=-1"], "config key 'checkpoint.keep' must be in [0, inf), got -1"),
-    (["data.type=csv"], "config key 'data.type' must be one of embedded, synthetic, text, jsonl, parquet, "
+    (["data.type=csv"], "config key 'data.type' must be one of auto, embedded, synthetic, text, jsonl, parquet, "
                         "arrayrecord, mixture; got 'csv'"),
     (["data.tokenizer_type=bpe"], "config key 'data.tokenizer_type' must be one of auto, sentencepiece, hf, "
                                   "tiktoken; got 'bpe'"),
@@ -257,7 +257,7 @@ def test_nan_in_a_yaml_file_is_refused(tmp_path):
 
 
 def test_fixed_value_keys_have_choices():
-  assert CHOICES["data.type"] == ("embedded", "synthetic", "text", "jsonl", "parquet", "arrayrecord",
+  assert CHOICES["data.type"] == ("auto", "embedded", "synthetic", "text", "jsonl", "parquet", "arrayrecord",
                                   "mixture")
   assert CHOICES["data.tokenizer_type"] == ("auto", "sentencepiece", "hf", "tiktoken")
   assert CHOICES["data.text_split"] == ("line", "paragraph", "file")
@@ -402,3 +402,19 @@ def test_help_is_generated_from_the_dataclasses():
     assert main(["--help"]) == 0
   for key, _, _ in leaf_keys():
     assert f"  {key}: " in out.getvalue(), key
+
+
+def test_run_name_defaults_to_the_config_file_name(tmp_path):
+  """Runs of different configs never share a run directory by default."""
+  assert load_config([]).run_name == "default"
+  assert load_config(["config=llama8b.yml"]).run_name == "llama8b"
+  assert load_config(["config=llama3.2-1b.yml"]).run_name == "llama3.2-1b"
+  assert load_config(["config=llama8b.yml", "run_name=mine"]).run_name == "mine"
+  named = tmp_path / "named.yml"
+  named.write_text("run_name: kept\n")
+  child = tmp_path / "child.yaml"
+  child.write_text("base: named.yml\ntrain.steps: 3\n")
+  assert load_config([f"config={named}"]).run_name == "kept"
+  assert load_config([f"config={child}"]).run_name == "kept"  # set by its base file
+  (tmp_path / "plain.yaml").write_text("train.steps: 3\n")
+  assert load_config([f"config={tmp_path / 'plain.yaml'}"]).run_name == "plain"

@@ -451,14 +451,6 @@ def test_close_stops_the_pipelines_threads(corpus):
     next(it)
 
 
-def test_a_pre_stream_state_needs_a_pipeline_that_can_continue_it():
-  it = DataIterator(lambda states: iter(()), 10, rows=range(2), seq_len=4, streams=2)
-  with pytest.raises(DataError, match=r"^a per-process \(pre-stream\) data state does not fit this iterator$"):
-    it.set_state({"grain": {}, "batches": 0})
-  syn = make_train_iterator(DataConfig(type="synthetic", seq_len=8, global_batch_size=4, seed=3), 50, 1, 2)
-  syn.set_state({"grain": {"next_index": 7}, "batches": 7})
-  assert syn.get_state() == {"grain": {"next_index": 7}, "batches": 7}  # before a batch: where it was put
-
 
 def test_every_batch_is_checked_against_the_vocabulary():
   """A token id outside [0, vocab_size) stops before the step runs, naming the id, the batch and the

@@ -233,24 +233,3 @@ def _hash(batches) -> str:
       h.update(k.encode() + np.ascontiguousarray(b[k]).tobytes())
   return h.hexdigest()
 
-
-# Written by maxlm before data streams (commit f33fc25, maxlm/data/pipeline.py then): process 1 of 2 of
-# DataConfig(seq_len=64, global_batch_size=4) on the embedded corpus, its get_state() after 40 batches, and
-# the sha256 (_hash) of the 3 batches that followed. A checkpoint of such a run holds this state.
-PRE_STREAM_STATE = {"grain": {"parent": {"parent": {"next_index": 0}, "next_index_in_buffer": 85},
-                              "next_row": 16, "counter": 80}, "batches": 40}
-PRE_STREAM_NEXT3 = "3311293bee5dec5a47abdbfa3876e722bc60ae00a1c844a7de181b23cf0a1dc6"
-
-
-def test_pre_stream_positions_continue_the_old_batches():
-  it = make_train_iterator(DataConfig(seq_len=64, global_batch_size=4), 8192, 1, 2)
-  it.set_state(_json(PRE_STREAM_STATE))
-  assert _hash([next(it) for _ in range(3)]) == PRE_STREAM_NEXT3
-  state = it.get_state()
-  assert set(state) == {"grain", "batches"} and state["batches"] == 43  # it stays in the old format
-  # old synthetic batches: the whole local batch from numpy's generator seeded (seed, process, step)
-  syn = make_train_iterator(DataConfig(type="synthetic", seq_len=8, global_batch_size=4, seed=3), 50, 1, 2)
-  syn.set_state({"grain": {"next_index": 7}, "batches": 7})
-  toks = np.random.default_rng((3, 1, 7)).integers(0, 50, (2, 9), dtype=np.int32)
-  np.testing.assert_array_equal(next(syn)["inputs"], toks[:, :-1])
-  assert syn.get_state() == {"grain": {"next_index": 8}, "batches": 8}

@@ -152,7 +152,8 @@ def _wait_for(proc, prefix):
 
 
 def test_sigterm_without_checkpoints_says_nothing_was_saved(tmp_path):
-  proc = _launch(tmp_path, [*TINY, "model.backend=flax", "train.steps=1000", "train.log_every=1000"],
+  proc = _launch(tmp_path, [*TINY, "model.backend=flax", "train.steps=1000", "train.log_every=1000",
+                            "checkpoint.enabled=false"],
                  {"MAXLM_TEST_STEP_SLEEP": "0.2"})
   _wait_for(proc, "maxlm: first step")
   proc.send_signal(signal.SIGTERM)
@@ -195,3 +196,59 @@ def test_deterministic_sets_the_flags_before_the_backend_starts(tmp_path):
   r = cli([*TINY, "train.steps=1", "train.deterministic=true", "run_name=x"], tmp_path / "no",
           env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_gpu_deterministic_ops=false"})
   assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--xla_gpu_deterministic_ops=false" in r.stderr
+
+
+def _snapshot(run_dir: Path) -> dict:
+  return {name: (run_dir / name).read_bytes() for name in ("config.yml", "metrics.jsonl")}
+
+
+def test_a_run_keeps_its_weights_and_a_second_run_never_destroys_the_first(tmp_path):
+  """A run leaves a final checkpoint by default. Another run in its directory is refused in one line
+  (exit 2) unless it can resume it; a checkpoint that does not fit stops it with exit 3; either way the
+  first run's config.yml and metrics.jsonl stay byte for byte. The same command again resumes the finished
+  run and has nothing to do."""
+  first = [*TINY, "model.backend=flax", "run_name=r", "train.steps=4", "train.log_every=2"]
+  r = cli(first, tmp_path)
+  assert r.returncode == 0, r.stderr[-2000:]
+  run = tmp_path / "r"
+  assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4"]  # the trained weights, kept
+  before = _snapshot(run)
+  for extra, code, message in [
+      (["checkpoint.enabled=false"], 2, "already holds another run (2 logged step(s), the last step 4; "
+                                        "checkpoint steps 4) and this run has checkpoints off"),
+      (["model.n_layers=2"], 3, "does not fit this model"),
+  ]:
+    r = cli([*first, "train.steps=8", *extra], tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == code and len(lines) == 1 and message in lines[0], r.stderr[-2000:]
+    assert _snapshot(run) == before
+  r = cli(first, tmp_path)
+  assert r.returncode == 0 and "is already at step 4 of train.steps=4: nothing to train" in r.stdout, r.stderr
+  assert _snapshot(run) == before
+
+
+def test_a_directory_holding_a_run_without_checkpoints_is_refused(tmp_path):
+  args = [*TINY, "model.backend=flax", "run_name=r", "train.steps=2", "train.log_every=1", "checkpoint.enabled=false"]
+  assert cli(args, tmp_path).returncode == 0
+  before = _snapshot(tmp_path / "r")
+  r = cli([*TINY, "model.backend=flax", "run_name=r", "train.steps=2"], tmp_path)  # checkpoints on: none there
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+  assert "already holds another run (2 logged step(s), the last step 2; no checkpoint) and it has no " \
+         "checkpoint to resume from (and its config.yml differs from this run's config); give this run its own " \
+         "run_name=..." in lines[0]
+  assert _snapshot(tmp_path / "r") == before
+  # The same command again (an attempt with nothing to resume, e.g. killed before its first save) starts over.
+  r = cli(args, tmp_path)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert [json.loads(x)["step"] for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_checkpoint_error_after_the_run_directory_was_made_leaves_nothing(tmp_path):
+  bogus = tmp_path / "not-a-checkpoint"
+  bogus.mkdir()
+  out = tmp_path / "out"
+  r = cli([*TINY, "model.backend=flax", "run_name=r", "train.steps=2", f"checkpoint.load_params={bogus}"], out)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 3 and len(lines) == 1 and "not a checkpoint" in lines[0], r.stderr[-2000:]
+  assert not (out / "r").exists()

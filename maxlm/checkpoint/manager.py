@@ -5,7 +5,7 @@
   state/   the rest of the TrainState: step, opt_state, model_state (TE `fp8_metas`), rng, nonfinite_steps,
            and under model.precision=fp16 loss_scale (scale, good_steps, overflow_steps)
   data/    the data-iterator position of every stream (global batch row), JSON; it restores onto any
-           process count that divides the batch (older checkpoints: one state per process)
+           process count that divides the batch
   config/  the resolved run configuration, JSON
   meta/    shape, dtype and a sharding-independent checksum of every array, and a sha256 of the
            data and config items, JSON
@@ -38,8 +38,8 @@ from maxlm.data import merge_states
 from maxlm.metrics import echo
 
 ITEMS = ("params", "state", "data", "config", "meta")
-# 3: the `data` item holds one state per stream (global batch row); 2: one per process; 1: neither data nor
-# config digests in `meta` either.
+# 3: the `data` item holds one state per stream (global batch row), and `meta` the sha256 of the data and config
+# items. Only format 3 is read (the earlier ones were never released).
 FORMAT = 3
 
 
@@ -104,22 +104,16 @@ def _gather(obj) -> list:
 
 def _data_item(states: list) -> dict:
   """The `data` item from every process's data-iterator state (in process order): one state per stream,
-  merged, or (a run continuing a checkpoint from before streams) one per process."""
-  if all("rows" in s for s in states):
-    return {"process_count": len(states), **merge_states(states)}
-  return {"process_count": len(states), "processes": states}
+  merged."""
+  return {"process_count": len(states), **merge_states(states)}
 
 
 def _data_state(data: dict, step: int):
-  """The data-iterator state this process restores from a `data` item."""
-  if "processes" not in data:
+  """The data-iterator state this process restores from a `data` item (its rows are picked by set_state)."""
+  try:
     return {k: data[k] for k in ("streams", "batches", "rows")}
-  n = data["process_count"]
-  if n != jax.process_count():
-    raise CheckpointError(f"checkpoint step {step} holds one data position per process for {n} process(es) "
-                          f"(saved before data streams); this run has {jax.process_count()}: resume it with "
-                          f"{n} process(es)")
-  return data["processes"][jax.process_index()]
+  except (KeyError, TypeError):
+    raise Corrupt(f"the data item of step {step} holds no stream positions") from None
 
 
 def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -357,14 +351,10 @@ class Checkpointer:
 
 
 def _check_digests(head: dict, path: Path) -> None:
-  """Raise Corrupt when the data or config item differs from the sha256 saved in `meta` (format >= 2;
-  checkpoints of format 1 have none)."""
-  meta = head["meta"]
-  digests = meta.get("digests")
+  """Raise Corrupt when the data or config item differs from the sha256 saved in `meta`."""
+  digests = head["meta"].get("digests")
   if digests is None:
-    if meta.get("format", 1) >= 2:
-      raise Corrupt(f"{path}/meta has no digests of the data and config items")
-    return
+    raise Corrupt(f"{path}/meta has no digests of the data and config items")
   for item in ("data", "config"):
     if json_digest(head[item]) != digests.get(item):
       raise Corrupt(f"{path}/{item} differs from its saved sha256 (in {path}/meta)")

@@ -2,9 +2,11 @@
 
 A run directory belongs to one run. A run starts in it when it is absent or holds no run yet (no logged
 step and no checkpoint: at most what a start that failed before its first step left). A directory that
-holds a run is used again only to resume it: checkpoints on and a checkpoint there (the restore then
-checks that the checkpoint fits this model). Anything else is refused in one line before anything is
-written, so a second run never cuts the metrics of the first or replaces its config.yml.
+holds a run is used again only by that run: to resume it (checkpoints on and a checkpoint there; the restore
+then checks that the checkpoint fits this model), or, when there is no checkpoint to resume (an attempt
+killed before its first save), to start it over with exactly the config it recorded. Anything else is
+refused in one line before anything is written, so a second run never cuts the metrics of the first or
+replaces its config.yml.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from maxlm.checkpoint.manager import complete_steps
 from maxlm.config import ConfigError
@@ -23,6 +28,7 @@ class Previous:
   rows: int  # metrics.jsonl rows
   last_step: int | None  # the step of the last row
   checkpoints: tuple[int, ...]  # complete checkpoint steps
+  config: Any = None  # the resolved config it recorded (config.yml), None when absent or unreadable
 
   @property
   def holds_run(self) -> bool:
@@ -50,17 +56,28 @@ def _metrics_rows(path: Path) -> tuple[int, int | None]:
   return len(lines), last
 
 
+def _recorded_config(path: Path):
+  try:
+    return yaml.safe_load(path.read_text())
+  except (OSError, yaml.YAMLError, UnicodeDecodeError):
+    return None
+
+
 def previous(run_dir: Path) -> Previous:
   rows, last = _metrics_rows(run_dir / "metrics.jsonl")
-  return Previous(rows, last, tuple(complete_steps(run_dir / "checkpoints")))
+  return Previous(rows, last, tuple(complete_steps(run_dir / "checkpoints")), _recorded_config(run_dir / "config.yml"))
 
 
-def claim(run_dir: Path, checkpoint_enabled: bool) -> Previous:
-  """What the run directory holds, after checking that this run may use it (ConfigError if not)."""
+def claim(run_dir: Path, config: dict, checkpoint_enabled: bool) -> Previous:
+  """What the run directory holds, after checking that this run (resolved `config`, as config.yml records
+  it) may use it (ConfigError if not)."""
   prev = previous(run_dir)
   if not prev.holds_run or (checkpoint_enabled and prev.checkpoints):
     return prev
+  if prev.config == config:  # the same run again, with nothing to resume: it starts over
+    return prev
   why = ("it has no checkpoint to resume from" if checkpoint_enabled
          else "this run has checkpoints off (checkpoint.enabled=false), so it cannot resume it")
+  why += " (and its config.yml differs from this run's config)"
   raise ConfigError(f"run directory {run_dir} already holds another run ({prev.describe()}) and {why}; "
                     f"give this run its own run_name=..., or remove {run_dir} to start over")

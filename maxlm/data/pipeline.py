@@ -15,7 +15,7 @@ import grain
 import numpy as np
 
 from maxlm.config import DataConfig
-from maxlm.data import legacy, sources, streams
+from maxlm.data import sources, streams
 from maxlm.data.sources import resolve_type  # noqa: F401 - re-exported by maxlm.data
 from maxlm.data.errors import DataError, Skips, first_line, log
 from maxlm.data.packing import BATCH_KEYS, PadRows, finish, pack, read_options
@@ -37,10 +37,9 @@ class DataIterator:
   """
 
   def __init__(self, start, vocab_size: int, info: dict | None = None, *, rows: range, seq_len: int,
-               streams: int, legacy=None, checkpointable: bool = True):
-    """start(states) -> iterator of (batch, {"<row>": state}) from `states` (None: the beginning);
-    legacy(grain_state) -> the same for a pre-stream state (None: no such pipeline)."""
-    self._start, self._legacy = start, legacy
+               streams: int, checkpointable: bool = True):
+    """start(states) -> iterator of (batch, {"<row>": state}) from `states` (None: the beginning)."""
+    self._start = start
     self.rows, self.seq_len, self.streams = rows, seq_len, streams
     self.checkpointable = checkpointable
     self.vocab_size = vocab_size
@@ -92,25 +91,17 @@ class DataIterator:
   def get_state(self) -> dict:
     if not self.checkpointable:
       raise DataError("an eval data iterator has no checkpointable position")
-    if "grain" in self._states:  # continuing a pre-stream checkpoint: its per-process format
-      return {"grain": self._states["grain"], "batches": self.batches}
     return {"streams": self.streams, "batches": self.batches, "rows": dict(self._states)}
 
   def set_state(self, state: dict) -> None:
     """Continue from `state`: this process's rows of a (merged) stream state saved by any process count
-    that divides the batch, or a pre-stream per-process state of this process (same process count)."""
+    that divides the batch."""
     if not self.checkpointable:
       raise DataError("an eval data iterator has no checkpointable position")
     try:
       batches = int(state["batches"])
-      if "grain" in state:
-        if self._legacy is None:
-          raise DataError("a per-process (pre-stream) data state does not fit this iterator")
-        states = {"grain": state["grain"]}
-        it = self._legacy(state["grain"])
-      else:
-        states = self._own_rows(state)
-        it = self._start(states)
+      states = self._own_rows(state)
+      it = self._start(states)
     except DataError:
       raise
     except (KeyError, TypeError, ValueError, IndexError, AssertionError) as e:
@@ -210,8 +201,7 @@ def _synthetic(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataIterat
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
 
   info = {"type": "synthetic", "tokenizer": "none (random tokens)"}
-  return DataIterator(start, vocab_size, info, rows=rows, seq_len=cfg.seq_len, streams=cfg.global_batch_size,
-                      legacy=functools.partial(legacy.synthetic, cfg, vocab_size, pi, pc))
+  return DataIterator(start, vocab_size, info, rows=rows, seq_len=cfg.seq_len, streams=cfg.global_batch_size)
 
 
 # --- documents -> packed rows ------------------------------------------------------------------
@@ -240,8 +230,7 @@ def _train_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataItera
   info = _report("train", comps, skips, vocab, sum(len(v) for v in views), weights=weights,
                  process=f"{pi}/{pc}", rows=f"{rows.start}..{rows.stop - 1} of {cfg.global_batch_size}")
   return DataIterator(functools.partial(streams.train_pipeline, cfg, comps, views, vocab, weights, rows),
-                      vocab_size, info, rows=rows, seq_len=cfg.seq_len, streams=cfg.global_batch_size,
-                      legacy=functools.partial(legacy.train_text, cfg, comps, vocab, weights, pi, pc))
+                      vocab_size, info, rows=rows, seq_len=cfg.seq_len, streams=cfg.global_batch_size)
 
 
 class _NoState(grain.transforms.Map):

@@ -78,16 +78,13 @@ def split_every(cfg: DataConfig) -> int:
 
 
 class DocIndex:
-  """Random-access view: the train or eval part of `source` (and, for the pre-stream pipelines of
-  legacy.py only, one process's strided shard of it)."""
+  """Random-access view: the train or eval part of `source`."""
 
-  def __init__(self, source, k: int, part: str, process_index: int = 0, process_count: int = 1):
+  def __init__(self, source, k: int, part: str):
     n = len(source)
     n_eval = -(-n // k) if k else 0
-    n_part = {"train": n - n_eval, "eval": n_eval, "all": n}[part]
     self.source, self.k, self.part = source, k, part
-    self.start, self.step = process_index, process_count
-    self.length = max(0, -(-(n_part - process_index) // process_count))
+    self.length = {"train": n - n_eval, "eval": n_eval, "all": n}[part]
 
   def __len__(self) -> int:
     return self.length
@@ -96,7 +93,7 @@ class DocIndex:
     """Position m in this view -> index in the source."""
     if not 0 <= m < self.length:
       raise IndexError(m)
-    j = self.start + self.step * m
+    j = m
     if self.part == "eval":
       return j * self.k
     if self.part == "train" and self.k:

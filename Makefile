@@ -8,7 +8,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test mutation test-container test-wheel convergence test-convergence
+.PHONY: setup train test lint mutation test-container test-wheel convergence test-convergence
 setup:
 	@bash scripts/setup.sh $(VENV)
 
@@ -26,9 +26,13 @@ convergence: setup
 test-convergence: setup
 	$(PY) -m pytest -q -m convergence tests/test_convergence.py $(PYTEST_ARGS)
 
+# The linter (ruff, configured in pyproject.toml): part of `make test`, before the suite.
+lint: setup
+	$(PY) -m ruff check .
+
 # --dist loadgroup: tests marked xdist_group(name) run on one worker (tests/test_launch.py shares its runs);
 # -rs: the summary lists every skipped test with its reason
-test: setup
+test: setup lint
 	$(PY) -m pytest -q -rs -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The image on a Debian + Python base made here (scripts/build_image.sh), then `maxlm doctor` and a 5-step train

@@ -91,8 +91,8 @@ def main(argv: list[str]) -> int:
   for r in results:
     def f(k, fmt):
       return format(r[k], fmt) if r.get(k) is not None else "-"
-    print(f"{r['name']:<18} {f('step_ms', '8.1f')} {f('tokens_per_s', '9,d')} {f('peak_memory_gb', '8.1f')} {f('compiled_memory_gb', '8.1f')} "
-          f"{f('first_step_s', '10.1f')} {f('loss', '7.3f')}  {r.get('overrides')}"
+    print(f"{r['name']:<18} {f('step_ms', '8.1f')} {f('tokens_per_s', '9,d')} {f('peak_memory_gb', '8.1f')} "
+          f"{f('compiled_memory_gb', '8.1f')} {f('first_step_s', '10.1f')} {f('loss', '7.3f')}  {r.get('overrides')}"
           + (f"  rc={r['rc']}" if r.get("rc") else "") + (f"  {r['status']}" if r.get("status") else ""))
   if out is not None:
     (out / "switches.json").write_text(json.dumps({"shape": SHAPE, "steps": steps, "runs": results}, indent=1))

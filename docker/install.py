@@ -152,7 +152,7 @@ def deps(pyproject: str) -> None:
 def stack_errors(before: dict[str, list[str]], now: dict[str, list[str]], requirements: list[str]) -> list[str]:
   """What is wrong with the stack `now` ({name: [version, location]}): a protected package of `before`
   changed or went away, or JAX/Flax/TE is outside maxlm's `requirements` (PEP 508 strings)."""
-  from packaging.requirements import Requirement  # lazy: installed by `deps`, after `stack` ran
+  from packaging.requirements import Requirement  # noqa: PLC0415 - installed by `deps`, after `stack` ran
   errors = [f"the build replaced {n} {before[n][0]} ({before[n][1]}) of the base stack with "
             f"{' '.join(now[n]) if n in now else 'nothing'}" for n in before if now.get(n) != before[n]]
   for req in map(Requirement, requirements):

@@ -5,7 +5,7 @@ def __getattr__(name: str):
   # Lazy on purpose: `import maxlm` (e.g. for the `maxlm` command's help) must not start JAX; only
   # touching `maxlm.Model` imports the API and with it JAX.
   if name == "Model":
-    from maxlm.api import Model
+    from maxlm.api import Model  # noqa: PLC0415 - `import maxlm` must not start JAX
     return Model
   raise AttributeError(f"module 'maxlm' has no attribute {name!r}")
 

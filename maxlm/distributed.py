@@ -240,8 +240,8 @@ def initialize(cfg: Config, on_timeout: Callable[[str], None],
                env: Mapping[str, str] | None = None) -> Launch | None:
   """Start jax.distributed for this process (see the module docstring); None for a one-process run.
   `on_timeout(line)` must end the process (called from a watchdog thread)."""
-  import jax  # lazy on purpose: resolving the launch and its errors need no JAX
-  from jax._src import distributed as jax_distributed  # the coordinator's client (key-value store)
+  import jax  # noqa: PLC0415 - resolving the launch and its errors need no JAX
+  from jax._src import distributed as jax_distributed  # noqa: PLC0415 - the coordinator's client (key-value store)
 
   d = cfg.distributed
   if jax_distributed.global_state.client is not None:  # initialized by the caller (a test launcher)

@@ -98,7 +98,8 @@ def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax
     lg = jax.lax.cond((top_k > 0) | (top_p < 1.0),
                       lambda x: top_p_filter(top_k_filter(x, top_k), top_p), lambda x: x, lg)
     return jax.vmap(jax.random.categorical)(keys, lg).astype(jnp.int32)  # [B]
-  greedy = lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32)  # [B]
+  def greedy(lg):
+    return jnp.argmax(lg, axis=-1).astype(jnp.int32)  # [B]
   return jax.lax.cond(temperature > 0, draw, greedy, logits)
 
 

@@ -104,7 +104,7 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
   host (pinned host memory, not in the totals)."""
   if n_devices < 1 or n_nodes < 1:
     raise ValueError(f"n_devices ({n_devices}) and n_nodes ({n_nodes}) must be >= 1")
-  from maxlm.model import count_params  # lazy: maxlm.model imports jax, the rest here needs none
+  from maxlm.model import count_params  # noqa: PLC0415 - maxlm.model imports jax, the rest here needs none
 
   m, d = cfg.model, cfg.data
   deg = mesh_degrees(cfg.mesh, n_devices, n_nodes)

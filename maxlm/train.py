@@ -76,7 +76,7 @@ def run(cfg: Config, t_start: float | None = None) -> int:
       return _fail(str(e), 1)
     except CheckpointError as e:
       return _fail(str(e), EXIT_CHECKPOINT)
-    except Exception as e:  # noqa: BLE001 - only XLA's out of memory becomes a line; the rest is re-raised
+    except Exception as e:
       if not is_oom(e):
         raise
       return _fail(oom_message(cfg, e), 1)

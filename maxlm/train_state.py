@@ -63,5 +63,6 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
   """(state, shardings): the state initialized directly into its shards (no host copy), each leaf in
   the memory `offload` gives it (see `place`)."""
   _, shardings = abstract_state(model, optimizer, mesh, batch, seq_len, offload)
-  init = lambda r: nn.unbox(init_boxed(model, optimizer, r, batch, seq_len))
+  def init(r):
+    return nn.unbox(init_boxed(model, optimizer, r, batch, seq_len))
   return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed)), shardings

@@ -74,7 +74,10 @@ def run(tests):
                      cwd=P, env=env, capture_output=True, text=True)
   return r.returncode, time.time() - t, r.stdout[-1500:]
 
-git = lambda *a: subprocess.run(["git", *a], cwd=P, capture_output=True, text=True).stdout.strip()
+def git(*a):
+  return subprocess.run(["git", *a], cwd=P, capture_output=True, text=True).stdout.strip()
+
+
 if git("rev-parse", "--git-dir") == git("rev-parse", "--git-common-dir"):
   sys.exit("plant_bugs: run me from a scratch worktree (git worktree add --detach /tmp/plant HEAD), not the main one")
 os.makedirs("/tmp/plantlog", exist_ok=True)

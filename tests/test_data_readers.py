@@ -172,7 +172,7 @@ def test_parquet_corrupt_data_page(tmp_path, compression, checksum):
   with checksums, which the reader verifies)."""
   p = tmp_path / "c.parquet"
   _corrupt_parquet(p, compression, checksum)
-  msg = _one_line_error(f"cannot read '{p}' \\(Parquet, after row 0\\)", _read, p)
+  _one_line_error(f"cannot read '{p}' \\(Parquet, after row 0\\)", _read, p)
   with pytest.raises(DataError, match="cannot read"):  # a damaged page is not a record to skip
     _read(p, skip=True)
   with pytest.raises(DataError, match=f"cannot read '{p}'"):  # and training stops the same way

@@ -64,7 +64,7 @@ def _unreadable(path, i) -> bool:
     r.read([i])
     r.close()
     return False
-  except Exception:  # noqa: BLE001 - any failure of the library counts
+  except Exception:
     return True
 
 

@@ -2,7 +2,6 @@
 sequence with the training model, hand-written sampling references, and Hugging Face's greedy tokens."""
 
 import dataclasses
-import json
 import math
 import re
 from pathlib import Path
@@ -311,7 +310,7 @@ def test_attention_with_cache_over_uneven_chunks_equals_full_attention(window, s
   for n in (3, 2, 1, 2, 1):
     pos = (starts[:, None] + np.arange(n)).astype(np.int32)  # [B, n]
     valid = np.ones((b, n), bool)
-    pick = lambda a: np.stack([a[r, pos[r]] for r in range(b)])  # noqa: E731  [B, n, ...]
+    pick = lambda a: np.stack([a[r, pos[r]] for r in range(b)])
     qc, kc, vc = pick(q), pick(k), pick(v)
     if n == 2 and starts[1] == 6:
       valid[1, 1], kc[1, 1], vc[1, 1] = False, 1e3, 1e3

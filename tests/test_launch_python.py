@@ -3,7 +3,6 @@ $MAXLM_PYTHON, else the active virtualenv's, else the .venv that `make setup` ma
 the submit directory's for sbatch), else python3 when it imports maxlm, else one error line and exit 2. The
 scripts run under bash with stand-ins for srun, mpirun, scontrol and python3 that only print what they get."""
 
-import os
 import shutil
 import stat
 import subprocess

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from maxlm.checkpoint import CheckpointError, Checkpointer, start
-from maxlm.config import CheckpointConfig, OptimConfig, load_config, to_dict
+from maxlm.config import OptimConfig, load_config, to_dict
 from maxlm.loss_scale import MAX_SCALE, init_loss_scale, update_loss_scale
 from maxlm.metrics import progress_line
 from maxlm.train import Trainer

@@ -251,7 +251,7 @@ def test_streamed_update_orders_the_transfers():
   grads = jax.tree.map(lambda p: p * 0.5, params)
   jaxpr = jax.make_jaxpr(opt.update)(grads, _host(opt.init(params)), params).jaxpr
   eqns = jaxpr.eqns
-  space = lambda e: e.params["devices"][0]  # noqa: E731 - device_put's destination
+  space = lambda e: e.params["devices"][0]
   to_host = [e for e in eqns if e.primitive.name == "device_put" and space(e) == jax.memory.Space.Host]
   to_dev = [e for e in eqns if e.primitive.name == "device_put" and space(e) == jax.memory.Space.Device]
   barriers = [e for e in eqns if e.primitive.name == "optimization_barrier"]

@@ -181,7 +181,7 @@ def test_simulated_devices_in_a_child_measure_like_here():
 def test_standin_attention_has_attentions_shapes_and_gradients():
   q = jax.ShapeDtypeStruct((2, 16, 8, 4), jax.numpy.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 16, 2, 4), jax.numpy.bfloat16)
-  f = lambda q, k, v: plan_measure.standin_attention(q, k, v).astype(float).sum()  # noqa: E731
+  f = lambda q, k, v: plan_measure.standin_attention(q, k, v).astype(float).sum()
   out = jax.eval_shape(plan_measure.standin_attention, q, kv, kv)
   grads = jax.eval_shape(jax.grad(f, argnums=(0, 1, 2)), q, kv, kv)
   assert (out.shape, out.dtype) == (q.shape, q.dtype)

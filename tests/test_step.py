@@ -714,7 +714,7 @@ def test_bf16_master_weights_keep_their_dtype_through_a_step(grad_accum):
   step = make_train_step(model, opt, sched, grad_accum=grad_accum)
   with jax.set_mesh(MESH), precision_scope("bf16", "flax"):
     new, _ = jax.eval_shape(step, state, batch())
-  dtypes = lambda tree: [x.dtype for x in jax.tree_util.tree_leaves(tree)]  # noqa: E731
+  dtypes = lambda tree: [x.dtype for x in jax.tree_util.tree_leaves(tree)]
   assert jnp.dtype(jnp.bfloat16) in dtypes(state.params)
   assert dtypes(new.params) == dtypes(state.params) and dtypes(new.opt_state) == dtypes(state.opt_state)
 

@@ -19,6 +19,7 @@ the format for readers without maxlm.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import shutil
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from maxlm.checkpoint.verify import (Corrupt, OrbaxNoise, check_files, describe, fingerprint, json_digest,
                                      mismatches, quiet, reason, write_manifest, wrong_checksums)
@@ -66,7 +68,6 @@ def _split(state) -> tuple[Any, dict]:
 
 def _encode(obj):
   """JSON-safe copy of an iterator state (bytes -> base64, numpy scalars -> Python)."""
-  import base64
   if isinstance(obj, bytes):
     return {"__bytes__": base64.b64encode(obj).decode()}
   if isinstance(obj, dict):
@@ -79,7 +80,6 @@ def _encode(obj):
 
 
 def _decode(obj):
-  import base64
   if isinstance(obj, dict):
     if set(obj) == {"__bytes__"}:
       return base64.b64decode(obj["__bytes__"])
@@ -93,7 +93,6 @@ def _gather(obj) -> list:
   """Every process's JSON-able object, in process order (a collective when there are several)."""
   if jax.process_count() == 1:
     return [obj]
-  from jax.experimental import multihost_utils
   raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
   n = int(np.max(multihost_utils.process_allgather(np.array([raw.size]))))
   buf = np.zeros(n, np.uint8)
@@ -144,7 +143,6 @@ def _primary() -> bool:
 
 def _sync(name: str) -> None:
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(name)
 
 
@@ -171,7 +169,7 @@ class Checkpointer:
                                        create_directories_asynchronously=False))
     try:
       self._mngr = ocp.CheckpointManager(str(self.directory), options=options, item_names=ITEMS)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types; each becomes one line
       raise CheckpointError(f"cannot open checkpoint directory {self.directory}: {reason(e)}") from None
 
   def due(self, step: int) -> bool:
@@ -216,7 +214,7 @@ class Checkpointer:
     try:
       with quiet():
         self._mngr.save(step, args=args, force=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types; each becomes one line
       self._pending = None
       raise self._save_error(step, e) from None
     self._blocked = time.perf_counter() - t0
@@ -249,7 +247,7 @@ class Checkpointer:
     try:
       with quiet():
         self._mngr.wait_until_finished()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types; each becomes one line
       raise self._save_error(step, e) from None
     finally:
       self._pending = None
@@ -266,7 +264,7 @@ class Checkpointer:
       try:
         with quiet():
           self._mngr.close()
-      except Exception as e:  # a failed save surfaces again here: report it once
+      except Exception as e:  # noqa: BLE001 - a failed save surfaces again here: report it once
         if not self._failed:
           self._failed = True
           raise CheckpointError(f"closing the checkpoints in {self.directory} failed: {reason(e)}; "
@@ -310,7 +308,7 @@ class Checkpointer:
         head = self._mngr.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore(), config=ocp.args.JsonRestore(), data=ocp.args.JsonRestore()))
       arrays = head["meta"]["arrays"]
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types; each becomes one line
       raise Corrupt(f"meta/config/data: {reason(e)}") from None
     _check_digests(head, path)
     if target.loss_scale is not None and not any(k.startswith(".loss_scale") for k in arrays):
@@ -328,7 +326,7 @@ class Checkpointer:
       with quiet():
         out = self._mngr.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(params), state=ocp.args.StandardRestore(rest)))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types; each becomes one line
       raise Corrupt(reason(e)) from None
     state = as_saved.replace(params=out["params"], **out["state"])
     bad = wrong_checksums(arrays, state)

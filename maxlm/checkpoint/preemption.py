@@ -151,7 +151,7 @@ class Preemption:
     if self._started:
       return
     if self._process_count is None:
-      import jax  # lazy on purpose: constructing a Preemption must not touch JAX
+      import jax  # noqa: PLC0415 - constructing a Preemption must not touch JAX
       self._process_count = jax.process_count()
     with self._lock:
       self._multi = self._process_count > 1
@@ -165,7 +165,7 @@ class Preemption:
   def reached(self, step: int) -> bool:
     """True at the step boundary where the run should save and exit (the same step on every process)."""
     if self._multi:
-      from jax.experimental import multihost_utils  # lazy: jax is imported by the trainer already
+      from jax.experimental import multihost_utils  # noqa: PLC0415 - jax is imported by the trainer already
       if multihost_utils.reached_preemption_sync_point(step):
         self.signal = self.signal or "SIGTERM"
         return True

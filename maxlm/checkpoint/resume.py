@@ -41,7 +41,7 @@ def load_params(path: str, target):
       with quiet():
         meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(meta_dir, args=ocp.args.JsonRestore())
       arrays = meta["arrays"]
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types; each becomes one line
       raise CheckpointError(f"checkpoint.load_params={path}: unreadable {meta_dir}: {reason(e)}") from None
     wrong = mismatches(arrays, target, prefix=".params")
     if wrong:
@@ -50,7 +50,7 @@ def load_params(path: str, target):
   try:
     with quiet():
       params = ocp.StandardCheckpointer().restore(params_dir, target)
-  except Exception as e:
+  except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types; each becomes one line
     raise CheckpointError(f"checkpoint.load_params={path}: cannot restore {params_dir}: "
                           f"{reason(e)}") from None
   if arrays is not None:
@@ -89,7 +89,7 @@ def _start(trainer, cfg, ckpt: Checkpointer | None) -> None:
            f"an older maxlm); starting from model.fp16_initial_scale={cfg.model.fp16_initial_scale:g}")
     try:
       trainer.train_data.set_state(restored.data)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types; each becomes one line
       raise CheckpointError(f"checkpoint step {restored.step}: the data-iterator state does not fit "
                             f"this data config: {reason(e)}") from None
     changes = config_changes(restored.config or {}, to_dict(cfg))

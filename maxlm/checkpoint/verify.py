@@ -215,7 +215,7 @@ class OrbaxNoise:
       if th is not threading.current_thread() and type(th).__module__.startswith("orbax"):
         try:
           th.join(timeout=max(0.0, deadline - time.monotonic()))
-        except Exception:  # Orbax's threads re-raise the failure already reported
+        except Exception:  # noqa: BLE001 - Orbax's threads re-raise the failure already reported
           pass
     gc.collect()
     if self._hook is None:

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from maxlm.convergence.bands import BandSpec, band, verdict
+from maxlm.convergence.bands import band, verdict
 from maxlm.convergence.suite import Case, Suite, SuiteError
 
 

@@ -63,7 +63,7 @@ class OrbaxReader:
       try:
         self._open[path] = ts.open({"driver": self.driver, "kvstore": _kvstore(self.dir, key, self.ocdbt)},
                                    open=True, read=True, context=self.context).result()
-      except Exception as e:  # TensorStore reports missing or damaged arrays as ValueError/OSError
+      except Exception as e:  # noqa: BLE001 - TensorStore reports missing or damaged arrays as ValueError/OSError
         raise CheckpointError(f"{self.dir}: cannot open parameter {'/'.join(path)} "
                               f"({str(e).splitlines()[0]})") from None
     return self._open[path]
@@ -72,7 +72,7 @@ class OrbaxReader:
     arr = self.array(path)
     try:
       return np.asarray((arr if layer is None else arr[layer]).read().result())
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - TensorStore and safetensors raise many types; each means a damaged file
       raise CheckpointError(f"{self.dir}: cannot read parameter {'/'.join(path)} "
                             f"({str(e).splitlines()[0]})") from None
 

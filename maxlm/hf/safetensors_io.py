@@ -62,7 +62,7 @@ class SafetensorsReader:
       with safe_open(str(path), framework="numpy"):  # validates header, offsets and file size
         pass
       base, header = _header(path)
-    except Exception as e:  # safetensors raises its own SafetensorError and OSError; both mean damaged
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError and OSError; both mean damaged
       raise CheckpointError(f"{path}: not a valid safetensors file ({str(e).splitlines()[0]})") from None
     for name, info in header.items():
       if name == "__metadata__":

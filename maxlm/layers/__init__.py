@@ -44,7 +44,7 @@ def get_backend(name: str) -> types.ModuleType:
   name = resolve_backend(name)
   if name == "te":
     import_te()
-    from maxlm.layers import te_backend
+    from maxlm.layers import te_backend  # noqa: PLC0415 - TE: only once chosen and set up
     return te_backend
   return flax_backend
 
@@ -54,7 +54,7 @@ def make_recipe(precision: str, amax_history_len: int = 1024):
   if precision not in RECIPES:
     return None
   import_te()  # sets up the host (CPU fallbacks, NCCL preload) before TE's first import
-  from transformer_engine.common import recipe  # lazy: TE is imported only when a recipe is used
+  from transformer_engine.common import recipe  # noqa: PLC0415 - TE is imported only when a recipe is used
   if precision == "fp8_delayed":
     return recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=amax_history_len,
                                  amax_compute_algo="max")
@@ -74,14 +74,14 @@ def supported_precisions() -> list[str]:
   if not te_installed():
     return out
   te = import_te()
-  from transformer_engine.jax.quantize import device_utils
+  from transformer_engine.jax.quantize import device_utils  # noqa: PLC0415 - TE: only once chosen and set up
   try:
     # Ask for the compute capability first: without a CUDA driver it raises, and TE's recipe probe must
     # not run then, since it caches a scaling mode as supported before its check raises (after a few
     # calls a CPU host would claim every recipe).
     device_utils.get_device_compute_capability(0)
     recipes = te.quantize.get_supported_quantization_recipes()
-  except Exception:  # no GPU driver: no quantized recipes here
+  except Exception:  # noqa: BLE001 - no GPU driver: no quantized recipes here
     return out
   names = {type(r).__name__ for r in recipes}
   out += [p for p, n in RECIPES.items() if n in names]
@@ -149,11 +149,11 @@ def remat_policy(name: str, backend: str):
   dots = cp.checkpoint_dots_with_no_batch_dims
   attention = cp.save_only_these_names("context")
   if backend == "te":
-    # lazy on purpose: TE is imported only once the TE backend is chosen (and set up for this host)
-    from transformer_engine.jax.checkpoint_policies import dots_and_te_gemms_with_no_batch_dims
-    from transformer_engine.jax.cpp_extensions.activation import ActLuPrimitive
-    from transformer_engine.jax.cpp_extensions.attention import FusedAttnFwdPrimitive
-    from transformer_engine.jax.cpp_extensions.normalization import NormFwdPrimitive
+    # lazy on purpose (PLC0415): TE is imported only once the TE backend is chosen (and set up for this host)
+    from transformer_engine.jax.checkpoint_policies import dots_and_te_gemms_with_no_batch_dims  # noqa: PLC0415
+    from transformer_engine.jax.cpp_extensions.activation import ActLuPrimitive  # noqa: PLC0415
+    from transformer_engine.jax.cpp_extensions.attention import FusedAttnFwdPrimitive  # noqa: PLC0415
+    from transformer_engine.jax.cpp_extensions.normalization import NormFwdPrimitive  # noqa: PLC0415
 
     if name == "recompute_norm_act":  # everything but the RMSNorm and SwiGLU outputs: elementwise to redo
       redone = (NormFwdPrimitive.outer_primitive, ActLuPrimitive.outer_primitive)

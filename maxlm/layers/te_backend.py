@@ -71,7 +71,7 @@ def attention(q, k, v, *, segment_ids=None, positions=None, window: int = 0, max
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)  # [B, T]
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
-    from transformer_engine.jax.attention import SequenceDescriptor
+    from transformer_engine.jax.attention import SequenceDescriptor  # noqa: PLC0415 - TE: only once chosen and set up
     desc = SequenceDescriptor.from_segment_ids_and_pos(segment_ids, positions)
     mod = te.flax.DotProductAttention(attn_mask_type="padding_causal", qkv_layout="thd_thd_thd",
                                       max_segments_per_seq=max_segments, **common)
@@ -87,5 +87,5 @@ def attention(q, k, v, *, segment_ids=None, positions=None, window: int = 0, max
 def no_quantization():
   """Run the enclosed TE modules unquantized, keeping the current mesh resource."""
   te = import_te()
-  from transformer_engine.jax.sharding import global_mesh_resource
+  from transformer_engine.jax.sharding import global_mesh_resource  # noqa: PLC0415 - TE: only once chosen and set up
   return te.autocast(enabled=False, mesh_resource=global_mesh_resource())

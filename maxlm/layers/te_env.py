@@ -31,7 +31,7 @@ def te_installed() -> bool:
 
 
 def on_gpu() -> bool:
-  import jax
+  import jax  # noqa: PLC0415 - only after the host set-up
   return jax.default_backend() == "gpu"
 
 
@@ -55,10 +55,10 @@ def import_te():
     # With the custom calls off (above, on purpose) TE's softmax always takes its JAX path and says so at
     # every trace; on a CPU that is the expected path, not news. Only this message, only on a CPU.
     warnings.filterwarnings("ignore", message="Using unfused JAX softmax", category=UserWarning)
-  import transformer_engine.jax as te
+  import transformer_engine.jax as te  # noqa: PLC0415 - only after the host set-up
   if cpu:
-    from transformer_engine.jax.cpp_extensions import attention as te_attn
-    from transformer_engine_jax import NVTE_Fused_Attn_Backend
+    from transformer_engine.jax.cpp_extensions import attention as te_attn  # noqa: PLC0415 - only after the host set-up
+    from transformer_engine_jax import NVTE_Fused_Attn_Backend  # noqa: PLC0415 - only after the host set-up
 
     original = te_attn.FusedAttnHelper.get_fused_attn_backend
 

@@ -216,6 +216,17 @@ def _same_losses(got_dir: Path, want_dir: Path, rtol: float) -> None:
     np.testing.assert_allclose(g, w, rtol=rtol, atol=0)
 
 
+def _same_as_uninterrupted(job, runs) -> None:
+  """The job's losses and final parameters equal, bit for bit, those of the same 2-task run never interrupted."""
+  straight = runs.get("sbatch_2")
+  _same_losses(job.run_dir, straight.run_dir, EXACT)
+  got = _params(job.run_dir / "checkpoints" / str(STEPS))
+  want = _params(straight.run_dir / "checkpoints" / str(STEPS))
+  assert got.keys() == want.keys() and got
+  for k in want:
+    assert got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes(), k
+
+
 @slurm
 def test_sbatch_two_tasks_give_the_losses_of_one_process(runs):
   if (why := _slurm_missing()):
@@ -285,14 +296,8 @@ def test_sbatch_preempted_requeued_resumed_bit_identical(runs, tmp_path):
   assert f"maxlm: resumed from checkpoint step {stopped}" in out
   assert out.rstrip().splitlines()[-1].startswith(f"maxlm-launch: job {job.id} finished with exit code 0")
 
-  straight = runs.get("sbatch_2")  # the same 2-task run, never interrupted
   assert len(list(job.out_dir.rglob("metrics.jsonl"))) == 1
-  _same_losses(job.run_dir, straight.run_dir, EXACT)
-  got = _params(job.run_dir / "checkpoints" / str(STEPS))
-  want = _params(straight.run_dir / "checkpoints" / str(STEPS))
-  assert got.keys() == want.keys() and got
-  for k in want:
-    assert got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes(), k
+  _same_as_uninterrupted(job, runs)
 
 
 @mpi
@@ -397,13 +402,7 @@ def test_sbatch_hangs_end_with_the_watchdog_requeue_and_resume_bit_identical(run
   hung_read = stacks[next(n for n in stacks if n.startswith("stacks-process1-step8-"))]
   assert "in __next__" in hung_read and "Current thread" in hung_read and "MainThread" in hung_read
 
-  straight = runs.get("sbatch_2")  # the same 2-task run, never interrupted
-  _same_losses(job.run_dir, straight.run_dir, EXACT)
-  got = _params(job.run_dir / "checkpoints" / str(STEPS))
-  want = _params(straight.run_dir / "checkpoints" / str(STEPS))
-  assert got.keys() == want.keys() and got
-  for k in want:
-    assert got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes(), k
+  _same_as_uninterrupted(job, runs)
 
 
 @slurm

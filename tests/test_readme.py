@@ -40,9 +40,7 @@ WRAPPERS = ("nsys", "sbatch", "launch/mpi/train.sh", "docker")
 NOT_HERE = {
     "make test": "the suite itself",
     "make train": "configs/default.yml's 300 steps: the cpu convergence tier's `default` case (CI runs it)",
-    "docker build": "no container engine here; make test-container builds the image with podman",
     "tensorboard": "a server; the run directory it reads is checked by the quickstart command before it",
-    "xprof": "a server; the profile it reads needs a GPU run (tests/test_profiling.py covers the trace)",
 }
 
 

@@ -14,6 +14,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from maxlm.errors import MaxlmError, report
+
 # command -> module; each module has a docstring whose first line is its summary, and
 # `main(argv: list[str] | None = None) -> int`. A command whose module does not exist yet is not offered.
 COMMANDS = {
@@ -32,22 +34,18 @@ EXIT_CHECKPOINT = 3
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
-def command_main(doc: str, run, argv: list[str] | None, bad_input: tuple[type, ...],
-                 checkpoint_errors: tuple[type, ...]) -> int:
-  """A command module's `main`: `--help` prints its docstring; `run(argv)` is the command; the listed error
-  types become one `maxlm: error:` line with exit 2 (bad input) or 3 (checkpoint). Other exceptions keep
-  their traceback (internal bugs)."""
+def command_main(doc: str, run, argv: list[str] | None) -> int:
+  """A command module's `main`: `--help` prints its docstring; `run(argv)` is the command. A MaxlmError
+  (maxlm/errors.py) becomes one `maxlm: error:` line and its class's exit code (2 bad input, 3 checkpoint, 1 run
+  failure). Other exceptions keep their traceback (internal bugs)."""
   argv = sys.argv[1:] if argv is None else list(argv)
   if any(a in ("-h", "--help") for a in argv):
     print(doc.strip(), flush=True)
     return 0
   try:
     return run(argv)
-  except bad_input as e:
-    return _fail(str(e))
-  except checkpoint_errors as e:
-    print(f"maxlm: error: {e}", file=sys.stderr, flush=True)
-    return EXIT_CHECKPOINT
+  except MaxlmError as e:
+    return report(e)
 
 
 def module_file(module: str) -> Path | None:

@@ -34,6 +34,7 @@ from maxlm.api import (EXPORT_DTYPES, HF_SIDE_FILES, HF_SOURCE_FILE, atomic_dir,
                        is_hf_dir, read_step_config, run_tokenizer_files, write_config_json)
 from maxlm.checkpoint import CheckpointError
 from maxlm.config import ConfigError
+from maxlm.errors import MaxlmError, report
 from maxlm.hf import config as hf_config
 from maxlm.hf.safetensors_io import MAX_SHARD_BYTES, SafetensorsReader
 from maxlm.hf.transfer import export_hf, hf_to_orbax, orbax_reader, source_dtype
@@ -149,10 +150,8 @@ def main(argv: list[str] | None = None) -> int:
       what = hf_to_maxlm(src, out, args.dtype, scan=not args.unrolled)
     else:
       what = maxlm_to_hf(src, out, args.dtype, shard_size(args.max_shard_size))
-  except ConfigError as e:
-    return _fail(str(e), EXIT_BAD_INPUT)
-  except CheckpointError as e:
-    return _fail(str(e), EXIT_CHECKPOINT)
+  except MaxlmError as e:
+    return report(e)
   print(f"maxlm: wrote {out} ({what}; {time.perf_counter() - t0:.1f} s)", flush=True)
   return 0
 

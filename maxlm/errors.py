@@ -1,7 +1,7 @@
 """maxlm's error contract: every failure a user can cause is a `MaxlmError` whose class carries its exit code.
 
-Commands map them in one place (`maxlm.cli.run_command`): one stderr line `maxlm: error: <message>` and the
-class's exit code. Anything else is an internal bug and keeps its traceback.
+Commands map them in one place, `report` (used by `maxlm.cli.command_main`, convert and train): one stderr line
+`maxlm: error: <message>` and the class's exit code. Anything else is an internal bug and keeps its traceback.
 
   BadInput (2)         a bad config, argument, data input or precision: nothing was created or written
   CheckpointFailure (3) no usable checkpoint, one that does not fit, or a save that failed
@@ -11,6 +11,8 @@ This module imports nothing of maxlm, so every layer (data/ and layers/ too) can
 """
 
 from __future__ import annotations
+
+import sys
 
 EXIT_RUN_FAILURE = 1
 EXIT_BAD_INPUT = 2
@@ -35,3 +37,9 @@ class CheckpointFailure(MaxlmError):
 
 class RunFailure(MaxlmError):
   exit_code = EXIT_RUN_FAILURE
+
+
+def report(e: MaxlmError) -> int:
+  """The one mapping from an error to what a command prints and returns: one stderr line, the class's code."""
+  print(f"maxlm: error: {e}", file=sys.stderr, flush=True)
+  return e.exit_code

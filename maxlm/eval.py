@@ -29,12 +29,10 @@ import flax
 import jax
 import numpy as np
 
-from maxlm.checkpoint import CheckpointError
 from maxlm.cli import command_main
-from maxlm.config import ConfigError
 from maxlm.data import DataError, Tokenizer
 from maxlm.generate import Loaded, UsageError, load, parse_args
-from maxlm.layers import PrecisionError, precision_scope, resolve_backend
+from maxlm.layers import precision_scope, resolve_backend
 from maxlm.model import Transformer
 from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
 from maxlm.step import make_eval_step
@@ -129,8 +127,7 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-  return command_main(__doc__, run, argv, (UsageError, ConfigError, DataError, PrecisionError),
-                      (CheckpointError,))
+  return command_main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -34,13 +34,12 @@ from pathlib import Path
 from maxlm.api import Model, find_step_dir, is_hf_dir, read_step_config
 from maxlm.checkpoint import CheckpointError
 from maxlm.cli import command_main
-from maxlm.config import Config, ConfigError, DataConfig, load_config
+from maxlm.config import Config, DataConfig, load_config
 from maxlm.data import DataError, Tokenizer, load_tokenizer
 from maxlm.data.sources import train_shards_tokenizer
 from maxlm.data.tokenizer import special_ids
 from maxlm.errors import BadInput
-from maxlm.generation import GenerationError, check_settings, generate
-from maxlm.layers import PrecisionError
+from maxlm.generation import check_settings, generate
 
 _KEYS = {"checkpoint": str, "prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int,
          "top_p": float, "seed": int, "stop": str, "add_bos": bool, "max_length": int}
@@ -217,8 +216,7 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-  return command_main(__doc__, run, argv, (UsageError, GenerationError, ConfigError, DataError, PrecisionError),
-                      (CheckpointError,))
+  return command_main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,7 @@ import sys
 from maxlm import plan, xla_presets
 from maxlm.cli import command_main
 from maxlm.config import ConfigError, load_config
-from maxlm.data import DataError
 from maxlm.dryrun import parse_flags
-from maxlm.layers import PrecisionError
 from maxlm.plan_measure import apply_mem_fraction, make_target
 from maxlm.sizing import human_bytes
 
@@ -101,7 +99,7 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-  return command_main(__doc__, run, argv, (ConfigError, DataError, PrecisionError), ())
+  return command_main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

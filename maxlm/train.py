@@ -24,17 +24,13 @@ import sys
 import time
 
 from maxlm import distributed, dryrun, runtime, xla_presets
-from maxlm.checkpoint import CheckpointError, Preemption
+from maxlm.checkpoint import Preemption
 from maxlm.config import Config, ConfigError, help_text, load_config
-from maxlm.data import DataError
-from maxlm.layers import PrecisionError
+from maxlm.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, MaxlmError, report
 from maxlm.metrics import echo
 from maxlm.plan import oom_message
 from maxlm.plan_measure import apply_mem_fraction, is_oom
 from maxlm.trainer import RunError, Trainer, train
-
-EXIT_BAD_INPUT = 2
-EXIT_CHECKPOINT = 3
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_CHECKPOINT", "RunError", "Trainer", "main", "run", "train"]
 
@@ -66,16 +62,12 @@ def run(cfg: Config, t_start: float | None = None) -> int:
       # Before anything asks JAX about devices. From here on (for the rest of the process: tracebacks
       # too) every output line of a multi-process run carries `[process i/N host]`.
       distributed.initialize(cfg, on_timeout=_exit_distributed_timeout)
-    except ConfigError as e:
-      return _fail(str(e), EXIT_BAD_INPUT)
+    except MaxlmError as e:
+      return report(e)
     try:
       return train(cfg, preemption, t_start)
-    except (ConfigError, DataError, PrecisionError) as e:
-      return _fail(str(e), EXIT_BAD_INPUT)
-    except RunError as e:
-      return _fail(str(e), 1)
-    except CheckpointError as e:
-      return _fail(str(e), EXIT_CHECKPOINT)
+    except MaxlmError as e:  # every error a user can cause (maxlm/errors.py): one line, its exit code
+      return report(e)
     except Exception as e:
       if not is_oom(e):
         raise

@@ -26,6 +26,7 @@ from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
 from maxlm.checkpoint import run_dir as run_dirs
 from maxlm.checkpoint import start as start_checkpoints
 from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml, to_dict
+from maxlm.errors import RunFailure
 from maxlm.layers import PrecisionError, check_precision, check_remat, precision_scope, resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line, throughput
@@ -37,7 +38,7 @@ from maxlm.step import jit_step, make_eval_step, make_train_step
 from maxlm.train_state import create_train_state
 
 
-class RunError(RuntimeError):
+class RunError(RunFailure, RuntimeError):
   """A run-time failure with a one-line message (e.g. non-finite loss with train.nonfinite=stop)."""
 
 

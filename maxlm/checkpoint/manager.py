@@ -37,6 +37,7 @@ from maxlm.checkpoint.verify import (Corrupt, OrbaxNoise, check_files, describe,
                                      mismatches, quiet, reason, write_manifest, wrong_checksums)
 from maxlm.config import CheckpointConfig
 from maxlm.data import merge_states
+from maxlm.errors import CheckpointFailure
 from maxlm.metrics import echo
 
 ITEMS = ("params", "state", "data", "config", "meta")
@@ -45,7 +46,7 @@ ITEMS = ("params", "state", "data", "config", "meta")
 FORMAT = 3
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(CheckpointFailure, RuntimeError):
   """A checkpoint cannot be saved, restored or loaded; the message is one line."""
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from maxlm.cli import command_main
 from maxlm.data import DataError, Tokenizer
+from maxlm.evaluate import token_weighted
 from maxlm.generate import Loaded, UsageError, load, parse_args
 from maxlm.layers import precision_scope, resolve_backend
 from maxlm.model import Transformer
@@ -79,22 +80,22 @@ def evaluate(loaded: Loaded, batches, max_batches: int = 0) -> dict:
   dp = mesh.shape["data"] * mesh.shape["fsdp"]
   tok = loaded.tokenizer
   skip = [loaded.bos_id, *loaded.stop_ids, tok.bos_id, tok.eos_id]
-  loss_sum, tokens, n_bytes, n = 0.0, 0.0, 0, 0
-  for batch in batches:
-    if max_batches and n >= max_batches:
-      break
+  n_bytes = [0]
+
+  def run_batch(batch):
     rows = batch["targets"].shape[0]
     where = batch_sharding(mesh) if rows % dp == 0 else replicated(mesh)  # rows split over data x fsdp
     with jax.set_mesh(mesh), axis_rules(), precision_scope("bf16", resolve_backend(cfg.model.backend),
                                                            mesh_axes=TE_MESH_AXES):
-      out = jax.device_get(step(weights, jax.device_put(dict(batch), where)))
-    loss_sum += float(out["loss_sum"])
-    tokens += float(out["tokens"])
-    n_bytes += segment_bytes(tok, batch["targets"], batch["segment_ids"], skip)
-    n += 1
-  if tokens == 0:
+      return step(weights, jax.device_put(dict(batch), where))
+
+  def count_bytes(batch):
+    n_bytes[0] += segment_bytes(tok, batch["targets"], batch["segment_ids"], skip)
+
+  sums = token_weighted(run_batch, batches, max_batches, on_batch=count_bytes)  # the trainer's loop too
+  if sums.tokens == 0:
     raise DataError("the eval data holds no tokens")
-  return {**summarize(loss_sum, tokens, n_bytes), "batches": n}
+  return {**summarize(sums.loss_sum, sums.tokens, n_bytes[0]), "batches": sums.batches}
 
 
 def run(argv: list[str]) -> int:

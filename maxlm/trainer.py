@@ -21,7 +21,7 @@ import yaml
 
 from maxlm import data as data_lib
 from maxlm import plan as planner
-from maxlm import sizing, watchdog
+from maxlm import evaluate, sizing, watchdog
 from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
 from maxlm.checkpoint import run_dir as run_dirs
 from maxlm.checkpoint import start as start_checkpoints
@@ -207,23 +207,17 @@ class Trainer:
 
   def evaluate(self) -> dict:
     """Loss over the held-out data, weighted by tokens (sum of token losses / number of tokens)."""
-    loss_sum, tokens = 0.0, 0.0
     it = self.eval_data_factory()
     if it is None:
       return {}
     try:
-      for i, batch in enumerate(it):
-        if self.cfg.train.eval_steps and i >= self.cfg.train.eval_steps:
-          break
-        out = jax.device_get(self.eval_step(self.state, self.to_device(batch)))
-        loss_sum += float(out["loss_sum"])
-        tokens += float(out["tokens"])
+      sums = evaluate.token_weighted(lambda batch: self.eval_step(self.state, self.to_device(batch)), it,
+                                     self.cfg.train.eval_steps)
     finally:
       it.close()
-    if tokens == 0:
+    if sums.tokens == 0:
       return {}
-    loss = loss_sum / tokens
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+    return {"eval_loss": sums.loss, "eval_perplexity": math.exp(min(sums.loss, 50.0))}
 
 
 def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> int:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -29,10 +28,11 @@ from maxlm.data.tokenizer import DEFAULT_TOKENIZER, tokenizer_path
 from maxlm.hf import config as hf_config
 from maxlm.hf.safetensors_io import INDEX, MAX_SHARD_BYTES, SafetensorsReader
 from maxlm.hf.transfer import device_reader, export_hf, load_hf_params, source_dtype
-from maxlm.layers import precision_scope, resolve_backend
+from maxlm.layers import resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
-from maxlm.sharding import TE_MESH_AXES, axis_rules, shardings_from_logical, strip_boxes
+from maxlm.scope import model_scope
+from maxlm.sharding import shardings_from_logical, strip_boxes
 
 # Files of an HF directory that travel with the weights (tokenizer and generation defaults).
 HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -100,12 +100,9 @@ def _abstract_params(cfg: Config, mesh):
   return structs, shardings
 
 
-@contextlib.contextmanager
 def _scope(cfg: Config, mesh):
-  """Mesh + logical axis rules + TE's (bf16, no FP8) scope: entered for init and every trace."""
-  with jax.set_mesh(mesh), axis_rules(), precision_scope("bf16", resolve_backend(cfg.model.backend),
-                                                         mesh_axes=TE_MESH_AXES):
-    yield
+  """Mesh + logical axis rules + TE's unquantized scope (maxlm/scope.py): entered for init and every trace."""
+  return model_scope(cfg.model, resolve_backend(cfg.model.backend), mesh, quantized=False)
 
 
 class Model:

@@ -33,9 +33,10 @@ from maxlm.cli import command_main
 from maxlm.data import DataError, Tokenizer
 from maxlm.evaluate import token_weighted
 from maxlm.generate import Loaded, UsageError, load, parse_args
-from maxlm.layers import precision_scope, resolve_backend
+from maxlm.layers import resolve_backend
 from maxlm.model import Transformer
-from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
+from maxlm.scope import model_scope
+from maxlm.sharding import batch_sharding, replicated
 from maxlm.step import make_eval_step
 
 _KEYS = {"checkpoint": str}
@@ -85,8 +86,7 @@ def evaluate(loaded: Loaded, batches, max_batches: int = 0) -> dict:
   def run_batch(batch):
     rows = batch["targets"].shape[0]
     where = batch_sharding(mesh) if rows % dp == 0 else replicated(mesh)  # rows split over data x fsdp
-    with jax.set_mesh(mesh), axis_rules(), precision_scope("bf16", resolve_backend(cfg.model.backend),
-                                                           mesh_axes=TE_MESH_AXES):
+    with model_scope(cfg.model, resolve_backend(cfg.model.backend), mesh, quantized=False):
       return step(weights, jax.device_put(dict(batch), where))
 
   def count_bytes(batch):

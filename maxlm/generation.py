@@ -19,7 +19,6 @@ stop_tokens=, ...)` is the one entry point (`maxlm generate` and `maxlm.Model.ge
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -30,9 +29,9 @@ import numpy as np
 
 from maxlm.config import ModelConfig
 from maxlm.errors import BadInput
-from maxlm.layers import precision_scope, resolve_backend
+from maxlm.layers import resolve_backend
 from maxlm.model import Transformer
-from maxlm.sharding import TE_MESH_AXES, axis_rules
+from maxlm.scope import model_scope
 
 _MIN_BUCKET = 16
 _MIN_STOP = (8, 4)  # stop table [sequences, length]: the usual few stop ids share one compiled program
@@ -245,12 +244,7 @@ def generate(model_cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], m
   stops = _stop_table(stop_tokens, stop_sequences)
   key = jax.random.key(seed)
 
-  scope = contextlib.ExitStack()
-  if mesh is not None:
-    scope.enter_context(jax.set_mesh(mesh))
-    scope.enter_context(axis_rules())
-  scope.enter_context(precision_scope("bf16", cfg.backend, mesh_axes=TE_MESH_AXES if mesh else None))
-  with scope:
+  with model_scope(cfg, cfg.backend, mesh, quantized=False):
     model = Transformer(cfg)
     samp = (np.float32(temperature), np.int32(top_k), np.float32(top_p))
     t0 = time.perf_counter()

@@ -7,7 +7,6 @@ output directory), then create the run directory, build the state, resume from c
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -27,13 +26,14 @@ from maxlm.checkpoint import run_dir as run_dirs
 from maxlm.checkpoint import start as start_checkpoints
 from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml, to_dict
 from maxlm.errors import RunFailure
-from maxlm.layers import PrecisionError, check_precision, check_remat, precision_scope, resolve_backend
+from maxlm.layers import PrecisionError, check_precision, check_remat, resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line, throughput
 from maxlm.model import Transformer, count_params, flops_per_step
 from maxlm.optim import make_optimizer
 from maxlm.profiling import Profiler
-from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
+from maxlm.scope import model_scope
+from maxlm.sharding import batch_sharding, replicated
 from maxlm.step import jit_step, make_eval_step, make_train_step
 from maxlm.train_state import create_train_state
 
@@ -176,13 +176,9 @@ class Trainer:
   def _check_batch_split(self) -> None:
     check_batch_split(self.cfg.data, self.cfg.train, self.mesh.shape)
 
-  @contextlib.contextmanager
   def scope(self):
-    """Mesh + logical axis rules + TE autocast: entered for init and for every trace."""
-    with jax.set_mesh(self.mesh), axis_rules(), precision_scope(self.cfg.model.precision, self.backend,
-                                                                self.cfg.model.fp8_amax_history_len,
-                                                                TE_MESH_AXES):
-      yield
+    """Mesh + logical axis rules + TE autocast (maxlm/scope.py): entered for init and for every trace."""
+    return model_scope(self.cfg.model, self.backend, self.mesh)
 
   def build(self):
     cfg = self.cfg

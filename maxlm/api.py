@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxlm.checkpoint import CheckpointError, complete_steps
+from maxlm.checkpoint import CheckpointError
 from maxlm.checkpoint import load_params as load_orbax_params
-from maxlm.config import Config, ConfigError, DataConfig, MeshConfig, from_dict, load_config
+from maxlm.checkpoint import paths as checkpoint_paths
+from maxlm.config import Config, ConfigError, DataConfig, MeshConfig
 from maxlm.data.tokenizer import DEFAULT_TOKENIZER, tokenizer_path
 from maxlm.hf import config as hf_config
 from maxlm.hf.safetensors_io import INDEX, MAX_SHARD_BYTES, SafetensorsReader
@@ -51,27 +52,14 @@ def is_hf_dir(path: Path) -> bool:
 def find_step_dir(path: Path) -> Path:
   """The checkpoint step directory of a run directory, checkpoints directory or step directory (the
   newest complete step). CheckpointError when there is none."""
-  if (path / "params").is_dir():
-    return path
-  for ckpts in (path / "checkpoints", path):
-    steps = complete_steps(ckpts)
-    if steps:
-      return ckpts / str(steps[-1])
+  found = checkpoint_paths.step_dir(path)
+  if found is not None:
+    return found
   raise CheckpointError(f"{path}: no checkpoint (expected an HF directory with config.json and safetensors, "
                         f"a run directory with checkpoints/, a checkpoints directory or a step directory)")
 
 
-def read_step_config(step_dir: Path) -> Config:
-  """The resolved run config saved in a checkpoint step (its `config` item), or the model.yml that
-  `maxlm convert hf-to-maxlm` writes beside its parameter tree."""
-  item = step_dir / "config" / "metadata"
-  if not item.is_file() and (step_dir / "model.yml").is_file():
-    return load_config([f"config={step_dir / 'model.yml'}"])
-  try:
-    data = json.loads(item.read_text())
-  except (OSError, ValueError) as e:
-    raise CheckpointError(f"{item}: cannot read the run config of this checkpoint ({e})") from None
-  return from_dict(data)
+read_step_config = checkpoint_paths.step_config  # the run config a step (or a converted tree) carries
 
 
 def checkpoint_source_dtype(step_dir: Path, run: Config) -> str:

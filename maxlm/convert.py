@@ -33,6 +33,7 @@ import yaml
 from maxlm.api import (EXPORT_DTYPES, HF_SIDE_FILES, HF_SOURCE_FILE, atomic_dir, checkpoint_source_dtype, find_step_dir,
                        is_hf_dir, read_step_config, run_tokenizer_files, write_config_json)
 from maxlm.checkpoint import CheckpointError
+from maxlm.checkpoint.paths import step_arrays
 from maxlm.config import ConfigError
 from maxlm.errors import MaxlmError, report
 from maxlm.hf import config as hf_config
@@ -115,11 +116,7 @@ def maxlm_to_hf(src: Path, out: Path, dtype: str | None, max_shard_bytes: int) -
   run = read_step_config(step_dir)
   m = run.model
   dtype = dtype or checkpoint_source_dtype(step_dir, run)
-  meta_file = step_dir / "meta" / "metadata"
-  try:
-    arrays = json.loads(meta_file.read_text())["arrays"] if meta_file.is_file() else None
-  except (OSError, ValueError, KeyError) as e:
-    raise CheckpointError(f"{meta_file}: unreadable ({e})") from None
+  arrays = step_arrays(step_dir)
   cfg = hf_config.to_hf(m, dtype, max_position=run.data.seq_len, bos_id=run.data.bos_id, eos_id=run.data.eos_id)
   written = {}
 

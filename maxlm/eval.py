@@ -29,6 +29,7 @@ import flax
 import jax
 import numpy as np
 
+from maxlm.checkpoint.paths import step_number
 from maxlm.cli import command_main
 from maxlm.data import DataError, Tokenizer
 from maxlm.evaluate import token_weighted
@@ -119,8 +120,7 @@ def run(argv: list[str]) -> int:
   finally:
     it.close()
   # The step of a checkpoint step directory; None for an HF directory or a `convert hf-to-maxlm` tree.
-  step_dir = loaded.step_dir
-  out["step"] = int(step_dir.name) if step_dir is not None and step_dir.name.isdigit() else None
+  out["step"] = step_number(loaded.step_dir) if loaded.step_dir is not None else None
   out["checkpoint"] = str(loaded.step_dir or own["checkpoint"])
   out["time_s"] = round(time.perf_counter() - t0, 3)
   print(json.dumps(out), flush=True)

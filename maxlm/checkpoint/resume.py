@@ -9,8 +9,8 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
-from maxlm.checkpoint.manager import (CheckpointError, Checkpointer, abstract_like, complete_steps,
-                                      config_changes)
+from maxlm.checkpoint.manager import (CheckpointError, Checkpointer, abstract_like, config_changes)
+from maxlm.checkpoint.paths import step_dir
 from maxlm.checkpoint.verify import mismatches, quiet, reason, wrong_checksums
 from maxlm.config import to_dict
 from maxlm.metrics import echo
@@ -18,11 +18,9 @@ from maxlm.metrics import echo
 
 def _params_dirs(path: Path) -> tuple[Path, Path | None]:
   """(params item dir, meta item dir or None) of a checkpoint step, checkpoints dir or bare params."""
-  if (path / "params").is_dir():
-    return path / "params", (path / "meta") if (path / "meta").is_dir() else None
-  steps = complete_steps(path)
-  if steps:
-    return _params_dirs(path / str(steps[-1]))
+  step = step_dir(path)
+  if step is not None:
+    return step / "params", (step / "meta") if (step / "meta").is_dir() else None
   if (path / "_METADATA").is_file():
     return path, None
   raise CheckpointError(f"checkpoint.load_params={path}: not a checkpoint (expected a step directory "

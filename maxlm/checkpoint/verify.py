@@ -36,6 +36,23 @@ class Corrupt(Exception):
   """A checkpoint is damaged (unreadable, truncated, checksum mismatch): use the previous one."""
 
 
+# The checksum of an array (docs/checkpoint_format.md): the sum mod 2^32 of a hash of each element's bits and its
+# flat index, so any slice's share can be computed alone. One definition of the constants; two evaluations: on the
+# device for a whole array (`_leaf_hash`) and in numpy for one streamed slice (`slice_checksum`, hf/orbax_io.py).
+M1, M2, M3, M4 = 0x9E3779B1, 0x85EBCA77, 0x27D4EB2F, 0x2C1B3C6D
+
+
+def slice_checksum(x: np.ndarray, start: int) -> int:
+  """Sum (mod 2^32) of the element hashes of `x`, whose first element has flat index `start`."""
+  x = np.ascontiguousarray(x).reshape(-1)
+  bits = x.view(f"uint{8 * x.itemsize}").astype(np.uint32)
+  index = (np.arange(x.size, dtype=np.uint64) + np.uint64(start)).astype(np.uint32)
+  h = bits * np.uint32(M1) + index * np.uint32(M2) + np.uint32(M3)
+  h = (h ^ (h >> np.uint32(15))) * np.uint32(M4)
+  h = h ^ (h >> np.uint32(12))
+  return int(h.sum(dtype=np.uint32))
+
+
 def _leaf_hash(x: jax.Array) -> jax.Array:
   if x.dtype == jnp.bool_:
     bits = x.astype(jnp.uint32)
@@ -46,8 +63,8 @@ def _leaf_hash(x: jax.Array) -> jax.Array:
   for d in reversed(range(x.ndim)):
     index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2**32)
     stride *= x.shape[d]
-  h = bits * jnp.uint32(0x9E3779B1) + index * jnp.uint32(0x85EBCA77) + jnp.uint32(0x27D4EB2F)
-  h = (h ^ (h >> 15)) * jnp.uint32(0x2C1B3C6D)
+  h = bits * jnp.uint32(M1) + index * jnp.uint32(M2) + jnp.uint32(M3)
+  h = (h ^ (h >> 15)) * jnp.uint32(M4)
   h = h ^ (h >> 12)
   return jnp.sum(h, dtype=jnp.uint32)
 

@@ -18,20 +18,6 @@ import tensorstore as ts
 
 from maxlm.checkpoint import CheckpointError
 
-# The flat-index hash of maxlm.checkpoint.verify (documented in docs/checkpoint_format.md), in numpy,
-# so one slice's share of an array's checksum can be added up while streaming.
-_M1, _M2, _M3, _M4 = np.uint32(0x9E3779B1), np.uint32(0x85EBCA77), np.uint32(0x27D4EB2F), np.uint32(0x2C1B3C6D)
-
-
-def slice_checksum(x: np.ndarray, start: int) -> int:
-  """Sum (mod 2^32) of the element hashes of `x`, whose first element has flat index `start`."""
-  x = np.ascontiguousarray(x).reshape(-1)
-  bits = x.view(f"uint{8 * x.itemsize}").astype(np.uint32)
-  index = (np.arange(x.size, dtype=np.uint64) + np.uint64(start)).astype(np.uint32)
-  h = bits * _M1 + index * _M2 + _M3
-  h = (h ^ (h >> np.uint32(15))) * _M4
-  h = h ^ (h >> np.uint32(12))
-  return int(h.sum(dtype=np.uint32))
 
 
 _ZARR_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "bfloat16"}  # as Orbax writes them

@@ -14,8 +14,9 @@ import jax
 import numpy as np
 
 from maxlm.checkpoint import CheckpointError
+from maxlm.checkpoint.verify import slice_checksum
 from maxlm.config import ModelConfig
-from maxlm.hf.orbax_io import OrbaxReader, OrbaxWriter, slice_checksum
+from maxlm.hf.orbax_io import OrbaxReader, OrbaxWriter
 from maxlm.hf.safetensors_io import MAX_SHARD_BYTES, SafetensorsReader, ShardedWriter
 from maxlm.hf.weights import Entry, hf_tensor_list, iter_entries, param_path, table
 

@@ -14,7 +14,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from maxlm.errors import MaxlmError, report
+from maxlm.errors import BadInput, MaxlmError, report
 
 # command -> module; each module has a docstring whose first line is its summary, and
 # `main(argv: list[str] | None = None) -> int`. A command whose module does not exist yet is not offered.
@@ -30,8 +30,44 @@ COMMANDS = {
 }
 
 EXIT_BAD_INPUT = 2
-EXIT_CHECKPOINT = 3
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+class UsageError(BadInput, ValueError):
+  """A bad command-line argument (one line)."""
+
+
+def parse_args(argv: list[str], keys: dict[str, type], repeated=()) -> tuple[dict, list[str], set[str]]:
+  """key=value words -> (own settings, config overrides (dotted keys), --flags)."""
+  own: dict = {k: [] for k in repeated}
+  overrides, flags = [], set()
+  for word in argv:
+    if word.startswith("--") and "=" not in word:
+      flags.add(word)
+      continue
+    if "=" not in word:
+      raise UsageError(f"argument {word!r} is not key=value (see --help)")
+    key, value = word.split("=", 1)
+    if "." in key:
+      overrides.append(word)
+      continue
+    if key not in keys:
+      raise UsageError(f"unknown argument {key!r} (arguments: {', '.join(keys)}; config keys are dotted, "
+                       f"e.g. model.dtype=float32)")
+    own[key] = _convert(key, value, keys[key]) if key not in repeated else own[key] + [value]
+  return own, overrides, flags
+
+
+def _convert(key: str, value: str, typ: type):
+  try:
+    if typ is bool:
+      if value.lower() not in ("true", "false", "1", "0"):
+        raise ValueError
+      return value.lower() in ("true", "1")
+    return typ(value)
+  except ValueError:
+    raise UsageError(f"argument {key}={value!r} is not {'a boolean' if typ is bool else 'an ' + typ.__name__}"
+                     ) from None
 
 
 def command_main(doc: str, run, argv: list[str] | None) -> int:

@@ -30,10 +30,10 @@ import jax
 import numpy as np
 
 from maxlm.checkpoint.paths import step_number
-from maxlm.cli import command_main
+from maxlm.cli import UsageError, command_main, parse_args
 from maxlm.data import DataError, Tokenizer
 from maxlm.evaluate import token_weighted
-from maxlm.generate import Loaded, UsageError, load, parse_args
+from maxlm.inference import Loaded, load
 from maxlm.layers import resolve_backend
 from maxlm.model import Transformer
 from maxlm.scope import model_scope

@@ -25,128 +25,18 @@ Exit codes: 0 done, 2 bad argument, config or tokenizer, 3 missing or unusable c
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 
-from maxlm.api import Model, find_step_dir, is_hf_dir, read_step_config
-from maxlm.checkpoint import CheckpointError
-from maxlm.cli import command_main
-from maxlm.config import Config, DataConfig, load_config
-from maxlm.data import DataError, Tokenizer, load_tokenizer
-from maxlm.data.sources import train_shards_tokenizer
-from maxlm.data.tokenizer import special_ids
-from maxlm.errors import BadInput
+from maxlm.cli import UsageError, command_main, parse_args
+from maxlm.data import Tokenizer
 from maxlm.generation import check_settings, generate
+from maxlm.inference import load
 
 _KEYS = {"checkpoint": str, "prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int,
          "top_p": float, "seed": int, "stop": str, "add_bos": bool, "max_length": int}
 _REPEATED = ("prompt", "stop")
-
-
-class UsageError(BadInput, ValueError):
-  """A bad command-line argument (one line)."""
-
-
-@dataclasses.dataclass
-class Loaded:
-  """A model ready for inference: its run config (model and data sections), parameters, tokenizer."""
-  cfg: Config
-  params: object
-  tokenizer: Tokenizer | None
-  bos_id: int | None  # prepended to prompts (None: nothing)
-  stop_ids: list[int]  # EOS and the like
-  max_length: int | None
-  source: str  # "run" or "hf"
-  step_dir: Path | None = None
-  mesh: object = None  # the parameters' mesh
-
-
-def parse_args(argv: list[str], keys: dict[str, type], repeated=()) -> tuple[dict, list[str], set[str]]:
-  """key=value words -> (own settings, config overrides (dotted keys), --flags)."""
-  own: dict = {k: [] for k in repeated}
-  overrides, flags = [], set()
-  for word in argv:
-    if word.startswith("--") and "=" not in word:
-      flags.add(word)
-      continue
-    if "=" not in word:
-      raise UsageError(f"argument {word!r} is not key=value (see --help)")
-    key, value = word.split("=", 1)
-    if "." in key:
-      overrides.append(word)
-      continue
-    if key not in keys:
-      raise UsageError(f"unknown argument {key!r} (arguments: {', '.join(keys)}; config keys are dotted, "
-                       f"e.g. model.dtype=float32)")
-    own[key] = _convert(key, value, keys[key]) if key not in repeated else own[key] + [value]
-  return own, overrides, flags
-
-
-def _convert(key: str, value: str, typ: type):
-  try:
-    if typ is bool:
-      if value.lower() not in ("true", "false", "1", "0"):
-        raise ValueError
-      return value.lower() in ("true", "1")
-    return typ(value)
-  except ValueError:
-    raise UsageError(f"argument {key}={value!r} is not {'a boolean' if typ is bool else 'an ' + typ.__name__}"
-                     ) from None
-
-
-def _tokenizer(d: DataConfig, vocab_size: int, extra_eos=()) -> tuple[Tokenizer, int | None, list[int]]:
-  """The run's tokenizer (data.tokenizer, else the one its shards record, else the shipped one), the BOS
-  to prepend (data.add_bos) and the ids that end a generation (data.eos_id / the tokenizer's EOS)."""
-  path = d.tokenizer
-  if not path and d.type != "synthetic":
-    rec = train_shards_tokenizer(d)
-    path = str(rec["path"]) if rec else ""
-  tok = load_tokenizer(path, d.tokenizer_type)
-  if tok.vocab_size > vocab_size:
-    raise DataError(f"tokenizer {tok.path} has {tok.vocab_size} tokens, more than the model's "
-                    f"model.vocab_size={vocab_size}")
-  bos, _ = special_ids(tok, d.add_bos, False, d.bos_id, d.eos_id)
-  eos = [d.eos_id if d.eos_id >= 0 else tok.eos_id, *extra_eos]
-  return tok, bos, sorted({int(e) for e in eos if e is not None and 0 <= int(e) < vocab_size})
-
-
-def _checkpoint_error(e: CheckpointError, checkpoint: str) -> CheckpointError:
-  """The error, naming the `checkpoint=` argument once."""
-  msg, path = str(e).replace("checkpoint.load_params=", "checkpoint="), str(Path(checkpoint))
-  if msg.startswith(f"{path}: "):
-    msg = msg[len(path) + 2:]
-  return CheckpointError(msg if msg.startswith("checkpoint=") else f"checkpoint={checkpoint}: {msg}")
-
-
-def load(checkpoint: str, overrides: list[str] | None = None) -> Loaded:
-  """Load a run/checkpoint/step directory or a Hugging Face directory (`maxlm.Model.from_pretrained`) with
-  its tokenizer, for inference. overrides: dotted config keys over the checkpoint's config; of the model
-  only model.backend, model.dtype and model.param_dtype may change (`data.eval_paths=...` etc. freely)."""
-  path = Path(checkpoint)
-  if not checkpoint or not path.exists():
-    raise CheckpointError(f"checkpoint={checkpoint}: no such file or directory")
-  overrides = list(overrides or [])
-  fixed = [o.split("=", 1)[0] for o in overrides if o.startswith("model.")
-           and o.split("=", 1)[0] not in ("model.backend", "model.dtype", "model.param_dtype")]
-  load_config(overrides)  # unknown keys and bad values stop here, before any weights are read
-  if fixed:
-    raise UsageError(f"{fixed[0]} is fixed by the checkpoint; of the model only model.backend, model.dtype "
-                     f"and model.param_dtype may be overridden")
-  try:
-    step = None if is_hf_dir(path) else find_step_dir(path)
-    want = load_config(overrides, base=read_step_config(step) if step else None).model
-    model = Model.from_pretrained(path, backend=want.backend, dtype=want.dtype, param_dtype=want.param_dtype)
-  except CheckpointError as e:
-    raise _checkpoint_error(e, checkpoint) from None
-  cfg = load_config(overrides, base=model.config)
-  hf = model.hf_config or {}
-  eos = hf.get("eos_token_id")
-  tok, bos, stops = _tokenizer(cfg.data, cfg.model.vocab_size, eos if isinstance(eos, list) else [eos])
-  max_length = hf.get("max_position_embeddings") if step is None else cfg.data.seq_len
-  return Loaded(cfg, model.params, tok, bos, stops, max_length, "run" if step else "hf", step, model.mesh)
 
 
 def _encode(tok: Tokenizer, text: str) -> list[int]:

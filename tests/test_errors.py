@@ -8,7 +8,7 @@ from maxlm.config import ConfigError
 from maxlm.convergence.suite import SuiteError
 from maxlm.data import DataError
 from maxlm.errors import MaxlmError, report
-from maxlm.generate import UsageError
+from maxlm.cli import UsageError
 from maxlm.generation import GenerationError
 from maxlm.layers import PrecisionError
 from maxlm.trainer import RunError

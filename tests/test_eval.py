@@ -11,7 +11,7 @@ import pytest
 
 from maxlm import eval as eval_cli
 from maxlm.data import load_tokenizer
-from maxlm.generate import load
+from maxlm.inference import load
 from maxlm.model import Transformer
 from tiny_checkpoint import make_checkpoint
 

@@ -41,7 +41,8 @@ from maxlm.optim import make_optimizer
 from maxlm.plan_measure import apply_mem_fraction
 from maxlm.sharding import axis_rules
 from maxlm.train_state import abstract_state
-from maxlm.trainer import check_batch_split, device_memory_bytes
+from maxlm.devices import device_memory_bytes
+from maxlm.trainer import check_batch_split
 
 FLAGS = ("--dry-run", "--json")
 VALUE_FLAGS = ("--devices", "--nodes", "--device-memory-gb")

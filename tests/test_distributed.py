@@ -20,7 +20,7 @@ import pytest
 from maxlm import distributed
 from maxlm.config import ConfigError, DistributedConfig, load_config
 from maxlm.distributed import Launch, PrefixedStream, resolve
-from maxlm.trainer import mesh_placement
+from maxlm.devices import mesh_placement
 
 # subprocess runs compile like the suite's own (conftest): XLA's CPU backend at optimization level 0
 FAST_CPU = "--xla_backend_optimization_level=0"

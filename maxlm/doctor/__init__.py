@@ -78,7 +78,7 @@ def _backend_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
   import jax  # noqa: PLC0415
 
   from maxlm.layers import supported_precisions, te_probe  # noqa: PLC0415
-  from maxlm.trainer import device_memory_bytes  # noqa: PLC0415
+  from maxlm.devices import device_memory_bytes  # noqa: PLC0415
 
   launch_error = None
   try:

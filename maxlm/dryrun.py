@@ -262,11 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     opts, words = parse_flags(argv)
     cfg = load_config(words)
     apply_mem_fraction(cfg.xla.mem_fraction, xla_presets.detect_gpu() is not None)  # as the trainer does
-    chosen = None
-    if cfg.plan.mode == "auto":  # the trainer's choice, measured the same way (maxlm/plan.py)
-      chosen = planner.choose(cfg, opts.get("devices"), opts.get("nodes"),
-                              int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None)
-      cfg = chosen.cfg
+    # the trainer's plan.mode, measured the same way (maxlm/plan.py): fit acts on the GPUs at hand only
+    cfg, chosen = planner.resolve(cfg, opts.get("devices"), opts.get("nodes"),
+                                  int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None)
     local = "devices" not in opts and "nodes" not in opts
     n_nodes = opts.get("nodes", 1 if not local else jax.process_count())
     n_devices = opts.get("devices", jax.device_count() if local else n_nodes * jax.local_device_count())
@@ -278,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"maxlm: error: {e}", file=sys.stderr, flush=True)
     return 2
   if chosen is not None:
-    p["plan"] = chosen.line()
-  print(json.dumps(p, indent=1) if opts["json"] else render(p) + (f"\n{p['plan']}" if chosen else ""), flush=True)
+    p["plan"] = chosen
+  print(json.dumps(p, indent=1) if opts["json"] else render(p) + (f"\n{chosen}" if chosen else ""), flush=True)
   return 0
 
 

@@ -5,7 +5,9 @@ Levers (each a plain config key; `plan.levers` lists those the planner may set):
 `optim.state_dtype` (float32 | bfloat16). `candidates` lists their settings, fastest expected first;
 `search` walks that list and compiles the train step of each plausible one ahead of time on abstract
 shapes (maxlm/plan_measure.py: XLA's `memory_analysis()`, nothing allocated); the first whose measured peak
-fits the usable memory wins, so the choice is deterministic.
+fits the usable memory wins, so the choice is deterministic. `resolve` applies `plan.mode` for the trainer
+and the dry run: off = the config as written; auto = the search's choice; fit (the default) = on the GPUs at
+hand, the config as written when XLA measures it to fit, else the search's choice (each said in one line).
 
 * Order. Exact levers first: remat, accumulation and offload change where memory goes, not the math.
   `optim.state_dtype=bfloat16` rounds the Adam moments, so it comes only after every float32 setting.
@@ -38,6 +40,7 @@ import jax
 
 from maxlm import sizing
 from maxlm.config import Config, ConfigError, load_config
+from maxlm.devices import device_memory_bytes
 from maxlm.layers import resolve_backend
 from maxlm.mesh import mesh_shape
 from maxlm.metrics import device_peak_flops
@@ -274,12 +277,13 @@ def smallest_devices(cfg: Config, target: Target, limit: int = 4096) -> tuple[in
   return None
 
 
-def no_fit_message(cfg: Config, p: Plan) -> str:
+def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
   """One line: nothing fits here, the least that was needed, and the device count that fits."""
   t = p.target
   tried = [r for r in p.rows if r.measured is not None]
   least = min(tried, key=lambda r: r.measured) if tried else None
   msg = f"no setting of plan.levers ({','.join(parse_levers(cfg.plan.levers))}) fits {t.describe()}"
+  msg += f"; {note}" if note else ""
   pruned = [r for r in p.rows if r.status == "pruned"]
   if least is not None:
     msg += f"; the least measured, {_label(least.overrides)}, needs {sizing.human_bytes(least.measured)}"
@@ -316,13 +320,66 @@ def choose(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None
   return p
 
 
-def auto(cfg: Config, say=None) -> Config:
-  """plan.mode=auto in the trainer: cfg with the levers chosen on the devices at hand, the choice printed
-  in one line by `say`."""
-  p = choose(cfg)
-  if say is not None:
-    say(f"maxlm: {p.line()}")
-  return p.cfg
+def gpu_here() -> bool:
+  return jax.devices()[0].platform == "gpu"
+
+
+def _memo(measure, known: dict):
+  """`measure`, answering the configs in `known` (keyed by their lever values) without compiling again."""
+  def measured(c: Config) -> dict:
+    key = tuple(current(c).items())
+    if key not in known:
+      known[key] = measure(c)
+    return known[key]
+  return measured
+
+
+def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
+            device_memory: int | None = None) -> tuple[Config, str | None]:
+  """(the config to run, one line on what the planner did; None where it did nothing), by plan.mode: off
+  keeps cfg; auto takes `choose`'s levers; fit (the default) acts only on the GPUs at hand (no n_devices /
+  n_nodes): it keeps cfg when XLA measures it to fit (one compile, none where the bytes it certainly needs
+  exceed a device), else takes the search's levers. ConfigError (one line) when nothing fits."""
+  mode = cfg.plan.mode
+  if mode == "off" or (mode != "auto" and (n_devices or n_nodes or not gpu_here())):
+    return cfg, None  # fit on a CPU or for other devices: the config as written (`maxlm plan` plans for those)
+  if mode == "auto":
+    p = choose(cfg, n_devices, n_nodes, device_memory)
+    return p.cfg, p.line()
+  target = make_target(cfg, device_memory=device_memory)
+  try:
+    known, certain = {}, certain_bytes(cfg, target)["certain"]
+    why = f"certainly needs {sizing.human_bytes(certain)}"
+    if certain <= target.usable:
+      m = known[tuple(current(cfg).items())] = target.measure(cfg)
+      if "oom" not in m and m["device"] <= target.usable:
+        return cfg, (f"plan: the config fits as written (peak {sizing.human_bytes(m['device'])} of "
+                     f"{sizing.human_bytes(target.usable)} usable per device, measured by XLA; plan.mode=fit "
+                     "keeps it)")
+      why = "ran XLA out of memory compiling" if "oom" in m else f"peaks at {sizing.human_bytes(m['device'])}"
+    p = search(cfg, target, _memo(target.measure, known), resolve_backend(cfg.model.backend))
+    if p.chosen is None:
+      raise ConfigError(no_fit_message(cfg, p, f"as written the config {why} per device"))
+  finally:
+    target.close()
+  return p.cfg, f"{p.line()}; as written the config {why} per device"
+
+
+_LAST_HOW = ""  # what for_run did last (remember keeps it with the trainer), for the out-of-memory line
+
+
+def for_run(cfg: Config, say=None) -> Config:
+  """The trainer's config by plan.mode (`resolve` on the devices at hand), its line printed by `say`; where
+  nothing was planned, the bytes the step certainly needs are checked against a device (sizing.check_fits)."""
+  out, line = resolve(cfg)
+  if line is None and (mem := device_memory_bytes()):
+    sizing.check_fits(cfg, jax.device_count(), mem, n_nodes=jax.process_count())
+  global _LAST_HOW
+  _LAST_HOW = (("as written, measured to fit by plan.mode=fit" if out is cfg else
+                f"chosen by plan.mode={cfg.plan.mode}") if line else f"plan.mode={cfg.plan.mode}")
+  if say is not None and line is not None:
+    say(f"maxlm: {line}")
+  return out
 
 
 def next_lever(cfg: Config, target: Target) -> str:
@@ -340,17 +397,17 @@ def next_lever(cfg: Config, target: Target) -> str:
   return "more devices"
 
 
-_TRAINER = None  # a weak reference to the last Trainer built, for the out-of-memory line
+_TRAINER = None  # (a weak reference to the last Trainer built, how its levers came), for the out-of-memory line
 
 
 def remember(trainer) -> None:
   global _TRAINER
-  _TRAINER = weakref.ref(trainer)
+  _TRAINER = (weakref.ref(trainer), _LAST_HOW)
 
 
 def oom_message(cfg: Config, error: BaseException) -> str:
   """One line for an out-of-memory error of a run: the levers, the sizes and the next lever to try."""
-  trainer = _TRAINER() if _TRAINER is not None else None
+  trainer, how = (_TRAINER[0](), _TRAINER[1]) if _TRAINER is not None else (None, "")
   cfg = getattr(trainer, "cfg", cfg)  # the plan's levers when plan.mode=auto chose them
   dev = jax.devices()[0]
   gpu = dev.platform == "gpu"
@@ -368,7 +425,7 @@ def oom_message(cfg: Config, error: BaseException) -> str:
     sizes.append(f"the device has {sizing.human_bytes(limit)} for XLA"
                  + (f" (xla.mem_fraction {frac:g})" if frac else ""))
   levers = ", ".join(f"{k}={v}" for k, v in current(cfg).items())
-  how = "chosen by plan.mode=auto" if cfg.plan.mode == "auto" else "plan.mode=off"
-  hint = "" if cfg.plan.mode == "auto" else " (or plan.mode=auto, which measures the levers before it starts)"
+  how = how if trainer is not None and how else f"plan.mode={cfg.plan.mode}"
+  hint = "" if how.startswith("chosen") else " (or plan.mode=auto, which measures the levers before it starts)"
   return (f"out of memory on {jax.device_count()} x {target.kind} with {levers} ({how}): {'; '.join(sizes)}; "
           f"next lever: {next_lever(cfg, target)}{hint}")

@@ -20,12 +20,12 @@ import yaml
 
 from maxlm import data as data_lib
 from maxlm import plan as planner
-from maxlm import evaluate, sizing, watchdog
+from maxlm import evaluate, watchdog
 from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
 from maxlm.checkpoint import run_dir as run_dirs
 from maxlm.checkpoint import start as start_checkpoints
 from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml, to_dict
-from maxlm.devices import device_memory_bytes, mesh_placement, peak_memory_gb
+from maxlm.devices import mesh_placement, peak_memory_gb
 from maxlm.errors import RunFailure
 from maxlm.layers import PrecisionError, check_precision, check_remat, resolve_backend
 from maxlm.mesh import make_mesh
@@ -120,10 +120,8 @@ class Trainer:
     check_remat(cfg.model.remat, self.backend)
     self.mesh = make_mesh(cfg.mesh)
     self._check_batch_split()
-    if cfg.plan.mode == "auto":  # the levers measured by XLA replace the config's (maxlm/plan.py): it checks the fit
-      cfg = self.cfg = planner.auto(cfg, echo if jax.process_index() == 0 else None)
-    elif mem := device_memory_bytes():
-      sizing.check_fits(cfg, jax.device_count(), mem, n_nodes=jax.process_count())
+    # plan.mode (maxlm/plan.py): levers measured by XLA replace the config's where it plans; it checks the fit
+    cfg = self.cfg = planner.for_run(cfg, echo if jax.process_index() == 0 else None)
     planner.remember(self)  # for the out-of-memory line (maxlm/train.py)
     self.packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
     self.model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row)

@@ -92,6 +92,34 @@ def test_trainer_and_dry_run_apply_the_plan(reference, tmp_path, monkeypatch, ca
   assert code == 0 and p["config"]["train"]["grad_accum"] == 2 and "train.grad_accum=2" in p["plan"]
 
 
+@pytest.mark.parametrize("where", ["midpoint", "roomy"])
+def test_fit_keeps_a_config_that_fits_and_plans_one_that_does_not(reference, where, tmp_path, monkeypatch, capsys):
+  # plan.mode=fit (the default) on a GPU (faked): one compile of the config as written; kept when it fits,
+  # else the search's choice, the as-written measurement not compiled again
+  usable = {"midpoint": (reference[1] + reference[2]) // 2, "roomy": 2 * reference[1]}[where]
+  monkeypatch.setattr(plan_measure, "_local_memory", lambda dev: int(usable / (1 - plan_measure.MARGIN)) + 1)
+  monkeypatch.setattr(plan, "gpu_here", lambda: True)
+  compiled = []
+  monkeypatch.setattr(Target, "measure", lambda self, c: compiled.append(plan.current(c))
+                      or plan_measure.measure(c, self.devices))
+  cfg = load_config([*BASE, "plan.levers=train.grad_accum", f"output_dir={tmp_path}"])
+  assert cfg.plan.mode == "fit"
+  tr = Trainer(cfg)
+  out = capsys.readouterr().out.splitlines()
+  h = plan.sizing.human_bytes
+  if where == "roomy":
+    assert tr.cfg is cfg and [c["train.grad_accum"] for c in compiled] == [1]
+    assert out == [f"maxlm: plan: the config fits as written (peak {h(reference[1])} of {h(usable)} usable per "
+                   "device, measured by XLA; plan.mode=fit keeps it)"]
+  else:
+    assert tr.cfg.train.grad_accum == 2 and [c["train.grad_accum"] for c in compiled] == [1, 2]
+    assert len(out) == 1 and out[0].startswith("maxlm: plan: model.remat=none, train.grad_accum=2, ")
+    assert out[0].endswith(f"2 compiled, 0 not); as written the config peaks at {h(reference[1])} per device")
+  monkeypatch.setattr(plan, "gpu_here", lambda: False)  # on a CPU fit does nothing: no compile
+  compiled.clear()
+  assert Trainer(cfg).cfg is cfg and compiled == [] and capsys.readouterr().out == ""
+
+
 def fake_target(usable: int) -> Target:
   return Target(8, 1, "NVIDIA H200", int(usable / 0.95 / (1 - plan_measure.MARGIN)) + 1, 0.95, True)
 
@@ -216,7 +244,7 @@ def test_out_of_memory_is_one_line_naming_levers_sizes_and_next_lever(tmp_path, 
   assert run(cfg) == 1
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and err.startswith("maxlm: error: out of memory on 8 x cpu with model.remat=save_attn, ")
-  assert "XLA could not allocate 43.92GiB" in err and "(plan.mode=off)" in err
+  assert "XLA could not allocate 43.92GiB" in err and "(plan.mode=fit)" in err
   assert "next lever: model.remat=full (or plan.mode=auto" in err
   other = jax.errors.JaxRuntimeError("INTERNAL: something else")
   monkeypatch.setattr("maxlm.train.train", lambda *a: (_ for _ in ()).throw(other))

@@ -22,6 +22,8 @@ from maxlm import config_schema as schema
 from maxlm.config_files import (  # noqa: F401 (CONFIG_DIR, load_yaml, parse_overrides: re-exported)
     CONFIG_DIR, load_yaml, parse_overrides, resolve_config_path, yaml_layers)
 from maxlm.config_schema import ConfigError, option
+from maxlm.config_sections import (  # the process and tool sections, re-exported
+    CompileConfig, PlanConfig, ProfileConfig, XlaConfig)
 
 SEED_RANGE = "[0, 2**32-1]"  # jax.random.PRNGKey and Grain take 32-bit seeds
 
@@ -238,39 +240,6 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ProfileConfig:
-  """A profiling window (see maxlm/profiling.py): an XProf trace in <run_dir>/profile, NVTX ranges around
-  every step and cudaProfilerStart/Stop around the window for `nsys --capture-range=cudaProfilerApi`."""
-  start_step: int = option(0, "first step to profile, counted from 1 as in the progress lines (step 1 also "
-                           "traces and compiles); 0 = no profiling", within="[0, inf)")
-  num_steps: int = option(3, "steps in the window; it must end by train.steps", within="[1, inf)")
-  xprof: bool = option(True, "write the XProf trace (process 0); set false under nsys (both use CUPTI)")
-
-
-@dataclasses.dataclass(frozen=True)
-class XlaConfig:
-  """XLA compiler flags: a preset (maxlm/xla_presets.py) merged under XLA_FLAGS before the backend starts."""
-  preset: str = option("auto", "auto = hopper on H100/H200, blackwell on B200/B300, none on CPU and other GPUs "
-                       "(from nvidia-smi); a flag you set in XLA_FLAGS wins over the preset's",
-                       choices=("auto", "none", "hopper", "blackwell"))
-  mem_fraction: float = option(0.0, "share of each GPU's memory XLA's allocator may use (sets "
-                               "XLA_CLIENT_MEM_FRACTION before the backend starts; yours wins); 0 = auto: 0.95 on "
-                               "an NVIDIA GPU (XLA's own default 0.75 leaves 35 GiB of an H200 unused), unset "
-                               "on CPU", within="[0, 1]")
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanConfig:
-  """The memory planner (maxlm/plan.py, `maxlm plan`): it compiles the train step ahead of time for
-  settings of the memory levers and reads XLA's memory analysis of each (nothing is allocated)."""
-  mode: str = option("off", "auto = before building, choose the fastest setting of plan.levers whose measured "
-                     "peak fits the device (printed in one line); off = the config as given",
-                     choices=("off", "auto"))
-  levers: str = option("all", "the config keys plan.mode=auto may set, comma-separated (the others keep their "
-                       "value); all = model.remat,train.grad_accum,optim.offload,optim.state_dtype")
-
-
-@dataclasses.dataclass(frozen=True)
 class Config:
   """A whole run."""
   output_dir: str = option("runs", "parent of the run directory")
@@ -286,6 +255,7 @@ class Config:
   profile: ProfileConfig = ProfileConfig()
   xla: XlaConfig = XlaConfig()
   plan: PlanConfig = PlanConfig()
+  compile: CompileConfig = CompileConfig()
 
   @property
   def run_dir(self) -> Path:

@@ -51,3 +51,10 @@ def configure(deterministic: bool = False) -> list[str]:
       os.environ[key] = value
       done.append(f"{key}={value}")
   return done
+
+
+def configure_compile_cache(c) -> str:
+  """`compile:` (a CompileConfig): JAX's persistent compilation cache, before the first compile. Returns
+  what was set, for the log; ConfigError for a cache directory that cannot be used."""
+  from maxlm import compile_cache  # noqa: PLC0415 - imports jax: only once a process is about to compile
+  return compile_cache.configure(c)

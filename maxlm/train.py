@@ -14,22 +14,33 @@ before the first step.
 data; `--json`, `--devices N`, `--nodes M`, `--device-memory-gb G`; see maxlm/dryrun.py) and exits 0.
 `plan.mode=auto` chooses the memory levers by compiling the step ahead of time first (`maxlm plan`,
 maxlm/plan.py) and prints the choice in one line.
+`--compile-only` traces and compiles the train step for the configured mesh on the devices at hand, on
+abstract shapes (no train state is allocated), prints the trace-and-lower and compile times and XLA's memory
+analysis per device, and exits 0. Its one lasting effect is the compiled step in the persistent compilation
+cache (`compile.cache_dir`, maxlm/compile_cache.py): the real run with the same config and devices then
+loads it instead of compiling. It creates nothing in the run directory (not even the directory) and reads
+no checkpoint; it opens the data inputs to check them, as the run would.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import time
 
-from maxlm import distributed, dryrun, runtime, xla_presets
+import jax
+
+from maxlm import compile_cache, distributed, dryrun, runtime, xla_presets
+from maxlm import data as data_lib
 from maxlm.checkpoint import Preemption
 from maxlm.config import Config, ConfigError, help_text, load_config
 from maxlm.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, MaxlmError, report
 from maxlm.metrics import echo
 from maxlm.plan import oom_message
-from maxlm.plan_measure import apply_mem_fraction, is_oom
+from maxlm.plan_measure import apply_mem_fraction, is_oom, memory_stats
+from maxlm.sizing import human_bytes
 from maxlm.trainer import RunError, Trainer, train
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_CHECKPOINT", "RunError", "Trainer", "main", "run", "train"]
@@ -45,8 +56,9 @@ def _exit_distributed_timeout(msg: str) -> None:
   os._exit(_fail(msg, EXIT_BAD_INPUT))
 
 
-def run(cfg: Config, t_start: float | None = None) -> int:
-  """Train `cfg`, mapping the one-line error types to their exit codes."""
+def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -> int:
+  """Train `cfg` (or with compile_only, only compile its train step), mapping the one-line error types to
+  their exit codes."""
   t_start = time.perf_counter() if t_start is None else t_start
   preemption = Preemption()  # first: a signal while the model is built or compiled exits at once
   try:
@@ -59,13 +71,14 @@ def run(cfg: Config, t_start: float | None = None) -> int:
       mem_line = apply_mem_fraction(cfg.xla.mem_fraction, xla_presets.detect_gpu() is not None)
       if mem_line:
         echo(f"maxlm: {mem_line}")
+      runtime.configure_compile_cache(cfg.compile)  # before the first compile; its line comes at the first step
       # Before anything asks JAX about devices. From here on (for the rest of the process: tracebacks
       # too) every output line of a multi-process run carries `[process i/N host]`.
       distributed.initialize(cfg, on_timeout=_exit_distributed_timeout)
     except MaxlmError as e:
       return report(e)
     try:
-      return train(cfg, preemption, t_start)
+      return compile_step_only(cfg, t_start) if compile_only else train(cfg, preemption, t_start)
     except MaxlmError as e:  # every error a user can cause (maxlm/errors.py): one line, its exit code
       return report(e)
     except Exception as e:
@@ -74,6 +87,25 @@ def run(cfg: Config, t_start: float | None = None) -> int:
       return _fail(oom_message(cfg, e), 1)
   finally:
     preemption.close()
+
+
+def compile_step_only(cfg: Config, t_start: float) -> int:
+  """`--compile-only`: the run's checks and its train step, compiled on abstract shapes (see the module doc)."""
+  cfg = dataclasses.replace(cfg, data=data_lib.resolve_type(cfg.data))  # as train() resolves it
+  trainer = Trainer(cfg)  # every check of a run that needs no run directory; plan.mode=auto chooses here
+  trainer.build(abstract=True)
+  hit = trainer.compile_train_step()
+  step = trainer.jitted_train_step
+  if jax.process_index() == 0:
+    m = memory_stats(step.executable)
+    parts = ", ".join(f"{k} {human_bytes(m[k])}" for k in ("argument", "output", "temp", "alias"))
+    host = f"; in host memory {human_bytes(m['host'])}" if m["host"] else ""
+    echo(f"maxlm: --compile-only: {trainer.cfg.model.name} on {jax.device_count()} x "
+         f"{jax.devices()[0].device_kind}, mesh {dict(trainer.mesh.shape)}: traced and lowered in "
+         f"{step.lower_s:.1f} s, compiled in {step.compile_s:.1f} s; XLA's memory per device "
+         f"{human_bytes(m['device'])} ({parts}){host}; {time.perf_counter() - t_start:.1f} s in all")
+    echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s)}")
+  return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
       return 0
   if "--dry-run" in argv:  # abstract shapes only: nothing allocated, nothing written
     return dryrun.main(argv)
+  compile_only = "--compile-only" in argv  # no train state, nothing in the run directory
+  argv = [a for a in argv if a != "--compile-only"]
   logging.basicConfig(level=os.environ.get("MAXLM_LOG", "WARNING"), format="%(name)s: %(message)s")
   try:
     cfg = load_config(argv)
   except ConfigError as e:
     return _fail(str(e), EXIT_BAD_INPUT)
-  return run(cfg, t_start)
+  return run(cfg, t_start, compile_only)
 
 
 if __name__ == "__main__":

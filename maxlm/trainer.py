@@ -8,6 +8,7 @@ output directory), then create the run directory, build the state, resume from c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -20,7 +21,7 @@ import yaml
 
 from maxlm import data as data_lib
 from maxlm import plan as planner
-from maxlm import evaluate, watchdog
+from maxlm import compile_cache, evaluate, watchdog
 from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
 from maxlm.checkpoint import run_dir as run_dirs
 from maxlm.checkpoint import start as start_checkpoints
@@ -35,8 +36,9 @@ from maxlm.optim import make_optimizer
 from maxlm.profiling import Profiler
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
+from maxlm.startup import Startup, first_step_line
 from maxlm.step import jit_step, make_eval_step, make_train_step
-from maxlm.train_state import create_train_state
+from maxlm.train_state import abstract_state, create_train_state
 
 
 class RunError(RunFailure, RuntimeError):
@@ -143,13 +145,16 @@ class Trainer:
     """Mesh + logical axis rules + TE autocast (maxlm/scope.py): entered for init and for every trace."""
     return model_scope(self.cfg.model, self.backend, self.mesh)
 
-  def build(self):
+  def build(self, abstract: bool = False):
+    """The optimizer, the state and the jitted steps; abstract: the state as ShapeDtypeStructs carrying their
+    shardings, nothing allocated (`--compile-only`)."""
     cfg = self.cfg
     self.optimizer, self.schedule = make_optimizer(cfg.optim, cfg.train.steps)
     micro = cfg.data.global_batch_size // cfg.train.grad_accum
+    make = abstract_state if abstract else functools.partial(create_train_state, seed=cfg.train.seed)
     with self.scope():
-      self.state, self.state_shardings = create_train_state(
-          self.model, self.optimizer, self.mesh, cfg.train.seed, micro, cfg.data.seq_len, cfg.optim.offload)
+      self.state, self.state_shardings = make(self.model, self.optimizer, self.mesh, batch=micro,
+                                              seq_len=cfg.data.seq_len, offload=cfg.optim.offload)
     self.batch_sharding = batch_sharding(self.mesh)
     bs = {k: self.batch_sharding for k in data_lib.BATCH_KEYS}
     step = make_train_step(self.model, self.optimizer, self.schedule, grad_accum=cfg.train.grad_accum,
@@ -160,6 +165,16 @@ class Trainer:
     self.eval_step = jit_step(make_eval_step(self.model, packed=self.packed), self.state_shardings, bs,
                               self.scope, donate=False, metrics_sharding=replicated(self.mesh))
     self.n_devices = jax.device_count()
+
+  def compile_train_step(self) -> bool:
+    """Trace, lower and compile the train step for the state (arrays or abstract) and the batch's shape ahead
+    of the first step: the steps then reuse it. True when XLA's executable came from the persistent cache."""
+    d = self.cfg.data
+    batch = {k: jax.ShapeDtypeStruct((d.global_batch_size, d.seq_len), np.int32, sharding=self.batch_sharding)
+             for k in data_lib.BATCH_KEYS}  # [B, T] each, as `to_device` makes them
+    hits = compile_cache.COUNTER.snapshot()[0]
+    self.jitted_train_step.compile(self.state, batch)
+    return compile_cache.COUNTER.snapshot()[0] > hits
 
   def to_device(self, batch):
     return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
@@ -185,7 +200,9 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
   The run directory is claimed first (maxlm/checkpoint/run_dir.py: a directory holding another run is used
   only to resume it). A directory this call created is removed again when the run fails on bad input or a
   checkpoint before it logged a step or saved a checkpoint, so such a failure leaves nothing behind."""
-  t_start = time.perf_counter() if t_start is None else t_start
+  startup = Startup(time.perf_counter() if t_start is None else t_start)
+  jax.devices()  # the backend starts here at the latest
+  startup.mark("backend")
   cfg = dataclasses.replace(cfg, data=data_lib.resolve_type(cfg.data))  # data.type=auto made concrete
   trainer = Trainer(cfg)
   run_dir = cfg.run_dir
@@ -199,14 +216,14 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
     _check_writable(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
   try:
-    return _train(cfg, trainer, preemption, t_start)
+    return _train(cfg, trainer, preemption, startup)
   except (ConfigError, CheckpointError, data_lib.DataError, PrecisionError):
     if created and not run_dirs.previous(run_dir).holds_run:
       shutil.rmtree(run_dir, ignore_errors=True)
     raise
 
 
-def _train(cfg: Config, trainer: Trainer, preemption: Preemption, t_start: float) -> int:
+def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Startup) -> int:
   run_dir = cfg.run_dir
   is_main = jax.process_index() == 0
   trainer.build()
@@ -233,10 +250,12 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, t_start: float
       echo(f"maxlm: {run_dir} is already at step {start_step} of train.steps={t.steps}: nothing to train "
            f"(more steps: train.steps=N; a new run: run_name=...)")
     writer = MetricsWriter(run_dir, enabled=is_main, start_step=start_step)
+    startup.mark("state")
+    first = _compile(trainer, wd, start_step) if start_step < t.steps else None  # hit or miss, for the line
     checked, skipped = start_step, int(jax.device_get(trainer.state.nonfinite_steps))
     logged_skips = skipped
     tokens_per_step = d.global_batch_size * d.seq_len
-    t_last, steps_since, paused, first_step_s = None, 0, 0.0, None
+    t_last, steps_since, paused, first_step = None, 0, 0.0, None
     t_train0, steps_timed = None, 0
     batches = Batches(trainer.train_data, finite=d.num_epochs > 0)
     for step in range(start_step, t.steps):
@@ -257,10 +276,8 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, t_start: float
         jax.block_until_ready(metrics)
         t_last = t_train0 = time.perf_counter()
         steps_since = 0
-        first_step_s = t_last - t_start
         preemption.step_started(checkpointing=ckpt is not None)
-        if is_main:
-          echo(_first_step_line(done, first_step_s, trainer.jitted_train_step.compiled_memory_gb))
+        first_step = _first_step(trainer, startup, done, t_last, first, is_main)  # once, in the first row
       stop = preemption.reached(done)
       save_s = 0.0
       if ckpt is not None and (stop or last or ckpt.due(done)):
@@ -286,9 +303,9 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, t_start: float
         steps_timed += steps_since
       if paused:
         row["save_s"] = paused
-      if first_step_s is not None:
-        row["first_step_s"], first_step_s = first_step_s, None  # once, in the first row
-        row["compiled_memory_gb"] = trainer.jitted_train_step.compiled_memory_gb
+      if first_step is not None:
+        row.update(first_step)
+        first_step = None
       row["peak_memory_gb"] = peak_memory_gb()
       if t.nonfinite == "stop":
         checked = _check_finite(metrics, checked, skipped, done, ckpt)
@@ -301,7 +318,7 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, t_start: float
         wd.arm("evaluation", done, slow=True)
         row.update(trainer.evaluate())
       now = time.perf_counter()
-      row["elapsed_s"] = now - t_start
+      row["elapsed_s"] = now - startup.t0
       if steps_timed:
         row["eta_s"] = (t.steps - done) * (now - t_train0) / steps_timed
       writer.write(done, row)
@@ -337,11 +354,21 @@ def _start_line(cfg: Config, trainer: Trainer, n_params: int, kind: str) -> str:
           f"{jax.device_count()} x {kind}, mesh {dict(trainer.mesh.shape)}, run dir {cfg.run_dir}")
 
 
-def _first_step_line(done: int, seconds: float, estimate_gb: float | None) -> str:
-  mem = peak_memory_gb()
-  return (f"maxlm: first step {done} done {seconds:.1f} s after start (trace, compile and run)"
-          + (f", peak device memory {mem:.1f} GB" if mem is not None else "")
-          + (f", XLA's compiled estimate {estimate_gb:.1f} GB per device" if estimate_gb is not None else ""))
+def _compile(trainer: Trainer, wd, start_step: int) -> bool:
+  """The train step compiled (or loaded from the persistent cache) before the first step; True for a hit."""
+  wd.arm("compile", start_step + 1)
+  return trainer.compile_train_step()
+
+
+def _first_step(trainer: Trainer, startup: Startup, done: int, t_first: float, hit: bool, is_main: bool) -> dict:
+  """The first-step lines (the time to it in parts; the compilation cache) and the fields of the first row."""
+  step = trainer.jitted_train_step
+  parts = startup.parts(t_first, step.lower_s, step.compile_s)
+  if is_main:
+    echo(first_step_line(done, parts, peak_memory_gb(), step.compiled_memory_gb))
+    echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s)}")
+  return {"first_step_s": parts["startup_s"], **parts, "compile_cache_hit": hit, **compile_cache.stats(),
+          "compiled_memory_gb": step.compiled_memory_gb}
 
 
 def _row(metrics: dict, steps: int, seconds: float, tokens_per_step: int, flops: float, n_devices: int,

@@ -1,0 +1,56 @@
+"""The config sections of the process and its tools (profiling, XLA flags, the planner, compilation and its
+cache); maxlm/config.py holds the model and run sections, the whole `Config`, and re-exports these."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from maxlm.config_schema import option
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+  """A profiling window (see maxlm/profiling.py): an XProf trace in <run_dir>/profile, NVTX ranges around
+  every step and cudaProfilerStart/Stop around the window for `nsys --capture-range=cudaProfilerApi`."""
+  start_step: int = option(0, "first step to profile, counted from 1 as in the progress lines (step 1 also "
+                           "traces and compiles); 0 = no profiling", within="[0, inf)")
+  num_steps: int = option(3, "steps in the window; it must end by train.steps", within="[1, inf)")
+  xprof: bool = option(True, "write the XProf trace (process 0); set false under nsys (both use CUPTI)")
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaConfig:
+  """XLA compiler flags: a preset (maxlm/xla_presets.py) merged under XLA_FLAGS before the backend starts."""
+  preset: str = option("auto", "auto = hopper on H100/H200, blackwell on B200/B300, none on CPU and other GPUs "
+                       "(from nvidia-smi); a flag you set in XLA_FLAGS wins over the preset's",
+                       choices=("auto", "none", "hopper", "blackwell"))
+  mem_fraction: float = option(0.0, "share of each GPU's memory XLA's allocator may use (sets "
+                               "XLA_CLIENT_MEM_FRACTION before the backend starts; yours wins); 0 = auto: 0.95 on "
+                               "an NVIDIA GPU (XLA's own default 0.75 leaves 35 GiB of an H200 unused), unset "
+                               "on CPU", within="[0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+  """The memory planner (maxlm/plan.py, `maxlm plan`): it compiles the train step ahead of time for
+  settings of the memory levers and reads XLA's memory analysis of each (nothing is allocated)."""
+  mode: str = option("fit", "fit = on the GPUs at hand, keep the config when its measured peak fits, else plan as "
+                     "auto; auto = before building, choose the fastest setting of plan.levers whose measured "
+                     "peak fits the device (printed in one line); off = the config as given",
+                     choices=("fit", "auto", "off"))
+  levers: str = option("all", "the config keys plan.mode=auto may set, comma-separated (the others keep their "
+                       "value); all = model.remat,train.grad_accum,optim.offload,optim.state_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileConfig:
+  """JAX's persistent compilation cache (maxlm/compile_cache.py): compiled programs, and on a GPU XLA's
+  autotuning results, kept on disk so that a restart, a resume or the next job of a sweep skips compiling."""
+  cache: bool = option(True, "keep compiled programs on disk and reuse them (a restart finds its train step "
+                       "compiled); false = compile everything every time")
+  cache_dir: str = option("", "the cache directory; \"\" = JAX_COMPILATION_CACHE_DIR when set, else "
+                          "$XDG_CACHE_HOME/maxlm/xla (~/.cache/maxlm/xla). On a cluster: a shared directory "
+                          "(the launch/ templates use <output_dir>/.xla-cache)")
+  min_compile_s: float = option(-1.0, "cache only programs that took at least this long to compile; -1 = "
+                                "JAX's setting (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, else 1 s)",
+                                within="[0, 86400] or -1")

@@ -53,7 +53,7 @@ def make_hf(out: Path, m: ModelConfig, seed: int = 0) -> int:
 
 
 _CHILD = ("import resource, sys\n"
-          "from maxlm.convert import main\n"
+          "from maxlm.cli.convert import main\n"
           "rc = main(sys.argv[1:])\n"
           "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
           "sys.exit(rc)\n")
@@ -90,12 +90,12 @@ def main() -> None:
     data = make_hf(work / "hf", m)
     print(json.dumps({"step": "make synthetic HF", "params": n_params, "bf16_gib": round(data / 2**30, 2),
                       "wall_s": round(time.perf_counter() - t0, 1)}), flush=True)
-    to_maxlm = run_child(["hf-to-maxlm", str(work / "hf"), str(work / "maxlm"), "--dtype", "float32"])
+    to_maxlm = run_child(["hf-to-maxlm", f"src={work / 'hf'}", f"out={work / 'maxlm'}", "dtype=float32"])
     to_maxlm.update(step="hf-to-maxlm (bf16 -> fp32 Orbax)", target_gib=round(4 * n_params / 2**30, 2),
                     orbax_on_disk_gib=round(_du(work / "maxlm") / 2**30, 2))
     print(json.dumps(to_maxlm), flush=True)
     shutil.rmtree(work / "hf")  # disk: the 8B source is no longer needed
-    to_hf_ = run_child(["maxlm-to-hf", str(work / "maxlm"), str(work / "hf_out"), "--dtype", "bfloat16"])
+    to_hf_ = run_child(["maxlm-to-hf", f"src={work / 'maxlm'}", f"out={work / 'hf_out'}", "dtype=bfloat16"])
     to_hf_.update(step="maxlm-to-hf (fp32 Orbax -> bf16)", target_gib=round(2 * n_params / 2**30, 2),
                   shards=len(list((work / "hf_out").glob("*.safetensors"))))
     print(json.dumps(to_hf_), flush=True)

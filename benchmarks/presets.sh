@@ -22,7 +22,7 @@ common="train.steps=$STEPS train.log_every=10 optim.warmup_steps=10 output_dir=$
 mkdir -p "$OUT"
 
 echo "=== maxlm doctor $shape model.precision=fp8_delayed"
-timeout 240 $PY -m maxlm.doctor $shape model.precision=fp8_delayed output_dir="$OUT" 2>"$OUT/doctor.stderr"
+timeout 240 $PY -m maxlm.tools.doctor $shape model.precision=fp8_delayed output_dir="$OUT" 2>"$OUT/doctor.stderr"
 echo "(doctor exit code $?; its stderr: $OUT/doctor.stderr)"
 
 echo "=== each preset's flags against this jaxlib"

@@ -1,33 +1,38 @@
-"""`maxlm.Model`: a trained (or imported) model in Python: logits, generation, Hugging Face export.
+"""`maxlm.Model`: the one loaded model, in Python and behind `maxlm generate` / `maxlm eval`: its config,
+parameters, tokenizer and stop ids; logits, generation (token ids or text), evaluation, Hugging Face export.
 
     from maxlm import Model
     model = Model.from_pretrained("runs/tiny")                 # a run, checkpoints or step directory
     model = Model.from_pretrained("Llama-3.2-1B", dtype="bfloat16")  # an HF directory (safetensors)
     logits = model.logits(tokens)                              # [B, T] int -> [B, T, V] float32
     new_ids = model.generate([[1, 15, 27]], max_new_tokens=20)  # KV-cache decoding (maxlm.generation)
+    out = model.complete(["It is a truth"], max_new_tokens=20, stop=["."])  # text in, text out (out.texts)
+    model.eval()                                               # loss, perplexity, bits per byte on its eval data
     model.save_pretrained("out/hf")                            # HF safetensors (the source's dtype) + config.json
+
+`Model.load(path, overrides)` loads a model as its run was configured (the trained dtype; dotted config keys
+over the checkpoint's), the way the commands do.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import shutil
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxlm import evaluate, generation, inference
 from maxlm.checkpoint import CheckpointError
 from maxlm.checkpoint import load_params as load_orbax_params
-from maxlm.checkpoint import paths as checkpoint_paths
-from maxlm.config import Config, ConfigError, DataConfig, MeshConfig
-from maxlm.data.tokenizer import DEFAULT_TOKENIZER, tokenizer_path
+from maxlm.config import Config, ConfigError, MeshConfig, load_config
+from maxlm.data import Tokenizer
 from maxlm.hf import config as hf_config
-from maxlm.hf.safetensors_io import INDEX, MAX_SHARD_BYTES, SafetensorsReader
+from maxlm.hf.files import (EXPORT_DTYPES, HF_SIDE_FILES, atomic_dir, checkpoint_source_dtype, dir_entries, find_step_dir,
+                            hf_data_config, is_hf_dir, read_step_config, run_tokenizer_files, write_config_json)
+from maxlm.hf.safetensors_io import MAX_SHARD_BYTES, SafetensorsReader
 from maxlm.hf.transfer import device_reader, export_hf, load_hf_params, source_dtype
 from maxlm.layers import resolve_backend
 from maxlm.mesh import make_mesh
@@ -35,46 +40,8 @@ from maxlm.model import Transformer
 from maxlm.scope import model_scope
 from maxlm.sharding import shardings_from_logical, strip_boxes
 
-# Files of an HF directory that travel with the weights (tokenizer and generation defaults).
-HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                 "generation_config.json")
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # safetensors dtypes an export writes when asked
-# Written by `maxlm convert hf-to-maxlm` beside its tree: the HF source and its safetensors dtype, which
-# an export of the tree writes back by default (so HF bf16 -> maxlm fp32 -> HF gives the original bits).
-HF_SOURCE_FILE = "hf_source.json"
-_TMP = ".maxlm-tmp"  # atomic_dir's hidden work directory inside an existing output directory
-
-
-def is_hf_dir(path: Path) -> bool:
-  return (path / "config.json").is_file() and (any(path.glob("*.safetensors")) or (path / INDEX).is_file())
-
-
-def find_step_dir(path: Path) -> Path:
-  """The checkpoint step directory of a run directory, checkpoints directory or step directory (the
-  newest complete step). CheckpointError when there is none."""
-  found = checkpoint_paths.step_dir(path)
-  if found is not None:
-    return found
-  raise CheckpointError(f"{path}: no checkpoint (expected an HF directory with config.json and safetensors, "
-                        f"a run directory with checkpoints/, a checkpoints directory or a step directory)")
-
-
-read_step_config = checkpoint_paths.step_config  # the run config a step (or a converted tree) carries
-
-
-def checkpoint_source_dtype(step_dir: Path, run: Config) -> str:
-  """The dtype an HF export of a checkpoint keeps by default: the HF source's, recorded in HF_SOURCE_FILE
-  by `maxlm convert hf-to-maxlm`, else the checkpoint's parameter dtype (a float32 run exports float32)."""
-  f = step_dir / HF_SOURCE_FILE
-  if not f.is_file():
-    return run.model.param_dtype
-  try:
-    dtype = json.loads(f.read_text())["dtype"]
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise CheckpointError(f"{f}: unreadable ({e!r})") from None
-  if dtype not in EXPORT_DTYPES:
-    raise CheckpointError(f"{f}: unknown dtype {dtype!r} (expected one of {', '.join(EXPORT_DTYPES)})")
-  return dtype
+# Of the model, these may differ from the checkpoint's in Model.load (the others are fixed by its weights).
+MODEL_OVERRIDES = ("model.backend", "model.dtype", "model.param_dtype")
 
 
 def _abstract_params(cfg: Config, mesh):
@@ -97,13 +64,67 @@ class Model:
   """A Llama/Mistral model: its full `config` (a maxlm Config), `params` (on `mesh`) and inference."""
 
   def __init__(self, config: Config, params, mesh, hf_config_dict: dict | None = None,
-               side_files: Sequence[tuple[Path, str]] = (), source_dtype: str = "float32"):
+               side_files: Sequence[tuple[Path, str]] = (), source_dtype: str = "float32", step_dir: Path | None = None):
     self.config, self.params, self.mesh = config, params, mesh
     self.source_dtype = source_dtype  # of the loaded weights' files: save_pretrained's default dtype
     self.hf_config = hf_config_dict  # the imported config.json (kept so save_pretrained round-trips it)
     self.side_files = list(side_files)  # (source, file name) of the tokenizer files save_pretrained copies
+    self.step_dir = step_dir  # the checkpoint step loaded; None for an HF directory or a model made in Python
     self._model = Transformer(config.model)
     self._logits_fn = None
+    self._text = None  # (tokenizer, bos_id, stop_ids), read on first use
+
+  @classmethod
+  def load(cls, path: str | Path, overrides: Sequence[str] = ()) -> "Model":
+    """Load a run / checkpoints / step directory or an HF directory as its run was configured (the way
+    `maxlm generate` and `maxlm eval` do), with its tokenizer: the checkpoint's config (an HF directory's mapped
+    config.json) with dotted config `overrides` over it (`data.eval_paths=new.txt`, `model.dtype=float32`, ...).
+    Of the model only MODEL_OVERRIDES may change. Unknown keys and bad values raise ConfigError before any
+    weights are read; weights CheckpointError; the tokenizer DataError."""
+    path = Path(path)
+    if not path.exists():
+      raise CheckpointError(f"{path}: no such file or directory")
+    overrides = list(overrides)
+    fixed = [o.split("=", 1)[0] for o in overrides if o.startswith("model.") and o.split("=", 1)[0] not in MODEL_OVERRIDES]
+    load_config(overrides)  # unknown keys and bad values stop here, before any weights are read
+    if fixed:
+      raise ConfigError(f"{fixed[0]} is fixed by the checkpoint; of the model only {', '.join(MODEL_OVERRIDES[:-1])} "
+                        f"and {MODEL_OVERRIDES[-1]} may be overridden")
+    step = None if is_hf_dir(path) else find_step_dir(path)
+    want = load_config(overrides, base=read_step_config(step) if step else None).model
+    model = cls.from_pretrained(path, backend=want.backend, dtype=want.dtype, param_dtype=want.param_dtype)
+    model.config = load_config(overrides, base=model.config)
+    model._model = Transformer(model.config.model)
+    model._text_side()  # the tokenizer is read now: a bad one stops the load
+    return model
+
+  @property
+  def tokenizer(self) -> Tokenizer:
+    """The run's tokenizer (data.tokenizer, else the one its prepared shards record, else the shipped one; an
+    HF directory's tokenizer.json), read on first use."""
+    return self._text_side()[0]
+
+  @property
+  def bos_id(self) -> int | None:
+    """The id prepended to prompts, as the run trained (data.add_bos); None: nothing."""
+    return self._text_side()[1]
+
+  @property
+  def stop_ids(self) -> list[int]:
+    """The ids that end a generation: data.eos_id or the tokenizer's EOS, and an HF config's eos_token_id."""
+    return self._text_side()[2]
+
+  @property
+  def max_length(self) -> int | None:
+    """The longest prompt + generation: a checkpoint's data.seq_len, an HF config's max_position_embeddings."""
+    return (self.hf_config or {}).get("max_position_embeddings") if self.step_dir is None else self.config.data.seq_len
+
+  def _text_side(self) -> tuple[Tokenizer, int | None, list[int]]:
+    if self._text is None:
+      eos = (self.hf_config or {}).get("eos_token_id")
+      self._text = inference.run_tokenizer(self.config.data, self.config.model.vocab_size,
+                                           eos if isinstance(eos, list) else [eos])
+    return self._text
 
   @classmethod
   def from_pretrained(cls, path: str | Path, backend: str = "auto", dtype: str = "float32",
@@ -121,7 +142,7 @@ class Model:
     if is_hf_dir(path):
       hf = hf_config.read_config_json(path)
       m = dataclasses.replace(hf_config.from_hf(hf, where=str(path / "config.json")), scan_layers=True, **over)
-      data = _hf_data_config(path, hf, m.vocab_size)
+      data = hf_data_config(path, hf, m.vocab_size)
       cfg = Config(model=m, data=data)
       _, shardings = _abstract_params(cfg, mesh)
       reader = SafetensorsReader(path)
@@ -134,7 +155,7 @@ class Model:
     structs, _ = _abstract_params(cfg, mesh)
     params = load_orbax_params(str(step_dir), structs)
     return cls(cfg, params, mesh, side_files=run_tokenizer_files(run.data),
-               source_dtype=checkpoint_source_dtype(step_dir, run))
+               source_dtype=checkpoint_source_dtype(step_dir, run), step_dir=step_dir)
 
   def logits(self, tokens, segment_ids=None, positions=None) -> np.ndarray:
     """Logits [B, T, V] (float32, on the host) for int tokens [B, T]; packed rows take segment_ids
@@ -157,14 +178,46 @@ class Model:
     return np.asarray(jax.device_get(out))
 
   def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None):
+               top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
+               stop_sequences: Sequence[Sequence[int]] | None = None, max_length: int | None = None):
     """Continue each prompt (token ids) by up to max_new_tokens with a KV cache (`maxlm.generation`);
-    returns the new token ids per prompt."""
-    from maxlm import generation  # noqa: PLC0415 - lazy: generation is only needed here
+    returns the new token ids per prompt. stop_tokens / stop_sequences end a row; max_length caps prompt +
+    new tokens."""
     out = generation.generate(self.config.model, self.params, [list(p) for p in prompts], max_new_tokens,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              stop_tokens=stop_tokens, mesh=self.mesh)
+                              stop_tokens=stop_tokens, stop_sequences=stop_sequences, max_length=max_length,
+                              mesh=self.mesh)
     return out.tokens
+
+  def complete(self, texts: Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, stop: Sequence[str] = (), add_bos: bool | None = None,
+               max_length: int | None = None) -> inference.Completions:
+    """Continue each text (one batch) with the model's tokenizer: BOS first as the run trained (add_bos=True or
+    False overrides), EOS (`stop_ids`) and the `stop` texts end a row (the returned text leaves the stop out,
+    the tokens keep it), prompt + new tokens at most max_length (default `self.max_length`)."""
+    tok = self.tokenizer
+    prompts = inference.encode_prompts(tok, texts, self.bos_id, add_bos)
+    stop_seqs = inference.encode_stops(tok, stop)
+    out = generation.generate(self.config.model, self.params, prompts, max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed, stop_tokens=self.stop_ids, stop_sequences=stop_seqs,
+                              max_length=self.max_length if max_length is None else max_length, mesh=self.mesh)
+    return inference.completions(tok, prompts, out, [[s] for s in self.stop_ids] + stop_seqs)
+
+  def eval(self, batches=None, max_batches: int | None = None) -> dict:
+    """Loss (token-weighted mean NLL, nats), perplexity, bits per byte, tokens, bytes and batches (maxlm/evaluate.py)
+    over `batches` (dicts of int32 [B, T] inputs/targets/segment_ids/positions; default: the config's eval data,
+    data.eval_paths or its held-out split), at most max_batches (0: all; default: all of the given batches,
+    train.eval_steps of the config's data)."""
+    tok = self.tokenizer
+    skip = [self.bos_id, *self.stop_ids, tok.bos_id, tok.eos_id]  # not text: left out of the bytes
+    if batches is not None:
+      return evaluate.evaluate_params(self.config, self.params, self.mesh, tok, skip, batches, max_batches or 0)
+    it = evaluate.eval_batches(self.config)
+    try:
+      limit = self.config.train.eval_steps if max_batches is None else max_batches
+      return evaluate.evaluate_params(self.config, self.params, self.mesh, tok, skip, it, limit)
+    finally:
+      it.close()
 
   def save_pretrained(self, out_dir: str | Path, dtype: str | None = None,
                       max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
@@ -177,7 +230,7 @@ class Model:
     if dtype not in EXPORT_DTYPES:
       raise ConfigError(f"save_pretrained: dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     out = Path(out_dir)
-    if not overwrite and _entries(out):
+    if not overwrite and dir_entries(out):
       raise ConfigError(f"output directory {out} already exists and is not empty (overwrite=True replaces "
                         f"its model files)")
     m = self.config.model
@@ -187,109 +240,3 @@ class Model:
       export_hf(device_reader(self.params, m), m, tmp, dtype, max_shard_bytes)
       write_config_json(tmp, cfg)
     return atomic_dir(out, write, self.side_files, overwrite=overwrite)
-
-
-def _entries(out_dir: Path) -> list[Path]:
-  """What an existing directory holds, besides atomic_dir's own leftover work directory; [] if missing."""
-  return [p for p in out_dir.iterdir() if p.name != _TMP] if out_dir.is_dir() else []
-
-
-def atomic_dir(out_dir: Path, write, side_files: Sequence[tuple[Path, str]] = (), overwrite: bool = False) -> Path:
-  """Fill `out_dir` whole or not at all: `write(tmp)` and the side files (source, name) go to a hidden
-  directory, removed on any error (no half-written output is left). A missing `out_dir` is that
-  directory, a sibling renamed at the end (missing parents are made, and removed on an error). An
-  existing empty directory gets the finished files moved in from a hidden directory inside it, and is
-  left empty on an error. A non-empty one is refused (ConfigError) unless `overwrite`: then the new
-  files replace those of the same name, stale HF weights (other *.safetensors, the index) are removed,
-  and other files are kept; a failure while moving the finished files in can leave a mix."""
-  if out_dir.exists() or out_dir.is_symlink():
-    if not out_dir.is_dir():
-      raise ConfigError(f"output directory {out_dir} exists and is not a directory")
-    return _into_existing(out_dir, write, side_files, overwrite)
-  missing = [p for p in out_dir.parents if not p.exists()]  # parents made here, removed again on an error
-  if any(p.exists() and not p.is_dir() for p in out_dir.parents):
-    raise ConfigError(f"output directory {out_dir}: a parent is not a directory")
-  tmp = out_dir.parent / f".{out_dir.name}.tmp-maxlm"
-  try:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    _fill(tmp, write, side_files)
-    tmp.rename(out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    if missing:
-      shutil.rmtree(missing[-1], ignore_errors=True)
-    raise
-  return out_dir
-
-
-def _fill(tmp: Path, write, side_files: Sequence[tuple[Path, str]]) -> None:
-  write(tmp)
-  for src, name in side_files:
-    shutil.copyfile(src, tmp / name)
-
-
-def _remove(path: Path) -> None:
-  if path.is_dir() and not path.is_symlink():
-    shutil.rmtree(path)
-  else:
-    path.unlink(missing_ok=True)
-
-
-def _into_existing(out_dir: Path, write, side_files: Sequence[tuple[Path, str]], overwrite: bool) -> Path:
-  """atomic_dir into an existing directory: written in `out_dir/.maxlm-tmp`, then moved up entry by entry."""
-  old = _entries(out_dir)
-  if old and not overwrite:
-    raise ConfigError(f"output directory {out_dir} already exists and is not empty")
-  tmp, moved = out_dir / _TMP, []
-  try:
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed earlier attempt
-    tmp.mkdir()
-    _fill(tmp, write, side_files)
-    new = sorted(p.name for p in tmp.iterdir())
-    for name in new:
-      os.replace(tmp / name, out_dir / name)
-      moved.append(name)
-    tmp.rmdir()
-    for p in old:  # overwrite: weights of the previous model that the new one did not replace
-      if p.name not in new and (p.suffix == ".safetensors" or p.name == INDEX):
-        _remove(p)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    if not old:  # the directory was empty: leave it so
-      for name in moved:
-        _remove(out_dir / name)
-    raise
-  return out_dir
-
-
-def write_config_json(directory: Path, config_json: dict[str, Any]) -> None:
-  (directory / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
-
-
-def _hf_data_config(path: Path, hf: dict, vocab: int) -> DataConfig:
-  """Tokenizer and BOS/EOS of an HF directory as a DataConfig (what `maxlm generate` reads)."""
-  tok = str(path) if any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model")) else ""
-  ids = {}
-  for key in ("bos", "eos"):
-    v = hf.get(f"{key}_token_id")
-    v = v[0] if isinstance(v, list) and v else v
-    if isinstance(v, int) and 0 <= v < vocab:
-      ids[f"{key}_id"] = v
-  return DataConfig(tokenizer=tok, **ids)
-
-
-def run_tokenizer_files(data: DataConfig) -> list[tuple[Path, str]]:
-  """(source, HF file name) of a run's tokenizer: data.tokenizer (a tokenizer.json, a SentencePiece or
-  tiktoken file, which HF names tokenizer.model, or a directory's tokenizer files), or the shipped
-  SentencePiece model of the embedded corpus."""
-  embedded = data.type == "embedded" or (data.type == "auto" and not data.paths)
-  p = tokenizer_path(data.tokenizer) if data.tokenizer else DEFAULT_TOKENIZER if embedded else None
-  if p is None:
-    return []
-  if p.is_dir():
-    return [(p / n, n) for n in HF_SIDE_FILES if (p / n).is_file()]
-  if not p.is_file():
-    return []
-  return [(p, "tokenizer.json" if p.read_bytes()[:4096].lstrip().startswith(b"{") else "tokenizer.model")]

@@ -1,39 +1,37 @@
-"""A model loaded for the inference commands (`maxlm generate`, `maxlm eval`): its run config, parameters,
-tokenizer, the BOS it prepends and the ids that stop a generation, from a run, checkpoint or step directory or a
-Hugging Face directory (through `maxlm.Model.from_pretrained`). The commands share this library module instead of
-importing each other."""
+"""The text side of a loaded model (`maxlm.Model`): its tokenizer with the BOS it prepends and the ids that stop a
+generation, prompts and stop texts as token ids, and the text a generation adds to each prompt.
+
+`run_tokenizer` finds a run's tokenizer (data.tokenizer, else the one its prepared shards record, else the shipped
+one; an HF directory's tokenizer.json); `encode_prompts` and `encode_stops` turn text into ids; `completions`
+turns `maxlm.generation`'s output back into text (`Model.complete`, which `maxlm generate` prints).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+from typing import Sequence
 
-from maxlm.api import Model, find_step_dir, is_hf_dir, read_step_config
-from maxlm.checkpoint import CheckpointError
-from maxlm.cli import UsageError
-from maxlm.config import Config, DataConfig, load_config
+from maxlm.config import DataConfig
 from maxlm.data import DataError, Tokenizer, load_tokenizer
 from maxlm.data.sources import train_shards_tokenizer
 from maxlm.data.tokenizer import special_ids
+from maxlm.generation import Generation, GenerationError
 
 
 @dataclasses.dataclass
-class Loaded:
-  """A model ready for inference: its run config (model and data sections), parameters, tokenizer."""
-  cfg: Config
-  params: object
-  tokenizer: Tokenizer | None
-  bos_id: int | None  # prepended to prompts (None: nothing)
-  stop_ids: list[int]  # EOS and the like
-  max_length: int | None
-  source: str  # "run" or "hf"
-  step_dir: Path | None = None
-  mesh: object = None  # the parameters' mesh
+class Completions:
+  """What `Model.complete` returns, one entry per prompt."""
+  texts: list[str]  # the text each generation adds to its prompt (without the stop that ended it)
+  tokens: list[list[int]]  # the generated ids (a stop token or sequence that ended the row included)
+  prompt_tokens: list[list[int]]  # the prompt's ids as the model read them (BOS first when prepended)
+  finish_reasons: list[str]  # "stop" (EOS or a stop text) or "length" (max_new_tokens reached)
+  timing: dict[str, float]  # compile_s, prefill_s, decode_s (maxlm.generation)
 
 
-def _tokenizer(d: DataConfig, vocab_size: int, extra_eos=()) -> tuple[Tokenizer, int | None, list[int]]:
+def run_tokenizer(d: DataConfig, vocab_size: int, extra_eos=()) -> tuple[Tokenizer, int | None, list[int]]:
   """The run's tokenizer (data.tokenizer, else the one its shards record, else the shipped one), the BOS
-  to prepend (data.add_bos) and the ids that end a generation (data.eos_id / the tokenizer's EOS)."""
+  to prepend (data.add_bos) and the ids that end a generation (data.eos_id / the tokenizer's EOS, and
+  `extra_eos`, e.g. an HF config's eos_token_id list)."""
   path = d.tokenizer
   if not path and d.type != "synthetic":
     rec = train_shards_tokenizer(d)
@@ -47,37 +45,50 @@ def _tokenizer(d: DataConfig, vocab_size: int, extra_eos=()) -> tuple[Tokenizer,
   return tok, bos, sorted({int(e) for e in eos if e is not None and 0 <= int(e) < vocab_size})
 
 
-def _checkpoint_error(e: CheckpointError, checkpoint: str) -> CheckpointError:
-  """The error, naming the `checkpoint=` argument once."""
-  msg, path = str(e).replace("checkpoint.load_params=", "checkpoint="), str(Path(checkpoint))
-  if msg.startswith(f"{path}: "):
-    msg = msg[len(path) + 2:]
-  return CheckpointError(msg if msg.startswith("checkpoint=") else f"checkpoint={checkpoint}: {msg}")
+def _encode(tok: Tokenizer, text: str) -> list[int]:
+  return [int(i) for i in tok.encode(text)]
 
 
-def load(checkpoint: str, overrides: list[str] | None = None) -> Loaded:
-  """Load a run/checkpoint/step directory or a Hugging Face directory (`maxlm.Model.from_pretrained`) with
-  its tokenizer, for inference. overrides: dotted config keys over the checkpoint's config; of the model
-  only model.backend, model.dtype and model.param_dtype may change (`data.eval_paths=...` etc. freely)."""
-  path = Path(checkpoint)
-  if not checkpoint or not path.exists():
-    raise CheckpointError(f"checkpoint={checkpoint}: no such file or directory")
-  overrides = list(overrides or [])
-  fixed = [o.split("=", 1)[0] for o in overrides if o.startswith("model.")
-           and o.split("=", 1)[0] not in ("model.backend", "model.dtype", "model.param_dtype")]
-  load_config(overrides)  # unknown keys and bad values stop here, before any weights are read
-  if fixed:
-    raise UsageError(f"{fixed[0]} is fixed by the checkpoint; of the model only model.backend, model.dtype "
-                     f"and model.param_dtype may be overridden")
-  try:
-    step = None if is_hf_dir(path) else find_step_dir(path)
-    want = load_config(overrides, base=read_step_config(step) if step else None).model
-    model = Model.from_pretrained(path, backend=want.backend, dtype=want.dtype, param_dtype=want.param_dtype)
-  except CheckpointError as e:
-    raise _checkpoint_error(e, checkpoint) from None
-  cfg = load_config(overrides, base=model.config)
-  hf = model.hf_config or {}
-  eos = hf.get("eos_token_id")
-  tok, bos, stops = _tokenizer(cfg.data, cfg.model.vocab_size, eos if isinstance(eos, list) else [eos])
-  max_length = hf.get("max_position_embeddings") if step is None else cfg.data.seq_len
-  return Loaded(cfg, model.params, tok, bos, stops, max_length, "run" if step else "hf", step, model.mesh)
+def encode_prompts(tok: Tokenizer, texts: Sequence[str], bos_id: int | None, add_bos: bool | None) -> list[list[int]]:
+  """Each text's ids, after BOS when the run prepends one (`bos_id`; add_bos=None) or add_bos=True asks for
+  it (the tokenizer's own BOS when the run has none). GenerationError when asked for a BOS there is not."""
+  bos = bos_id if (bos_id is not None if add_bos is None else add_bos) else None
+  if add_bos and bos is None:
+    bos = tok.bos_id if tok.bos_id >= 0 else None
+    if bos is None:
+      raise GenerationError(f"add_bos=true but tokenizer {tok.path} has no BOS token")
+  return [([bos] if bos is not None else []) + _encode(tok, t) for t in texts]
+
+
+def encode_stops(tok: Tokenizer, stops: Sequence[str]) -> list[list[int]]:
+  """The ids of each stop text; GenerationError for one that encodes to nothing."""
+  seqs = [_encode(tok, s) for s in stops]
+  for text, seq in zip(stops, seqs):
+    if not seq:
+      raise GenerationError(f"stop={text!r} encodes to no tokens")
+  return seqs
+
+
+def completion_text(tok: Tokenizer, prompt: list[int], generated: list[int]) -> str:
+  """The text the generated tokens add to the prompt: decoded together with the prompt and cut after it
+  (a tokenizer may drop a token's leading space when it starts the decoded text)."""
+  head = tok.decode(prompt)
+  whole = tok.decode(prompt + generated)
+  return whole[len(head):] if whole.startswith(head) else tok.decode(generated)
+
+
+def strip_stop(tokens: list[int], reason: str, stop_seqs: list[list[int]]) -> list[int]:
+  """The generated tokens without the stop token / sequence that ended them (for the text)."""
+  if reason != "stop":
+    return tokens
+  for s in sorted(stop_seqs, key=len, reverse=True):
+    if len(tokens) >= len(s) and tokens[-len(s):] == s:
+      return tokens[:-len(s)]
+  return tokens
+
+
+def completions(tok: Tokenizer, prompts: list[list[int]], out: Generation, stop_seqs: list[list[int]]) -> Completions:
+  """`out` (maxlm.generation's) as text: each row's completion without the stop (one of `stop_seqs`) that ended it."""
+  texts = [completion_text(tok, ids, strip_stop(gen, reason, stop_seqs))
+           for ids, gen, reason in zip(prompts, out.tokens, out.finish_reasons)]
+  return Completions(texts, out.tokens, prompts, out.finish_reasons, out.timing)

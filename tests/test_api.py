@@ -14,10 +14,10 @@ import pytest
 
 import reference as R
 from maxlm import Model
-from maxlm.api import run_tokenizer_files
 from maxlm.checkpoint import CheckpointError
 from maxlm.config import ConfigError, DataConfig
 from maxlm.data.tokenizer import SMALL_TOKENIZER
+from maxlm.hf.files import run_tokenizer_files
 from maxlm.train import main as train_main
 
 U32 = 2.0 ** -24  # float32 unit roundoff
@@ -148,7 +148,7 @@ def test_import_maxlm_stays_light():
 
 
 def test_atomic_dir_makes_missing_parents_and_leaves_nothing_on_an_error(tmp_path):
-  from maxlm.api import atomic_dir
+  from maxlm.hf.files import atomic_dir
   out = atomic_dir(tmp_path / "a" / "b" / "out", lambda d: (d / "f").write_text("x"))
   assert (out / "f").read_text() == "x" and sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == ["out"]
 

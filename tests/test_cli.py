@@ -99,7 +99,7 @@ def test_version_and_help_alias(capsys):
 
 
 @pytest.mark.parametrize("cmd, module", [("train", "maxlm.train"), ("prepare", "maxlm.data.prepare"),
-                                         ("doctor", "maxlm.doctor")])
+                                         ("doctor", "maxlm.tools.doctor")])
 def test_command_help_is_the_modules_help(cmd, module, capsys):
   with pytest.raises(SystemExit) if cmd == "prepare" else nullcontext():  # argparse exits after --help
     assert importlib.import_module(module).main(["--help"]) == 0

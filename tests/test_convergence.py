@@ -1,4 +1,4 @@
-"""maxlm.convergence: band arithmetic, suites, goldens, the report writer and plot, the bigram baseline,
+"""maxlm.tools.convergence: band arithmetic, suites, goldens, the report writer and plot, the bigram baseline,
 and the proof that the cpu suite fails for real (each injected regression exits 1 naming its case).
 
 The regression tests run the shipped cpu suite's cases against the shipped goldens; to keep CI time
@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maxlm.convergence import bands, golden, plot, report
-from maxlm.convergence.baseline import bigram_baselines
-from maxlm.convergence.cli import main
-from maxlm.convergence.golden import Check
-from maxlm.convergence.suite import SuiteError, load_suite
+from maxlm.tools.convergence import bands, golden, plot, report
+from maxlm.tools.convergence.baseline import bigram_baselines
+from maxlm.tools.convergence.cli import main
+from maxlm.tools.convergence.golden import Check
+from maxlm.tools.convergence.suite import SuiteError, load_suite
 
 # --- band arithmetic ---------------------------------------------------------------------------------
 

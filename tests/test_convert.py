@@ -1,4 +1,4 @@
-"""`maxlm convert` (maxlm/convert.py): HF golden -> Orbax tree -> fine-tuning run (checkpoint.load_params)
+"""`maxlm convert` (maxlm/cli/convert.py, maxlm/hf/convert.py): HF golden -> Orbax tree -> fine-tuning run (checkpoint.load_params)
 -> HF again, checked against transformers' logits and the original bits; lossless defaults (a float32
 run exports float32, an HF tree its source's dtype); one-line errors and exit codes with nothing left on
 disk."""
@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from maxlm import Model
-from maxlm.convert import main as convert
+from maxlm.cli.convert import main as convert
 from maxlm.hf.config import from_hf
 from maxlm.train import main as train_main
 
@@ -44,7 +44,7 @@ def finetuned(tmp_path_factory):
   """llama3 golden converted, then one training step at learning rate 0 from it (so the run's
   checkpoint holds the converted weights, through the trainer's own load_params path)."""
   tmp = tmp_path_factory.mktemp("convert")
-  assert convert(["hf-to-maxlm", str(GOLDEN / "llama3"), str(tmp / "conv")]) == 0
+  assert convert(["hf-to-maxlm", f"src={GOLDEN / 'llama3'}", f"out={tmp / 'conv'}"]) == 0
   args = [f"config={tmp / 'conv' / 'model.yml'}", f"checkpoint.load_params={tmp / 'conv'}", "train.steps=1",
           "optim.learning_rate=0", "data.type=synthetic", "data.seq_len=16", "data.global_batch_size=8",
           "model.backend=flax", "checkpoint.enabled=true", "train.eval_every=0", f"output_dir={tmp}",
@@ -59,7 +59,7 @@ def test_converted_weights_fine_tune_and_match_transformers(finetuned, capsys):
   assert np.abs(logits - g["logits"]).max() <= 1e-4  # test_hf's bound: the weights arrived unchanged
   out = finetuned / "hf"
   # the run's weights are fp32 master weights (the default would write float32): bf16 when asked
-  assert convert(["maxlm-to-hf", str(finetuned / "ft"), str(out), "--dtype", "bfloat16"]) == 0
+  assert convert(["maxlm-to-hf", f"src={finetuned / 'ft'}", f"out={out}", "dtype=bfloat16"]) == 0
   assert "maxlm: wrote" in capsys.readouterr().out
   want, have = bits(GOLDEN / "llama3"), bits(out)
   assert have.keys() == want.keys()
@@ -97,9 +97,9 @@ def test_hf_round_trip_keeps_the_source_dtype_and_prints_human_sizes(source, tmp
   want = bits(src)
   n = sum(x.size for _, x in want.values())
   (tmp_path / "conv").mkdir()
-  assert convert(["hf-to-maxlm", str(src), str(tmp_path / "conv")]) == 0
+  assert convert(["hf-to-maxlm", f"src={src}", f"out={tmp_path / 'conv'}"]) == 0
   assert f"{_kib(4 * n)} in float32" in capsys.readouterr().out
-  assert convert(["maxlm-to-hf", str(tmp_path / "conv"), str(tmp_path / "hf")]) == 0
+  assert convert(["maxlm-to-hf", f"src={tmp_path / 'conv'}", f"out={tmp_path / 'hf'}"]) == 0
   assert f"{_kib({'float32': 4, 'bfloat16': 2}[source] * n)} in {source}" in capsys.readouterr().out
   have = bits(tmp_path / "hf")
   assert have.keys() == want.keys()
@@ -114,7 +114,7 @@ def test_float32_run_exports_its_exact_weights_by_default(finetuned, tmp_path):
   the same export. Equal weights give equal logits, so the greedy text of the README's run round trip
   no longer changes."""
   run = finetuned / "ft"
-  assert convert(["maxlm-to-hf", str(run), str(tmp_path / "hf")]) == 0
+  assert convert(["maxlm-to-hf", f"src={run}", f"out={tmp_path / 'hf'}"]) == 0
   p = jax.tree_util.tree_map(np.asarray, ocp.StandardCheckpointer().restore(run / "checkpoints" / "1" / "params"))
   d, kv, g, dh = 32, 2, 2, 8  # the llama3 golden's d_model, KV heads, queries per KV head, head_dim
   want = {"model.embed_tokens.weight": p["embed"]["embedding"], "model.norm.weight": p["lm_head"]["scale"],
@@ -142,7 +142,7 @@ def test_float32_run_exports_its_exact_weights_by_default(finetuned, tmp_path):
 
 def test_orbax_tree_restores_with_plain_orbax(tmp_path):
   """The tree written tensor by tensor is a normal Orbax tree: bf16 here, holding the HF bits exactly."""
-  assert convert(["hf-to-maxlm", str(GOLDEN / "mistral"), str(tmp_path / "c"), "--dtype", "bfloat16"]) == 0
+  assert convert(["hf-to-maxlm", f"src={GOLDEN / 'mistral'}", f"out={tmp_path / 'c'}", "dtype=bfloat16"]) == 0
   params = ocp.StandardCheckpointer().restore(tmp_path / "c" / "params")
   assert str(params["layers"]["qkv"]["kernel"].dtype) == "bfloat16"
   assert params["layers"]["qkv"]["kernel"].shape == (2, 32, 1, 6, 8)  # [L, D, KV, G+2, Dh]
@@ -154,13 +154,13 @@ def test_orbax_tree_restores_with_plain_orbax(tmp_path):
 
 
 def test_unrolled_tree_and_sharded_export(tmp_path):
-  assert convert(["hf-to-maxlm", str(GOLDEN / "llama_tied"), str(tmp_path / "c"), "--unrolled"]) == 0
+  assert convert(["hf-to-maxlm", f"src={GOLDEN / 'llama_tied'}", f"out={tmp_path / 'c'}", "--unrolled"]) == 0
   g = np.load(GOLDEN / "llama_tied" / "golden.npz")
   m = Model.from_pretrained(tmp_path / "c", backend="flax")  # the converted directory loads directly
   assert "layers_1" in m.params and "lm_head" not in m.params
   assert np.abs(m.logits(g["tokens"]) - g["logits"]).max() <= 1e-4
   out = tmp_path / "hf"
-  assert convert(["maxlm-to-hf", str(tmp_path / "c"), str(out), "--max-shard-size", "20KB"]) == 0
+  assert convert(["maxlm-to-hf", f"src={tmp_path / 'c'}", f"out={out}", "max_shard_size=20KB"]) == 0
   index = json.loads((out / "model.safetensors.index.json").read_text())
   assert len(set(index["weight_map"].values())) > 1
   assert all(f.stat().st_size < 20_000 + 4096 for f in out.glob("*.safetensors"))  # + header
@@ -178,9 +178,9 @@ def test_bad_input_one_line_exit_code_nothing_written(case, tmp_path, capsys):
   src = tmp_path / "src"
   shutil.copytree(GOLDEN / "llama3", src)
   cfg = json.loads((src / "config.json").read_text())
-  argv, code, words = ["hf-to-maxlm", str(src), str(tmp_path / "out")], 2, None
+  argv, code, words = ["hf-to-maxlm", f"src={src}", f"out={tmp_path / 'out'}"], 2, None
   if case == "missing":
-    argv[1], code, words = str(tmp_path / "nope"), 3, "no such file"
+    argv[1], code, words = f"src={tmp_path / 'nope'}", 3, "no such file"
   elif case == "attention_bias":
     (src / "config.json").write_text(json.dumps(cfg | {"attention_bias": True}))
     words = "attention_bias: true"
@@ -201,10 +201,10 @@ def test_bad_input_one_line_exit_code_nothing_written(case, tmp_path, capsys):
     f.write_bytes(f.read_bytes()[:-64])
     code, words = 3, "not a valid safetensors file"
   elif case == "shard_size":
-    argv = ["maxlm-to-hf", str(src), str(tmp_path / "out"), "--max-shard-size", "lots"]
-    words = "--max-shard-size"
+    argv = ["maxlm-to-hf", f"src={src}", f"out={tmp_path / 'out'}", "max_shard_size=lots"]
+    words = "max_shard_size: expected a size"
   else:
-    argv[0], words = "hf-to-orbax", "invalid choice"
+    argv[0], words = "hf-to-orbax", "unknown subcommand 'hf-to-orbax'"
   assert convert(argv) == code
   assert words in one_error_line(capsys)
   if case == "not_empty":
@@ -216,9 +216,9 @@ def test_bad_input_one_line_exit_code_nothing_written(case, tmp_path, capsys):
 
 
 def test_unreadable_hf_source_record_exits_3(tmp_path, capsys):
-  assert convert(["hf-to-maxlm", str(GOLDEN / "llama_tied"), str(tmp_path / "c")]) == 0
+  assert convert(["hf-to-maxlm", f"src={GOLDEN / 'llama_tied'}", f"out={tmp_path / 'c'}"]) == 0
   (tmp_path / "c" / "hf_source.json").write_text('{"dtype": "int4"}')
-  assert convert(["maxlm-to-hf", str(tmp_path / "c"), str(tmp_path / "out")]) == 3
+  assert convert(["maxlm-to-hf", f"src={tmp_path / 'c'}", f"out={tmp_path / 'out'}"]) == 3
   assert "hf_source.json: unknown dtype 'int4'" in one_error_line(capsys)
   _nothing_left(tmp_path, "out")
 
@@ -231,7 +231,7 @@ def test_damaged_checkpoint_exits_3(finetuned, tmp_path, capsys):
   key = ".params['layers']['mlp']['wi_kernel']"
   data["arrays"][key][2] = (data["arrays"][key][2] + 1) % 2**32  # as if one element had changed
   meta.write_text(json.dumps(data))
-  assert convert(["maxlm-to-hf", str(run), str(tmp_path / "out")]) == 3
+  assert convert(["maxlm-to-hf", f"src={run}", f"out={tmp_path / 'out'}"]) == 3
   assert "layers/mlp/wi_kernel differs from its saved checksum" in one_error_line(capsys)
   _nothing_left(tmp_path, "out")
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import jax
 import pytest
 
-from maxlm import doctor
+from maxlm.tools import doctor
 from maxlm.config import load_config
-from maxlm.doctor import checks, probes
-from maxlm.doctor.checks import NO_GPU, Result
+from maxlm.tools.doctor import checks, probes
+from maxlm.tools.doctor.checks import NO_GPU, Result
 from maxlm.layers import te_backend, te_probe
 
 # subprocess runs compile like the suite's own (conftest): XLA's CPU backend at optimization level 0
@@ -34,7 +34,7 @@ RANGES = {"python": ">=3.11", "jax": ">=0.10.2", "jaxlib": "<=0.10.2,>=0.10.1", 
 
 def cli(args, env=None, timeout=600):
   e = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2 " + FAST_CPU, "JAX_PLATFORMS": "cpu", **(env or {})}
-  return subprocess.run([sys.executable, "-m", "maxlm.doctor", *args], cwd=ROOT, env=e, capture_output=True,
+  return subprocess.run([sys.executable, "-m", "maxlm.tools.doctor", *args], cwd=ROOT, env=e, capture_output=True,
                         text=True, timeout=timeout)
 
 
@@ -336,7 +336,7 @@ def test_output_dir_read_only_mount(tmp_path):
     pytest.skip(reason)
   out = tmp_path / "ro"
   out.mkdir()
-  code = ("import sys; from pathlib import Path; from maxlm.doctor.checks import check_output_dir\n"
+  code = ("import sys; from pathlib import Path; from maxlm.tools.doctor.checks import check_output_dir\n"
           "r = check_output_dir(Path(sys.argv[1]) / 'run', False, 3, 1); print(r.status); print(r.found)")
   r = subprocess.run(["unshare", "-m", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(out),
                       sys.executable, "-c", code, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -416,7 +416,7 @@ def test_two_processes_under_mpirun_each_check_and_all_reduce_across_both(tmp_pa
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2 " + FAST_CPU, "JAX_PLATFORMS": "cpu"}
   mpirun = ["mpirun", "-np", "2", "--allow-run-as-root", "--bind-to", "none", "-x", "XLA_FLAGS", "-x", "JAX_PLATFORMS",
             "-x", "PATH", "-x", "PYTHONPATH"]
-  per_rank = f"{sys.executable} -m maxlm.doctor output_dir={tmp_path} --json > {tmp_path}/r$OMPI_COMM_WORLD_RANK.json"
+  per_rank = f"{sys.executable} -m maxlm.tools.doctor output_dir={tmp_path} --json > {tmp_path}/r$OMPI_COMM_WORLD_RANK.json"
   r = subprocess.run([*mpirun, "sh", "-c", per_rank], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stdout + r.stderr[-3000:]
   for rank in (0, 1):
@@ -428,7 +428,7 @@ def test_two_processes_under_mpirun_each_check_and_all_reduce_across_both(tmp_pa
     assert by_name["nccl"]["status"] == "pass" and "all-reduce over 4 device(s) in 2 process(es) correct" in \
         by_name["nccl"]["found"]
   # The lines, merged by mpirun: both processes report every check, each line with its process prefix.
-  lines = subprocess.run([*mpirun, sys.executable, "-m", "maxlm.doctor", f"output_dir={tmp_path}"], cwd=ROOT,
+  lines = subprocess.run([*mpirun, sys.executable, "-m", "maxlm.tools.doctor", f"output_dir={tmp_path}"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
   assert lines.returncode == 0, lines.stdout + lines.stderr[-3000:]
   for rank in (0, 1):
@@ -441,7 +441,7 @@ def test_two_processes_under_mpirun_each_check_and_all_reduce_across_both(tmp_pa
 def test_every_check_passes_on_the_gpu(tmp_path):
   """On the H200: `pytest -m gpu tests/test_doctor.py` (llama8b shape, FP8 delayed as configured)."""
   env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-  r = subprocess.run([sys.executable, "-m", "maxlm.doctor", "config=llama8b.yml", "model.n_layers=4",
+  r = subprocess.run([sys.executable, "-m", "maxlm.tools.doctor", "config=llama8b.yml", "model.n_layers=4",
                       "data.seq_len=4096", "data.global_batch_size=4", "model.precision=fp8_delayed",
                       f"output_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   print(r.stdout)

@@ -5,7 +5,7 @@ import pytest
 from maxlm.checkpoint import CheckpointError
 from maxlm.cli import command_main
 from maxlm.config import ConfigError
-from maxlm.convergence.suite import SuiteError
+from maxlm.tools.convergence.suite import SuiteError
 from maxlm.data import DataError
 from maxlm.errors import MaxlmError, report
 from maxlm.cli import UsageError

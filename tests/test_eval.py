@@ -1,5 +1,5 @@
-"""`maxlm eval` (maxlm/eval.py): token-weighted loss, perplexity, bits per byte against hand computations
-and a per-document reference, and one-line errors with exit codes for bad input."""
+"""`maxlm eval` (maxlm/cli/eval.py over Model.eval and maxlm/evaluate.py): token-weighted loss, perplexity, bits
+per byte against hand computations and a per-document reference, and one-line errors with exit codes for bad input."""
 
 import json
 import math
@@ -9,9 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm import eval as eval_cli
+from maxlm import Model
+from maxlm.cli import eval as eval_cli
 from maxlm.data import load_tokenizer
-from maxlm.inference import load
+from maxlm.evaluate import segment_bytes, summarize
 from maxlm.model import Transformer
 from tiny_checkpoint import make_checkpoint
 
@@ -65,7 +66,7 @@ def _tolerance(cfg, max_logit):
 
 
 def test_summary_by_hand():
-  got = eval_cli.summarize(loss_sum=10.0, tokens=4, n_bytes=20)
+  got = summarize(loss_sum=10.0, tokens=4, n_bytes=20)
   assert got["loss"] == 2.5 and got["tokens"] == 4 and got["bytes"] == 20
   assert got["perplexity"] == pytest.approx(12.182493960703473, rel=1e-15)  # e^2.5
   # 10 nats over 20 bytes: 10 / ln 2 = 14.426950408889634 bits, / 20 bytes = 0.7213475204444817
@@ -85,14 +86,14 @@ def test_segment_bytes_by_hand():
   seg[0, :len(a) + 2] = 1
   targets[1] = b + [eos] + c
   seg[1] = [1] * (len(b) + 1) + [2] * len(c)
-  assert eval_cli.segment_bytes(tok, targets, seg, skip_ids=[bos, eos]) == 13 + 39 + 6
+  assert segment_bytes(tok, targets, seg, skip_ids=[bos, eos]) == 13 + 39 + 6
 
 
 def test_loss_is_weighted_by_tokens_over_unequal_batches(run):
   """Batch 1 holds 3 target tokens, batch 2 holds 32: the loss is (sum of all NLL) / 35, not the mean
   of the two batch means (which the test shows would differ)."""
   run_dir, cfg, params = run
-  loaded = load(str(run_dir))
+  loaded = Model.load(str(run_dir))
   rng = np.random.default_rng(0)
   docs = [rng.integers(3, 8192, size=n + 1).tolist() for n in (3, 16, 16)]  # inputs+1 tokens each
   batches = []
@@ -103,7 +104,7 @@ def test_loss_is_weighted_by_tokens_over_unequal_batches(run):
       b["inputs"][r, :n], b["targets"][r, :n] = d[:-1], d[1:]
       b["segment_ids"][r, :n], b["positions"][r, :n] = 1, np.arange(n)
     batches.append(b)
-  out = eval_cli.evaluate(loaded, iter(batches))
+  out = loaded.eval(iter(batches))
   logits = [_logits(cfg, params, d[:-1]) for d in docs]
   nll = [_nll(lg, d[1:]) for lg, d in zip(logits, docs)]
   want = sum(nll) / 35
@@ -160,10 +161,10 @@ def test_bad_input_one_line_and_exit_code(run, capsys, tmp_path):
 
 def test_eval_of_a_converted_tree(run, capsys, tmp_path):
   """A `convert hf-to-maxlm` output directory (any name) evaluates like the run it came from; it has no step."""
-  from maxlm.convert import main as convert
+  from maxlm.cli.convert import main as convert
   run_dir = run[0]
-  assert convert(["maxlm-to-hf", str(run_dir), str(tmp_path / "hf")]) == 0
-  assert convert(["hf-to-maxlm", str(tmp_path / "hf"), str(tmp_path / "default-back")]) == 0
+  assert convert(["maxlm-to-hf", f"src={run_dir}", f"out={tmp_path / 'hf'}"]) == 0
+  assert convert(["hf-to-maxlm", f"src={tmp_path / 'hf'}", f"out={tmp_path / 'default-back'}"]) == 0
   f = tmp_path / "held_out.txt"
   f.write_text("\n".join(DOCS) + "\n")
   common = ["data.type=text", f"data.eval_paths={f}", "data.global_batch_size=2", "data.seq_len=16"]

@@ -1,5 +1,5 @@
-"""`maxlm generate` (maxlm/generate.py): text and JSON output from a run checkpoint, its tokenizer and
-stop handling, and one-line errors with exit codes for bad input."""
+"""`maxlm generate` (maxlm/cli/generate.py over Model.complete): text and JSON output from a run checkpoint, its
+tokenizer and stop handling, and one-line errors with exit codes for bad input."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm import generate as gen_cli
+from maxlm.cli import generate as gen_cli
 from maxlm.data import load_tokenizer
 from maxlm.model import Transformer
 from tiny_checkpoint import make_checkpoint

@@ -1,6 +1,6 @@
 """Check this machine for a run: versions, GPU, CUDA/cuDNN, TE, fused attention, FP8, NCCL, memory, XLA flags.
 
-  maxlm doctor [config=FILE] [key=value ...] [--json]       (= python -m maxlm.doctor ...)
+  maxlm doctor [config=FILE] [key=value ...] [--json]       (= python -m maxlm.tools.doctor ...)
 
 One line per check: pass, warn, fail or skip, what was found, and (for warn/fail) the fix. The config
 is the run's (same keys as `maxlm train`): fused attention is tried with its head_dim, GQA ratio,
@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 from maxlm import distributed, runtime, sizing, xla_presets
 from maxlm.config import Config, ConfigError, MeshConfig, load_config
-from maxlm.doctor import checks, probes
-from maxlm.doctor.checks import STATUSES, Result
+from maxlm.tools.doctor import checks, probes
+from maxlm.tools.doctor.checks import STATUSES, Result
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 from maxlm.config import CONFIG_DIR, ConfigError, load_config
-from maxlm.convergence import golden as goldens
-from maxlm.convergence import report
-from maxlm.convergence.bands import verdict, within_relative
-from maxlm.convergence.golden import Check
-from maxlm.convergence.runner import run_all
-from maxlm.convergence.suite import Case, Suite, SuiteError, load_suite
+from maxlm.tools.convergence import golden as goldens
+from maxlm.tools.convergence import report
+from maxlm.tools.convergence.bands import verdict, within_relative
+from maxlm.tools.convergence.golden import Check
+from maxlm.tools.convergence.runner import run_all
+from maxlm.tools.convergence.suite import Case, Suite, SuiteError, load_suite
 from maxlm.data import DataError
 
 EXIT_FAIL, EXIT_SETUP = 1, 2
@@ -32,7 +32,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="maxlm convergence", description=sys.modules["maxlm.convergence"].__doc__,
+  p = _Parser(prog="maxlm convergence", description=sys.modules["maxlm.tools.convergence"].__doc__,
               formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
   r = sub.add_parser("run", help="run a suite and compare it with its goldens")
@@ -82,7 +82,7 @@ def _case_config(case: Case, seed: int, extra: tuple[str, ...], out: Path):
 
 def _margin_check(case: Case, cfg, run) -> Check:
   """Final eval_loss at least `case.margin` nats below the tuned bigram baseline of the same split."""
-  from maxlm.convergence.baseline import data_baselines  # noqa: PLC0415 (lazy: reads and tokenizes the corpus)
+  from maxlm.tools.convergence.baseline import data_baselines  # noqa: PLC0415 (lazy: reads and tokenizes the corpus)
   try:
     base = data_baselines(cfg.data, cfg.model.vocab_size)
   except DataError as e:
@@ -188,7 +188,7 @@ def cmd_run(args) -> int:
 
 
 def _draw(out: Path, panels: list, title: str) -> None:
-  from maxlm.convergence import plot  # noqa: PLC0415 (lazy: imports matplotlib)
+  from maxlm.tools.convergence import plot  # noqa: PLC0415 (lazy: imports matplotlib)
   plot.draw(out / "loss_curves.png", panels, title)
 
 
@@ -254,7 +254,7 @@ def cmd_update_golden(args) -> int:
 
 
 def cmd_baseline(args) -> int:
-  from maxlm.convergence.baseline import data_baselines  # noqa: PLC0415 (lazy: imports the data pipeline)
+  from maxlm.tools.convergence.baseline import data_baselines  # noqa: PLC0415 (lazy: imports the data pipeline)
   try:
     cfg = load_config(args.overrides)
   except ConfigError as e:

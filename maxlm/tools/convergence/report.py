@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from maxlm.convergence.golden import Check
+from maxlm.tools.convergence.golden import Check
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "transformer-engine", "transformer-engine-jax", "grain",
             "orbax-checkpoint")

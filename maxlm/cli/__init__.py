@@ -1,8 +1,10 @@
-"""`maxlm <command> [args ...]`: the one command; each subcommand is `python -m maxlm.<module>`.
+"""`maxlm <command> [args ...]`: the one command; each subcommand is `python -m <module>` of the table below.
 
 `maxlm train ...` is exactly `python -m maxlm.train ...` (same arguments, output and exit codes);
 `maxlm <command> --help` shows that command's own help. Commands are listed only once their module
 exists, and listing them reads each module's docstring without importing it (no JAX start-up).
+The commands are thin modules over the library (maxlm/cli/<command>.py; the tools are maxlm/tools/), sharing
+one grammar, maxlm/cli/grammar.py: `maxlm CMD key=value ... --flag`.
 """
 
 from __future__ import annotations
@@ -14,74 +16,25 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from maxlm.errors import BadInput, MaxlmError, report
+from maxlm.cli.grammar import UsageError, command_main, parse_args
+
+__all__ = ["COMMANDS", "UsageError", "command_main", "main", "parse_args"]  # the grammar is maxlm.cli's too
 
 # command -> module; each module has a docstring whose first line is its summary, and
 # `main(argv: list[str] | None = None) -> int`. A command whose module does not exist yet is not offered.
 COMMANDS = {
   "train": "maxlm.train",
   "prepare": "maxlm.data.prepare",
-  "doctor": "maxlm.doctor",
-  "eval": "maxlm.eval",
-  "generate": "maxlm.generate",
-  "convert": "maxlm.convert",
-  "convergence": "maxlm.convergence",
+  "doctor": "maxlm.tools.doctor",
+  "eval": "maxlm.cli.eval",
+  "generate": "maxlm.cli.generate",
+  "convert": "maxlm.cli.convert",
+  "convergence": "maxlm.tools.convergence",
   "plan": "maxlm.plan_cmd",
 }
 
 EXIT_BAD_INPUT = 2
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-
-
-class UsageError(BadInput, ValueError):
-  """A bad command-line argument (one line)."""
-
-
-def parse_args(argv: list[str], keys: dict[str, type], repeated=()) -> tuple[dict, list[str], set[str]]:
-  """key=value words -> (own settings, config overrides (dotted keys), --flags)."""
-  own: dict = {k: [] for k in repeated}
-  overrides, flags = [], set()
-  for word in argv:
-    if word.startswith("--") and "=" not in word:
-      flags.add(word)
-      continue
-    if "=" not in word:
-      raise UsageError(f"argument {word!r} is not key=value (see --help)")
-    key, value = word.split("=", 1)
-    if "." in key:
-      overrides.append(word)
-      continue
-    if key not in keys:
-      raise UsageError(f"unknown argument {key!r} (arguments: {', '.join(keys)}; config keys are dotted, "
-                       f"e.g. model.dtype=float32)")
-    own[key] = _convert(key, value, keys[key]) if key not in repeated else own[key] + [value]
-  return own, overrides, flags
-
-
-def _convert(key: str, value: str, typ: type):
-  try:
-    if typ is bool:
-      if value.lower() not in ("true", "false", "1", "0"):
-        raise ValueError
-      return value.lower() in ("true", "1")
-    return typ(value)
-  except ValueError:
-    raise UsageError(f"argument {key}={value!r} is not {'a boolean' if typ is bool else 'an ' + typ.__name__}"
-                     ) from None
-
-
-def command_main(doc: str, run, argv: list[str] | None) -> int:
-  """A command module's `main`: `--help` prints its docstring; `run(argv)` is the command. A MaxlmError
-  (maxlm/errors.py) becomes one `maxlm: error:` line and its class's exit code (2 bad input, 3 checkpoint, 1 run
-  failure). Other exceptions keep their traceback (internal bugs)."""
-  argv = sys.argv[1:] if argv is None else list(argv)
-  if any(a in ("-h", "--help") for a in argv):
-    print(doc.strip(), flush=True)
-    return 0
-  try:
-    return run(argv)
-  except MaxlmError as e:
-    return report(e)
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding maxlm/
 
 
 def module_file(module: str) -> Path | None:

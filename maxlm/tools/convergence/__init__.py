@@ -16,5 +16,5 @@ config's held-out split. See docs/convergence.md.
 
 
 def main(argv: list[str] | None = None) -> int:
-  from maxlm.convergence.cli import main as cli_main  # noqa: PLC0415 (lazy: `maxlm --help` reads this file only)
+  from maxlm.tools.convergence.cli import main as cli_main  # noqa: PLC0415 (lazy: `maxlm --help` reads this file only)
   return cli_main(argv)

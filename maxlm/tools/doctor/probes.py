@@ -23,7 +23,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 # transformer-engine-jax part only).
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "transformer-engine")
 CUDA_PLUGINS = ("jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda12-pjrt")
-PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[3] / "pyproject.toml"
 START_BACKEND = "import jax; jax.devices()"
 
 

@@ -29,36 +29,13 @@ import json
 import sys
 import time
 
-from maxlm.cli import UsageError, command_main, parse_args
-from maxlm.data import Tokenizer
-from maxlm.generation import check_settings, generate
-from maxlm.inference import load
+from maxlm.cli import checkpoint_arg
+from maxlm.cli.grammar import UsageError, command_main, parse_args
+from maxlm.generation import check_settings
 
 _KEYS = {"checkpoint": str, "prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int,
          "top_p": float, "seed": int, "stop": str, "add_bos": bool, "max_length": int}
 _REPEATED = ("prompt", "stop")
-
-
-def _encode(tok: Tokenizer, text: str) -> list[int]:
-  return [int(i) for i in tok.encode(text)]
-
-
-def completion_text(tok: Tokenizer, prompt: list[int], generated: list[int]) -> str:
-  """The text the generated tokens add to the prompt: decoded together with the prompt and cut after it
-  (a tokenizer may drop a token's leading space when it starts the decoded text)."""
-  head = tok.decode(prompt)
-  whole = tok.decode(prompt + generated)
-  return whole[len(head):] if whole.startswith(head) else tok.decode(generated)
-
-
-def _strip_stop(tokens: list[int], reason: str, stop_seqs: list[list[int]]) -> list[int]:
-  """The generated tokens without the stop token / sequence that ended them (for the printed text)."""
-  if reason != "stop":
-    return tokens
-  for s in sorted(stop_seqs, key=len, reverse=True):
-    if len(tokens) >= len(s) and tokens[-len(s):] == s:
-      return tokens[:-len(s)]
-  return tokens
 
 
 def run(argv: list[str]) -> int:
@@ -67,36 +44,21 @@ def run(argv: list[str]) -> int:
   bad = flags - {"--json"}
   if bad:
     raise UsageError(f"unknown option {sorted(bad)[0]} (options: --json, --help)")
-  if not own.get("checkpoint"):
-    raise UsageError("checkpoint=<run, checkpoint or Hugging Face directory> is required")
+  checkpoint = checkpoint_arg.required(own)
   if not own["prompt"]:
     raise UsageError("prompt=<text> is required")
-  check_settings(own.get("max_new_tokens", 64), own.get("temperature", 0.0), own.get("top_k", 0),
-                 own.get("top_p", 1.0))
-  loaded = load(own["checkpoint"], overrides)
-  tok = loaded.tokenizer
-  bos = loaded.bos_id if own.get("add_bos", loaded.bos_id is not None) else None
-  if own.get("add_bos") and bos is None:
-    bos = tok.bos_id if tok.bos_id >= 0 else None
-    if bos is None:
-      raise UsageError(f"add_bos=true but tokenizer {tok.path} has no BOS token")
-  prompts = [([bos] if bos is not None else []) + _encode(tok, p) for p in own["prompt"]]
-  stop_seqs = [_encode(tok, s) for s in own["stop"]]
-  for text, seq in zip(own["stop"], stop_seqs):
-    if not seq:
-      raise UsageError(f"stop={text!r} encodes to no tokens")
-  max_length = own.get("max_length", loaded.max_length)
+  settings = {"max_new_tokens": own.get("max_new_tokens", 64), "temperature": own.get("temperature", 0.0),
+              "top_k": own.get("top_k", 0), "top_p": own.get("top_p", 1.0)}
+  check_settings(**settings)  # before the weights are read
+  model = checkpoint_arg.load_model(checkpoint, overrides)
   load_s = time.perf_counter() - t_start
-  out = generate(loaded.cfg.model, loaded.params, prompts, own.get("max_new_tokens", 64),
-                 temperature=own.get("temperature", 0.0), top_k=own.get("top_k", 0),
-                 top_p=own.get("top_p", 1.0), seed=own.get("seed", 0), stop_tokens=loaded.stop_ids,
-                 stop_sequences=stop_seqs, max_length=max_length, mesh=loaded.mesh)
+  out = model.complete(own["prompt"], **settings, seed=own.get("seed", 0), stop=own["stop"],
+                       add_bos=own.get("add_bos"), max_length=own.get("max_length"))
   n_new = sum(len(t) for t in out.tokens)
   timing = {"load_s": round(load_s, 3), **{k: round(v, 3) for k, v in out.timing.items()},
             "tokens_per_s": round(n_new / out.timing["decode_s"], 1) if out.timing["decode_s"] > 0 else None}
-  stops = [[s] for s in loaded.stop_ids] + stop_seqs
-  for text, ids, gen, reason in zip(own["prompt"], prompts, out.tokens, out.finish_reasons):
-    completion = completion_text(tok, ids, _strip_stop(gen, reason, stops))
+  for text, ids, gen, reason, completion in zip(own["prompt"], out.prompt_tokens, out.tokens, out.finish_reasons,
+                                                out.texts):
     if "--json" in flags:
       print(json.dumps({"prompt": text, "text": completion, "tokens": gen, "prompt_tokens": ids,
                         "finish_reason": reason, "timing": timing}), flush=True)

@@ -1,6 +1,6 @@
 import sys
 
-from maxlm.convergence.cli import main
+from maxlm.tools.convergence.cli import main
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from maxlm.convergence.bands import trailing_mean
-from maxlm.convergence.suite import Case, SuiteError
+from maxlm.tools.convergence.bands import trailing_mean
+from maxlm.tools.convergence.suite import Case, SuiteError
 
 EXIT_BAD_INPUT, EXIT_CHECKPOINT = 2, 3
 

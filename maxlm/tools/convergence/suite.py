@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from maxlm.config import CONFIG_DIR
-from maxlm.convergence.bands import BandSpec
+from maxlm.tools.convergence.bands import BandSpec
 from maxlm.errors import BadInput
 
 SUITE_DIR = CONFIG_DIR / "convergence"

@@ -1,4 +1,4 @@
-"""The doctor's checks as pure functions of what was found (maxlm/doctor/probes.py gathers it), so each
+"""The doctor's checks as pure functions of what was found (maxlm/tools/doctor/probes.py gathers it), so each
 one, failure paths included, can be tested by handing it made-up findings.
 
 Each returns a `Result(name, status, found, fix)`; status is pass, warn, fail or skip. GPU checks on a

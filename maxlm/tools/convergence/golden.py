@@ -19,8 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from maxlm.convergence.bands import band, verdict
-from maxlm.convergence.suite import Case, Suite, SuiteError
+from maxlm.tools.convergence.bands import band, verdict
+from maxlm.tools.convergence.suite import Case, Suite, SuiteError
 
 
 def build_golden(suite: Suite, case: Case, runs: list, recorded: dict[str, Any],

@@ -47,7 +47,9 @@ _STALE_TMP_S = 3600  # a temporary file this old belongs to a writer that died
 
 
 def default_dir(env=os.environ) -> Path:
-  """JAX_COMPILATION_CACHE_DIR when set, else $XDG_CACHE_HOME/maxlm/xla, else ~/.cache/maxlm/xla."""
+  """The directory when compile.cache_dir is "" and JAX has none set (JAX reads JAX_COMPILATION_CACHE_DIR as
+  it is imported; a program embedding maxlm may also have set jax_compilation_cache_dir): the variable,
+  else $XDG_CACHE_HOME/maxlm/xla, else ~/.cache/maxlm/xla (per user: the cache is trusted code)."""
   if env.get(ENV_DIR):
     return Path(env[ENV_DIR]).expanduser()
   base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -159,7 +161,7 @@ def configure(c: CompileConfig) -> str:
     return "compilation cache off (compile.cache=false)"
   if not jax.config.jax_enable_compilation_cache:
     return "compilation cache off (JAX_ENABLE_COMPILATION_CACHE=false in the environment)"
-  path = Path(c.cache_dir).expanduser() if c.cache_dir else default_dir()
+  path = Path(c.cache_dir or jax.config.jax_compilation_cache_dir or default_dir()).expanduser()
   _check_dir(path)
   try:
     path.mkdir(parents=True, exist_ok=True)

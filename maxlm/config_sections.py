@@ -48,7 +48,7 @@ class CompileConfig:
   autotuning results, kept on disk so that a restart, a resume or the next job of a sweep skips compiling."""
   cache: bool = option(True, "keep compiled programs on disk and reuse them (a restart finds its train step "
                        "compiled); false = compile everything every time")
-  cache_dir: str = option("", "the cache directory; \"\" = JAX_COMPILATION_CACHE_DIR when set, else "
+  cache_dir: str = option("", "the cache directory; \"\" = JAX's (JAX_COMPILATION_CACHE_DIR) when set, else "
                           "$XDG_CACHE_HOME/maxlm/xla (~/.cache/maxlm/xla). On a cluster: a shared directory "
                           "(the launch/ templates use <output_dir>/.xla-cache)")
   min_compile_s: float = option(-1.0, "cache only programs that took at least this long to compile; -1 = "

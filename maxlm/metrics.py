@@ -87,8 +87,8 @@ class MetricsWriter:
     self._jsonl.write(json.dumps(row) + "\n")
     if self._tb is not None:
       for k, v in metrics.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-          self._tb.add_scalar(k, v, step)
+        if isinstance(v, (int, float)):  # a bool (compile_cache_hit) as 0 or 1
+          self._tb.add_scalar(k, int(v) if isinstance(v, bool) else v, step)
 
   def close(self) -> None:
     if self._jsonl:

@@ -294,6 +294,11 @@ def test_sbatch_preempted_requeued_resumed_bit_identical(runs, tmp_path):
   assert 3 <= stopped < STEPS
   assert "preempted (exit 75)" in out and "start 2 (restart count 1)" in out
   assert f"maxlm: resumed from checkpoint step {stopped}" in out
+  # the restart loads its train step from the persistent compilation cache the first start wrote (process 0
+  # prints the line; the template keeps the job's JAX_COMPILATION_CACHE_DIR)
+  restart = out.split("start 2 (restart count 1)", 1)[1]
+  assert re.search(r"\[process 0/2 [^\]]+\] maxlm: compilation cache: the train step came from the cache \(hit",
+                   restart), restart[-3000:]
   assert out.rstrip().splitlines()[-1].startswith(f"maxlm-launch: job {job.id} finished with exit code 0")
 
   assert len(list(job.out_dir.rglob("metrics.jsonl"))) == 1

@@ -20,6 +20,14 @@ else
        "$REPO and python3 cannot import maxlm; run \`make setup\` there or set MAXLM_PYTHON" >&2
   exit 2
 fi
+# The persistent compilation cache (maxlm/compile_cache.py) beside the runs, on storage every node shares, so
+# that a requeued start and later jobs find their programs compiled: <output_dir>/.xla-cache (output_dir as
+# given here, else runs; relative to this directory) unless JAX_COMPILATION_CACHE_DIR is set. compile.cache_dir=DIR
+# among the arguments wins over both; compile.cache=false turns the cache off. Process 0 writes, all read.
+out_dir=runs
+for a in "$@"; do case $a in output_dir=*) out_dir=${a#output_dir=} ;; esac; done
+case $out_dir in /*) ;; *) out_dir=$PWD/$out_dir ;; esac
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$out_dir/.xla-cache}
 args=(-np "${MAXLM_NP:-1}" --bind-to none)
 [ -n "${MAXLM_HOSTFILE:-}" ] && args+=(--hostfile "$MAXLM_HOSTFILE" --map-by ppr:1:node)
 # Remote ranks get only the variables named with -x: pass the ones maxlm, JAX, XLA and NCCL read.

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import subprocess
+import sys
 import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -302,6 +304,15 @@ def test_bigram_baselines_match_a_reference_and_are_tuned():
     assert b.interpolated <= _ref_xent(train, held, vocab, "interp", c) + 1e-9
   assert b.bigram == min(b.add_k, b.interpolated) < b.unigram
 
+
+
+def test_old_module_name_runs_the_tool():
+  """`python -m maxlm.convergence` (launch/slurm/nightly.sbatch calls it) is `python -m maxlm.tools.convergence`."""
+  root = Path(__file__).resolve().parent.parent
+  runs = [subprocess.run([sys.executable, "-m", mod, "run", "--suite", "no_such_suite"], cwd=root, capture_output=True,
+                         text=True, timeout=300) for mod in ("maxlm.convergence", "maxlm.tools.convergence")]
+  assert runs[0].returncode == runs[1].returncode == 2
+  assert runs[0].stderr == runs[1].stderr and "no_such_suite" in runs[0].stderr
 
 # --- the cpu suite fails for real --------------------------------------------------------------------
 # Marked `convergence`: outside the default suite (`make test`), run by `make test-convergence`, which CI

@@ -173,7 +173,7 @@ def _nothing_left(parent: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["missing", "attention_bias", "qwen", "truncated", "not_empty", "shard_size",
-                                  "direction", "truncated_into_empty"])
+                                  "direction", "truncated_into_empty", "positional", "old_option"])
 def test_bad_input_one_line_exit_code_nothing_written(case, tmp_path, capsys):
   src = tmp_path / "src"
   shutil.copytree(GOLDEN / "llama3", src)
@@ -203,6 +203,10 @@ def test_bad_input_one_line_exit_code_nothing_written(case, tmp_path, capsys):
   elif case == "shard_size":
     argv = ["maxlm-to-hf", f"src={src}", f"out={tmp_path / 'out'}", "max_shard_size=lots"]
     words = "max_shard_size: expected a size"
+  elif case == "positional":  # the spelling before the one grammar
+    argv, words = ["hf-to-maxlm", str(src), str(tmp_path / "out")], f"argument '{src}' is not key=value"
+  elif case == "old_option":
+    argv, words = argv + ["--dtype", "bfloat16"], "--dtype is now dtype=VALUE"
   else:
     argv[0], words = "hf-to-orbax", "unknown subcommand 'hf-to-orbax'"
   assert convert(argv) == code

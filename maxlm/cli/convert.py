@@ -45,6 +45,9 @@ def _arguments(argv: list[str]) -> tuple[str, dict, set[str]]:
   direction, rest = argv[0], argv[1:]
   keys, known_flags, dtypes = SUBCOMMANDS[direction]
   for word in rest:
+    old = word[2:].replace("-", "_")  # `--dtype bfloat16`, `--max-shard-size 5GB`: the spelling before
+    if word.startswith("--") and old in keys:
+      raise UsageError(f"convert {direction}: {word} is now {old}=VALUE (see maxlm convert --help)")
     if "=" not in word and not word.startswith("--"):
       raise UsageError(f"convert: argument {word!r} is not key=value: name the directories src=... out=... "
                        f"(see maxlm convert --help)")

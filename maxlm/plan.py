@@ -18,14 +18,10 @@ hand, the config as written when XLA measures it to fit, else the search's choic
   memory. The share starts at one half, then is the least (measured - certain) / activations seen so far,
   at most 1: calibrated on XLA's own numbers, so that a big model compiles few candidates (4 for the 8B
   shape on one H200, 100 s).
+* Step time: maxlm/plan_time.py (an estimate, never measured).
 * Usable memory: device memory x `xla.mem_fraction` (0.95 on a GPU by default; XLA's own default is 0.75),
   less a margin of 2%: XLA's estimate equalled the allocator's measured peak on the H200 (41.8 and 38.7 GB,
   benchmarks/README.md), and the margin covers fragmentation of XLA's memory pool.
-* Step time (an estimate, never measured here): the step's FLOPs (maxlm.model.flops_per_step) plus what
-  the remat policy recomputes, at the device's bf16 peak x 0.57 (the MFU maxlm measured for the 8B shape
-  on one H200: 563.5 of 989 TFLOP/s); FSDP and data-parallel traffic at link bandwidth, overlapped with
-  compute; plus, per extra micro-batch, the weights read again from HBM and the gradient sum, plus the
-  optimizer state's trip to the host and back at PCIe bandwidth for `optim.offload=host`.
 """
 
 from __future__ import annotations
@@ -42,24 +38,12 @@ from maxlm import sizing
 from maxlm.config import Config, ConfigError, load_config
 from maxlm.devices import device_memory_bytes
 from maxlm.layers import resolve_backend
-from maxlm.mesh import mesh_shape
-from maxlm.metrics import device_peak_flops
-from maxlm.model import count_params, flops_per_step
 from maxlm.plan_measure import Target, fraction_in_environment, make_target
+from maxlm.plan_time import degrees, step_time
 
 # remat policies from the most kept to the least (what each keeps per layer: maxlm/layers remat_policy)
 REMAT_ORDER = ("none", "recompute_norm_act", "save_dots_attn", "save_dots", "save_qkv_attn", "save_attn", "full")
 LEVERS = ("model.remat", "train.grad_accum", "optim.offload", "optim.state_dtype")
-MFU = 0.57  # measured on one H200 for the 8B shape (benchmarks/README.md)
-# bytes/s: HBM, NVLink per direction, host link (PCIe Gen5 x16 in practice; Grace's C2C for GH/GB), network
-# (matched in this order: GH200 before H200, GB200 before B200)
-_BANDWIDTH = {"GH200": (4.0e12, 450e9, 450e9, 50e9), "GB200": (8e12, 900e9, 450e9, 100e9),
-              "H200": (4.8e12, 450e9, 55e9, 50e9), "H100": (3.35e12, 450e9, 55e9, 50e9),
-              "B200": (8e12, 900e9, 55e9, 100e9)}
-# forward parts of a layer that each remat policy recomputes (TE backend: fused attention outputs kept)
-_RECOMPUTED = {"none": (), "recompute_norm_act": (), "save_dots_attn": (), "save_dots": ("attn",),
-               "save_qkv_attn": ("out", "mlp"), "save_attn": ("qkv", "out", "mlp"),
-               "full": ("qkv", "out", "mlp", "attn")}
 
 
 def parse_levers(text: str) -> tuple[str, ...]:
@@ -84,16 +68,11 @@ def apply(cfg: Config, overrides: dict) -> Config:
   return load_config([f"{k}={v}" for k, v in overrides.items()], base=cfg)
 
 
-def _degrees(cfg: Config, target: Target) -> dict:
-  ici, dcn = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)
-  return dict(zip(("data", "fsdp", "tensor"), (i * j for i, j in zip(ici, dcn))))
-
-
 def lever_values(cfg: Config, target: Target, backend: str) -> dict[str, tuple]:
   """Every value each lever may take here, fastest (least saving) first; the config's own value for
   the levers not in plan.levers. Accumulation keeps each micro-batch split evenly over the data devices."""
   chosen = parse_levers(cfg.plan.levers)
-  deg = _degrees(cfg, target)
+  deg = degrees(cfg, target)
   dp, batch = deg["data"] * deg["fsdp"], cfg.data.global_batch_size
   powers = (2 ** i for i in range(int(math.log2(batch)) + 1))
   accums = tuple(a for a in powers if batch % a == 0 and (batch // a) % dp == 0)
@@ -116,49 +95,6 @@ def candidates(cfg: Config, target: Target, backend: str) -> list[dict]:
     t = round(step_time(apply(cfg, o), target)["total_s"], 9)  # rounding: ties broken by lever order
     return (o["optim.state_dtype"] != values["optim.state_dtype"][0], t, [rank[k][o[k]] for k in LEVERS])
   return sorted(rows, key=key)
-
-
-def _hardware(kind: str) -> tuple[float, float, float, float, float]:
-  """(peak bf16 FLOP/s, HBM, link, host link, network bytes/s); H200 figures where the kind is unknown
-  (the estimate then only orders the candidates)."""
-  peak = device_peak_flops(kind) or 989e12
-  for name, bw in _BANDWIDTH.items():
-    if name.lower() in kind.lower():
-      return (peak, *bw)
-  return (peak, *_BANDWIDTH["H200"])
-
-
-def _recompute_flops(cfg: Config) -> float:
-  """FLOPs the backward pass redoes under the remat policy (forward GEMMs and attention of every layer)."""
-  m, d = cfg.model, cfg.data
-  s = d.seq_len
-  w = m.sliding_window if m.sliding_window and m.sliding_window < s else s
-  per_token = {"qkv": 2 * m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim,
-               "out": 2 * m.n_heads * m.head_dim * m.d_model, "mlp": 6 * m.d_model * m.ffn_dim,
-               "attn": 4 * (s * w - w * w / 2) / s * m.n_heads * m.head_dim}
-  parts = _RECOMPUTED[m.remat]
-  return d.global_batch_size * s * m.n_layers * sum(per_token[p] for p in parts)
-
-
-def step_time(cfg: Config, target: Target) -> dict:
-  """Estimated seconds per step (see the module doc): compute, communication, accumulation, offload."""
-  peak, hbm, link, host, net = _hardware(target.kind)
-  m, n = cfg.model, target.n_devices
-  deg = _degrees(cfg, target)
-  params = count_params(m)
-  compute = (flops_per_step(m, cfg.data.global_batch_size, cfg.data.seq_len) + _recompute_flops(cfg)) / (
-      n * peak * MFU)
-  shards = deg["fsdp"] * deg["tensor"]
-  a = cfg.train.grad_accum
-  gathered = params["total"] / deg["tensor"]  # what FSDP gathers, per device, per micro-batch
-  fsdp = a * 3 * gathered * 2 * (deg["fsdp"] - 1) / deg["fsdp"] / link  # 2 gathers (bf16) + scatter
-  bw = net if target.n_nodes > 1 else link
-  data = 2 * 4 * params["total"] / shards * (deg["data"] - 1) / deg["data"] / bw  # fp32 all-reduce
-  accum = (a - 1) * (3 * 2 * params["matmul"] / deg["tensor"] + 2 * 4 * params["total"] / shards) / hbm
-  state_bytes = sizing.DTYPE_BYTES[cfg.optim.state_dtype]
-  offload = 2 * 2 * params["total"] / shards * state_bytes / host if cfg.optim.offload == "host" else 0.0
-  total = max(compute, fsdp + data) + accum + offload
-  return {"compute_s": compute, "comm_s": fsdp + data, "accum_s": accum, "offload_s": offload, "total_s": total}
 
 
 def certain_bytes(cfg: Config, target: Target) -> dict:
@@ -286,7 +222,13 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
   msg += f"; {note}" if note else ""
   pruned = [r for r in p.rows if r.status == "pruned"]
   if least is not None:
-    msg += f"; the least measured, {_label(least.overrides)}, needs {sizing.human_bytes(least.measured)}"
+    c = apply(cfg, least.overrides)
+    est = sizing.estimate(c, t.n_devices, t.n_nodes)
+    both = est["params"] + est["gradients"] * (2 if c.train.grad_accum > 1 else 1)
+    msg += (f"; the least measured, {_label(least.overrides)}, needs {sizing.human_bytes(least.measured)}, of which "
+            f"the parameters and their gradients{' (the running sum and one micro-batch)' if c.train.grad_accum > 1 else ''}"
+            f" take {sizing.human_bytes(both)}: no lever in plan.levers shrinks those (the missing lever: parameters "
+            "or gradients kept in host memory)")
   elif pruned:
     r = min(pruned, key=lambda r: r.plausible)
     msg += (f"; the analytic model pruned every candidate, the least being {_label(r.overrides)} at "

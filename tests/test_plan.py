@@ -120,6 +120,50 @@ def test_fit_keeps_a_config_that_fits_and_plans_one_that_does_not(reference, whe
   assert Trainer(cfg).cfg is cfg and compiled == [] and capsys.readouterr().out == ""
 
 
+def llama70b_params(n_layers: int) -> int:
+  """Llama 3 70B's parameter count, written out from its shape (llama70b.yml) for this test."""
+  d, heads, kv, dh, ffn, vocab = 8192, 64, 8, 128, 28672, 128256
+  layer = d * (heads + 2 * kv) * dh + heads * dh * d + 3 * d * ffn + 2 * d  # qkv, out, MLP, 2 norms
+  return 2 * vocab * d + n_layers * layer + d  # embedding, LM head, layers, final norm
+
+
+def test_llama70b_bytes_per_device_match_a_small_compile():
+  # The planner's certain bytes for the 70B shape over 8 devices (FSDP), against XLA's compile of the same step
+  # cut to 2 layers on the 8 CPU devices here: the state is the arithmetic's, and XLA needs at least the rest
+  cfg = load_config(["config=llama70b.yml", "model.n_layers=2", "model.remat=full", "train.grad_accum=8",
+                     "optim.offload=none", "model.backend=flax"])
+  got = plan_measure.measure(cfg, gpu_footprint=True)
+  norms = (2 * 2 + 1) * 8192  # 2 per layer + the final one: replicated, every other parameter split over 8
+  held = (llama70b_params(2) - norms) * 4 // 8 + norms * 4  # float32 bytes a device holds
+  assert got["params"] == held and got["opt_state"] == 2 * held + 8  # Adam's mu, nu + 2 int32 counts
+  target = Target(8, 1, "NVIDIA H200", 150 * 10**9, 0.95, True)
+  need = plan.certain_bytes(cfg, target)
+  params = llama70b_params(2) * 4 // 8  # the planner splits every parameter: a lower bound (the norms are small)
+  logits = 1 * 1024 * 128256 * (4 + 2)  # a row per device per micro-batch, a 1024-position chunk, fp32 + bf16
+  assert need["certain"] == params + 2 * params + 2 * params + logits  # params, grads twice (accumulating), moments
+  assert need["certain"] <= got["device"]
+
+
+def test_llama70b_on_one_gpu_names_the_smallest_device_count(tmp_path, monkeypatch, capsys):
+  # The trainer on one (faked) H200: nothing fits; the doubling skips 2 and 4 devices by the certain bytes and
+  # measures 8 and 16, here with a made-up XLA that needs 35 GiB over the certain bytes (8 do not fit, 16 do)
+  h200 = Target(1, 1, "NVIDIA H200", plan_measure.DEFAULT_GPU[1], 0.95, False)
+  monkeypatch.setattr(plan, "gpu_here", lambda: True)
+  monkeypatch.setattr(plan, "make_target", lambda *a, **k: h200)
+  seen = []
+
+  def fake_measure(self, c):
+    seen.append(self.n_devices)
+    return {"device": plan.certain_bytes(c, self)["certain"] + 35 * 2**30, "how": "measured"}
+  monkeypatch.setattr(Target, "measure", fake_measure)
+  assert train_main(["config=llama70b.yml", f"output_dir={tmp_path}", "model.backend=flax"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("maxlm: error: no setting of plan.levers (model.remat,")
+  assert "; as written the config certainly needs " in err
+  assert "; the smallest device count that fits is 16 (remat=full, grad_accum=4, offload=host, " in err
+  assert seen == [8, 16] and not any(tmp_path.iterdir())  # nothing written
+
+
 def fake_target(usable: int) -> Target:
   return Target(8, 1, "NVIDIA H200", int(usable / 0.95 / (1 - plan_measure.MARGIN)) + 1, 0.95, True)
 

@@ -44,11 +44,13 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
   lines = [f"maxlm plan: {cfg.model.name} on {t.describe()}",
            f"{'':2}{'#':>4}  {'model.remat':<19}{'grad_accum':>10}  {'offload':<8}{'state_dtype':<12}"
            f"{'certain':>11}{'measured':>12}{'est. step':>11}{'est. tok/s':>12}  status"]
+  written = plan.current(cfg)
   shown = [(i, r) for i, r in enumerate(p.rows, 1) if everything or r.measured is not None or r is p.chosen]
   for i, r in shown:
     o, s = r.overrides, r.time["total_s"]
     timing = f"{s:>10.3g}s{tokens / s:>12,.0f}" if t.gpu else f"{'-':>11}{'-':>12}"  # no CPU model
     status = r.status + (f": {r.note}" if r.note else "") + ("" if r.how in ("", "measured") else f" ({r.how})")
+    status += "; the config as written" if r.overrides == written else ""
     lines.append(f"{'*' if r is p.chosen else '':2}{i:>4}  {o['model.remat']:<19}{o['train.grad_accum']:>10}  "
                  f"{o['optim.offload']:<8}{o['optim.state_dtype']:<12}{human_bytes(r.certain):>11}"
                  f"{(human_bytes(r.measured) if r.measured is not None else '-'):>12}{timing}  {status}")
@@ -62,6 +64,8 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
   if p.chosen is not None:
     lines.append("chosen: " + " ".join(f"{k}={v}" for k, v in p.chosen.overrides.items())
                  + f"  (plan.mode=auto applies it; {p.line()})")
+    lines.append("plan.mode=fit (the default) keeps the config as written where XLA measures it to fit the GPUs at "
+                 "hand, else applies the choice")
   return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ class ProfileConfig:
   """A profiling window (see maxlm/profiling.py): an XProf trace in <run_dir>/profile, NVTX ranges around
   every step and cudaProfilerStart/Stop around the window for `nsys --capture-range=cudaProfilerApi`."""
   start_step: int = option(0, "first step to profile, counted from 1 as in the progress lines (step 1 also "
-                           "traces and compiles); 0 = no profiling", within="[0, inf)")
+                           "pays first-run costs; the train step is compiled before it); 0 = no profiling", within="[0, inf)")
   num_steps: int = option(3, "steps in the window; it must end by train.steps", within="[1, inf)")
   xprof: bool = option(True, "write the XProf trace (process 0); set false under nsys (both use CUPTI)")
 

@@ -1,10 +1,11 @@
 """The time from process start to the end of the first step, in parts (the first-step line, metrics.jsonl).
 
 Parts, in order: `backend_s` process start (Linux: the kernel's start time of the process, so Python's
-imports count) to the JAX backend up; `init_s` the run's checks, data inputs, the state built or restored
-(and `plan.mode=auto`'s measurements); `lower_s` tracing and lowering the train step; `compile_s` compiling it
-(or loading it from the persistent compilation cache); `first_run_s` the first batch fetched, moved and the
-step run. `startup_s` is their sum: process start to the first step's end.
+imports count; for `maxlm.train.run` called as a library, the call's start) to the JAX backend up; `init_s`
+the run's checks, data inputs, the state built or restored (and `plan.mode`'s measurements); `lower_s`
+tracing and lowering the train step; `compile_s` compiling it (or loading it from the persistent
+compilation cache); `first_run_s` the first batch fetched, moved and the step run. `startup_s` is their
+sum: process start to the first step's end.
 """
 
 from __future__ import annotations
@@ -28,13 +29,21 @@ def process_age_s() -> float | None:
   return age if 0 <= age < 86400 else None
 
 
-class Startup:
-  """Marks on the way to the first step, on `time.perf_counter`'s clock."""
+IMPORTS_MAX_S = 300.0  # a process older than this when its command starts is a library's host, not a command
 
-  def __init__(self, t_start: float):
-    now, age = time.perf_counter(), process_age_s()
-    # t_start (the command's own start) is the fallback, and a floor: it is never before the process's start
-    self.t0 = min(t_start, now - age) if age is not None else t_start
+
+def process_start() -> float:
+  """`time.perf_counter()` at this process's start, so that a command's imports count; now where the process
+  is older than IMPORTS_MAX_S (maxlm called as a library from a long-lived process) or its age is unknown."""
+  now, age = time.perf_counter(), process_age_s()
+  return now - age if age is not None and age < IMPORTS_MAX_S else now
+
+
+class Startup:
+  """Marks on the way to the first step, on `time.perf_counter`'s clock, from `t0` (see `process_start`)."""
+
+  def __init__(self, t0: float):
+    self.t0 = t0
     self.marks: dict[str, float] = {}
 
   def mark(self, name: str) -> None:

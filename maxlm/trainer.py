@@ -272,7 +272,7 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Start
       steps_since += 1
       done = step + 1
       last = done == t.steps or batches.ended
-      if t_last is None:  # the first step traces and compiles: report it, time from its end
+      if t_last is None:  # the first step (compiled before the loop): report it, time from its end
         jax.block_until_ready(metrics)
         t_last = t_train0 = time.perf_counter()
         steps_since = 0

@@ -142,9 +142,11 @@ class Plan:
             f"; {n} compiled, {len(self.rows) - n} not)")
 
 
-def search(cfg: Config, target: Target, measure, backend: str, everything: bool = False) -> Plan:
-  """Walk the candidates in order; `measure(cfg) -> plan_measure.measure's dict`. everything=True measures
-  every plausible candidate (for the table) but still chooses the first that fits."""
+def search(cfg: Config, target: Target, measure, backend: str, everything: bool = False,
+           known: dict | None = None) -> Plan:
+  """Walk the candidates in order; `measure(cfg) -> plan_measure.measure's dict`; `known`: measurements made
+  already, by lever values (never pruned, never compiled again). everything=True measures every plausible
+  candidate (for the table) but still chooses the first that fits."""
   rows, chosen = [], None
   share = 0.5  # of the rough activations taken as plausible: then the least share XLA showed (module doc)
   for o in candidates(cfg, target, backend):
@@ -154,13 +156,14 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
     rows.append(row)
     if chosen is not None and not everything:
       continue
+    measured = (known or {}).get(tuple(o.items()))
     plausible = need["certain"] + int(share * need["activations"])
-    if plausible > target.usable:
+    if measured is None and plausible > target.usable:
       row.status, row.plausible = "pruned", plausible
       row.note = (f"certain {sizing.human_bytes(need['certain'])}" if need["certain"] > target.usable else
                   f"certain + {share:.2f} x activations = {sizing.human_bytes(plausible)}")
       continue
-    measured = measure(c)
+    measured = measure(c) if measured is None else measured
     if "oom" in measured:
       row.status, row.note = "too big", f"XLA ran out of memory compiling: {measured['oom']}"
       continue
@@ -266,16 +269,6 @@ def gpu_here() -> bool:
   return jax.devices()[0].platform == "gpu"
 
 
-def _memo(measure, known: dict):
-  """`measure`, answering the configs in `known` (keyed by their lever values) without compiling again."""
-  def measured(c: Config) -> dict:
-    key = tuple(current(c).items())
-    if key not in known:
-      known[key] = measure(c)
-    return known[key]
-  return measured
-
-
 def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
             device_memory: int | None = None) -> tuple[Config, str | None]:
   """(the config to run, one line on what the planner did; None where it did nothing), by plan.mode: off
@@ -299,7 +292,7 @@ def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = Non
                      f"{sizing.human_bytes(target.usable)} usable per device, measured by XLA; plan.mode=fit "
                      "keeps it)")
       why = "ran XLA out of memory compiling" if "oom" in m else f"peaks at {sizing.human_bytes(m['device'])}"
-    p = search(cfg, target, _memo(target.measure, known), resolve_backend(cfg.model.backend))
+    p = search(cfg, target, target.measure, resolve_backend(cfg.model.backend), known=known)
     if p.chosen is None:
       raise ConfigError(no_fit_message(cfg, p, f"as written the config {why} per device"))
   finally:

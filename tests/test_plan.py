@@ -214,6 +214,12 @@ def test_search_is_deterministic_and_compiles_only_what_it_must():
                   and plan.certain_bytes(plan.apply(cfg, o), target)["certain"]
                   + int((extra[o["model.remat"]] + (o["optim.offload"] == "host")) * 2**20) <= target.usable)
   assert p1.chosen.overrides == expected  # the first that fits, nothing earlier that would have
+  # a measurement made already (plan.mode=fit's of the config as written) is used, not pruned nor compiled again
+  pruned = p1.rows[1].overrides
+  seen.clear()
+  p3 = plan.search(cfg, target, measure, "flax", known={tuple(pruned.items()): {"device": 1, "how": "measured"}})
+  assert p3.rows[1].status == "fits" and p3.rows[1].measured == 1 and p3.chosen is p3.rows[1]
+  assert seen == [plan.current(plan.apply(cfg, p1.rows[0].overrides))]  # only the first row was compiled
 
 
 def test_lever_values_split_the_batch_and_stay_in_plan_levers():

@@ -37,8 +37,9 @@
 #   maxtext:llama8b_full  MaxText llama3-8b, all 32 layers, per_device_batch_size=1 max_target_length=8192,
 #                         mu_dtype=bfloat16 remat_policy=full scan_layers=true attention=cudnn_flash_te,
 #                         XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, $SBS_MT_FULL_STEPS (20) steps, its recipe's XLA flags
-#   Each samples nvidia-smi's memory.used every second (max in the JSON: peak_smi_mib). A full run's timeout is
-#   all the time left (SBS_BUDGET_S): a maxlm run cut short keeps the 10-step windows it logged ("(partial)").
+#   Each samples nvidia-smi's memory.used every second (max in the JSON: peak_smi_mib). The full maxlm run's
+#   timeout is all the time left (SBS_BUDGET_S), MaxText's SBS_TMO_MAXTEXT_FULL (240 s): a run cut short keeps
+#   the steps it logged ("(partial)").
 #   run(command="SBS_RUNS='maxtext:llama8b_full maxlm:llama8b_full' bash .bench/side_by_side.sh", carry=[".whl", ".bench"])
 # Output: $OUT/side_by_side.json + $OUT/<run>.log per run (8 files with the default SBS_RUNS; the
 # device returns at most 8). Final table: step ms (mean over steady steps), tokens/s, TFLOP/s (each
@@ -171,7 +172,9 @@ run_one() {  # run_one FRAMEWORK VARIANT
     say "=== $name NOT STARTED: expected ~${est}s, ${left}s left of SBS_BUDGET_S=$BUDGET"
     printf '%s\t%s\t%s\tnot_started\t\t0\t\t\n' "$name" "$fw" "$v" >> "$MANIFEST"; return
   fi
-  tmo=${TMO[$fw]}; [ -n "$full" ] && tmo=$left; [ "$tmo" -gt "$left" ] && tmo=$left
+  tmo=${TMO[$fw]}; [ -n "$full" ] && tmo=$left   # a full maxlm run: all the time left
+  [ -n "$full" ] && [ "$fw" = maxtext ] && tmo=${SBS_TMO_MAXTEXT_FULL:-240}
+  [ "$tmo" -gt "$left" ] && tmo=$left
   local -a cmd
   case $fw in
     maxlm)

@@ -9,9 +9,12 @@ fits the usable memory wins, so the choice is deterministic. `resolve` applies `
 and the dry run: off = the config as written; auto = the search's choice; fit (the default) = on the GPUs at
 hand, the config as written when XLA measures it to fit, else the search's choice (each said in one line).
 
-* Order. Exact levers first: remat, accumulation and offload change where memory goes, not the math.
-  `optim.state_dtype=bfloat16` rounds the Adam moments, so it comes only after every float32 setting.
-  Within each group the order follows `step_time` (an estimate, below), ties in lever order.
+* Order. By `step_time` (an estimate, below), fastest first; on a tie the float32 moments come first, then
+  lever order. `optim.state_dtype=bfloat16` rounds the Adam moments (the update math stays fp32): it wins only
+  when it is expected to be faster, as it is for the 8B on one H200, where the exact alternative (moments
+  offloaded to the host, 4 micro-batches) measured 7.7k tokens/s against 9.6k (benchmarks/README.md).
+  DeepSeek-V3 trained with bf16 moments "without observable performance degradation" (its report, sec. 3.3);
+  `plan.levers` without optim.state_dtype keeps the config's dtype, and the plan line names the choice.
 * Pruning (the analytic model, maxlm/sizing.py, only prunes). A candidate is not compiled when the bytes
   it certainly needs (params, gradients (twice when accumulating: the sum and a micro-batch's), logits,
   FP8 state, the moments unless offloaded) plus a share of sizing's rough activations exceed the usable
@@ -85,15 +88,15 @@ def lever_values(cfg: Config, target: Target, backend: str) -> dict[str, tuple]:
 
 
 def candidates(cfg: Config, target: Target, backend: str) -> list[dict]:
-  """Every combination of lever values, in search order: exact levers first, then by estimated step time,
-  then lever order (deterministic)."""
+  """Every combination of lever values, in search order: by estimated step time, float32 moments first on a
+  tie, then lever order (deterministic)."""
   values = lever_values(cfg, target, backend)
   rows = [dict(zip(LEVERS, combo)) for combo in itertools.product(*values.values())]
   rank = {k: {v: i for i, v in enumerate(vs)} for k, vs in values.items()}
 
   def key(o):
     t = round(step_time(apply(cfg, o), target)["total_s"], 9)  # rounding: ties broken by lever order
-    return (o["optim.state_dtype"] != values["optim.state_dtype"][0], t, [rank[k][o[k]] for k in LEVERS])
+    return (t, o["optim.state_dtype"] != values["optim.state_dtype"][0], [rank[k][o[k]] for k in LEVERS])
   return sorted(rows, key=key)
 
 

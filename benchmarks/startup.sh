@@ -57,14 +57,15 @@ if os.path.exists(path):
   row = json.loads(lines[0]) if lines else {}
 keep = ("startup_s", "backend_s", "init_s", "lower_s", "compile_s", "first_run_s", "compile_cache_hit",
         "compile_cache_hits", "compile_cache_requests", "peak_memory_gb", "compiled_memory_gb")
-size = files = autotune = 0
+size = files = autotune = atime = 0
 for root, _, names in os.walk(cache):
   for n in names:
     files += 1
     size += os.path.getsize(os.path.join(root, n))
     autotune += "autotune" in root
+    atime += n.endswith("-atime")  # written by maxlm's atomic file cache (JAX's unbounded one writes none)
 rec = {"case": case, "phase": phase, "exit": int(rc), "wall_s": int(secs), **{k: row.get(k) for k in keep},
-       "cache_bytes": size, "cache_files": files, "autotune_files": autotune}
+       "cache_bytes": size, "cache_files": files, "autotune_files": autotune, "atime_files": atime}
 print(json.dumps(rec))
 PY
   [ "$rc" -eq 0 ] || return 1

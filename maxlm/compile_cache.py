@@ -120,7 +120,8 @@ def _remove_stale_tmp(path: Path) -> None:
 def _install(path: Path) -> bool:
   """Hand JAX an AtomicFileCache over `path`; False where JAX's internals differ (JAX's own cache then)."""
   from jax._src import compilation_cache as cc  # noqa: PLC0415 - private, touched only here
-  if not all(hasattr(cc, a) for a in ("_cache", "_cache_initialized", "reset_cache")):
+  if not all(hasattr(cc, a) for a in ("_cache", "_cache_initialized", "_get_cache", "_initialize_cache",
+                                       "reset_cache")):
     return False
   cc.reset_cache()
   cc._cache, cc._cache_initialized = AtomicFileCache(path), True
@@ -173,11 +174,11 @@ def configure(c: CompileConfig) -> str:
     cc.reset_cache()
   jax.config.update("jax_compilation_cache_dir", str(path))
   jax.config.update("jax_enable_compilation_cache", True)
-  how = "JAX's size-limited cache (JAX_COMPILATION_CACHE_MAX_SIZE)"
+  how = "JAX's size-limited cache" if jax.config.jax_compilation_cache_max_size != -1 else "JAX's file cache"
   if jax.config.jax_compilation_cache_max_size == -1 and _install(path):
     how = "atomic writes"
   _remove_stale_tmp(path)  # any process: only what a dead writer left an hour ago
-  _active.update(dir=path, min_compile_s=jax.config.jax_persistent_cache_min_compile_time_secs)
+  _active.update(dir=path, how=how, min_compile_s=jax.config.jax_persistent_cache_min_compile_time_secs)
   return f"compilation cache {path} ({how}; programs compiled in {_active['min_compile_s']:g} s or more)"
 
 
@@ -213,7 +214,7 @@ def step_line(hit: bool, compile_s: float) -> str:
     what = (f"the train step was compiled (miss, {compile_s:.1f} s), too fast to keep (under "
             f"compile.min_compile_s={_active['min_compile_s']:g})")
   return (f"compilation cache: {what}; {hits} of {requests} programs so far from the cache; "
-          f"{human(size_on_disk(_active['dir']))} in {_active['dir']}")
+          f"{human(size_on_disk(_active['dir']))} in {_active['dir']} ({_active['how']})")
 
 
 def stats() -> dict:

@@ -137,6 +137,26 @@ def test_a_cache_dir_under_a_regular_file_is_one_line_exit_2(tmp_path):
   assert not (tmp_path / "out").exists() and blocker.read_text() == ""
 
 
+def test_default_dir_without_jax_setting_and_cache_off(tmp_path):
+  env = {k: v for k, v in _env().items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")  # the per-user default: $XDG_CACHE_HOME/maxlm/xla
+
+  def train(*args):
+    return subprocess.run([sys.executable, "-m", "maxlm.train", f"output_dir={tmp_path}", *TINY,
+                           "compile.min_compile_s=0", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+  r = train("run_name=off", "compile.cache=false")
+  assert r.returncode == 0, r.stderr
+  assert "maxlm: compilation cache off: the train step compiled in " in r.stdout, r.stdout
+  assert not (tmp_path / "xdg").exists()
+  row = _first_row(tmp_path / "off")
+  assert row["compile_cache_hit"] is False and row["compile_cache_requests"] == 0
+  r = train("run_name=on")
+  assert r.returncode == 0, r.stderr
+  assert f"in {tmp_path / 'xdg' / 'maxlm' / 'xla'} (atomic writes)" in r.stdout, r.stdout
+  assert _entries_whole(tmp_path / "xdg" / "maxlm" / "xla")
+
+
 def test_default_dir_order(tmp_path):
   home = Path.home()
   assert compile_cache.default_dir({}) == home / ".cache" / "maxlm" / "xla"

@@ -36,6 +36,8 @@ import uuid
 from pathlib import Path
 
 import jax
+from jax._src import compilation_cache as jax_cache  # private: `_install` replaces its file cache
+from jax.experimental.compilation_cache import compilation_cache as public_cache
 
 from maxlm.config import CompileConfig, ConfigError
 
@@ -119,12 +121,11 @@ def _remove_stale_tmp(path: Path) -> None:
 
 def _install(path: Path) -> bool:
   """Hand JAX an AtomicFileCache over `path`; False where JAX's internals differ (JAX's own cache then)."""
-  from jax._src import compilation_cache as cc  # noqa: PLC0415 - private, touched only here
-  if not all(hasattr(cc, a) for a in ("_cache", "_cache_initialized", "_get_cache", "_initialize_cache",
-                                       "reset_cache")):
+  needed = ("_cache", "_cache_initialized", "_get_cache", "_initialize_cache", "reset_cache")
+  if not all(hasattr(jax_cache, a) for a in needed):
     return False
-  cc.reset_cache()
-  cc._cache, cc._cache_initialized = AtomicFileCache(path), True
+  jax_cache.reset_cache()
+  jax_cache._cache, jax_cache._cache_initialized = AtomicFileCache(path), True
   return True
 
 
@@ -154,7 +155,6 @@ _active: dict = {}  # what configure() set: dir, min_compile_s
 
 def configure(c: CompileConfig) -> str:
   """Apply `compile:` before the first compile; returns the line for the log."""
-  from jax.experimental.compilation_cache import compilation_cache as cc  # noqa: PLC0415 - public reset
   COUNTER.register()
   _active.clear()
   if not c.cache:
@@ -171,7 +171,7 @@ def configure(c: CompileConfig) -> str:
   if c.min_compile_s >= 0:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(c.min_compile_s))
   if jax.config.jax_compilation_cache_dir != str(path):
-    cc.reset_cache()
+    public_cache.reset_cache()
   jax.config.update("jax_compilation_cache_dir", str(path))
   jax.config.update("jax_enable_compilation_cache", True)
   how = "JAX's size-limited cache" if jax.config.jax_compilation_cache_max_size != -1 else "JAX's file cache"

@@ -1,7 +1,7 @@
 """The planner's step-time estimate (it orders the candidates of maxlm/plan.py; never measured here).
 
-The step's FLOPs (maxlm.model.flops_per_step) plus what the remat policy recomputes, at the device's bf16
-peak x 0.57 (the MFU maxlm measured for the 8B shape on one H200: 563.5 of 989 TFLOP/s); FSDP and
+The step's FLOPs (maxlm.model.flops_per_step) plus what the remat policy recomputes (x RECOMPUTE_COST), at the
+device's bf16 peak x 0.57 (the MFU maxlm measured for the 8B shape on one H200: 563.5 of 989 TFLOP/s); FSDP and
 data-parallel traffic at link bandwidth, overlapped with compute; plus, per extra micro-batch, the weights
 read again from HBM and the gradient sum, plus the optimizer state's trip to the host and back at PCIe
 bandwidth for `optim.offload=host`.
@@ -17,6 +17,14 @@ from maxlm.model import count_params, flops_per_step
 from maxlm.plan_measure import Target
 
 MFU = 0.57  # measured on one H200 for the 8B shape (benchmarks/README.md)
+# What a recomputed FLOP costs against the step's average one, measured on one H200 for llama8b.yml (seq 8192,
+# batch 8; benchmarks/results/2026-12-04-llama8b_h200.json): recompute_norm_act + 4 micro-batches + moments on
+# the host took 7.40 s (bf16 moments) and 8.50 s (float32), which this model reproduces with 6.17 s of compute
+# (1.03x its FLOP estimate) and the host trips at 55 GB/s; save_attn with bf16 moments on the device took
+# 6.85 s, 0.68 s over that compute for 1.62 s of recomputed FLOPs at the step's MFU: 0.42. Recomputed GEMMs
+# run at near-peak efficiency (no attention or memory-bound parts), and XLA overlaps some of them. Counted at
+# full cost, save_attn (6.85 s measured) ranked behind the offloaded setting (7.40 s measured) and was not tried.
+RECOMPUTE_COST = 0.42
 # bytes/s: HBM, NVLink per direction, host link (PCIe Gen5 x16 in practice; Grace's C2C for GH/GB), network
 # (matched in this order: GH200 before H200, GB200 before B200)
 _BANDWIDTH = {"GH200": (4.0e12, 450e9, 450e9, 50e9), "GB200": (8e12, 900e9, 450e9, 100e9),
@@ -62,8 +70,8 @@ def step_time(cfg: Config, target: Target) -> dict:
   m, n = cfg.model, target.n_devices
   deg = degrees(cfg, target)
   params = count_params(m)
-  compute = (flops_per_step(m, cfg.data.global_batch_size, cfg.data.seq_len) + _recompute_flops(cfg)) / (
-      n * peak * MFU)
+  compute = (flops_per_step(m, cfg.data.global_batch_size, cfg.data.seq_len) + RECOMPUTE_COST * _recompute_flops(cfg)
+             ) / (n * peak * MFU)
   shards = deg["fsdp"] * deg["tensor"]
   a = cfg.train.grad_accum
   gathered = params["total"] / deg["tensor"]  # what FSDP gathers, per device, per micro-batch

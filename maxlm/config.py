@@ -191,7 +191,8 @@ class TrainConfig:
                           choices=("skip", "stop"))
   deterministic: bool = option(False, "make GPU runs repeat bit for bit: XLA deterministic ops and "
                                "Transformer Engine's deterministic kernels, set before the backend starts "
-                               "(costs some speed)")
+                               "(costs some speed); the compilation cache keeps every program, so a restart "
+                               "runs the same binaries")
   watchdog: str = option("auto", "end a process whose run stops making progress, with exit 76, which "
                          "launch/slurm requeues (maxlm/watchdog.py); auto = for runs of several processes",
                          choices=("auto", "always", "never"))

@@ -23,11 +23,11 @@ from __future__ import annotations
 import json
 import sys
 
-from maxlm import plan, xla_presets
+from maxlm import plan, startup
 from maxlm.cli import command_main
 from maxlm.config import ConfigError, load_config
 from maxlm.dryrun import parse_flags
-from maxlm.plan_measure import apply_mem_fraction, make_target
+from maxlm.plan_measure import make_target
 from maxlm.sizing import human_bytes
 
 COLUMNS = ("model.remat", "train.grad_accum", "optim.offload", "optim.state_dtype")
@@ -86,10 +86,8 @@ def run(argv: list[str]) -> int:
   opts, words = parse_flags([a for a in argv if a not in ("--all", "--simulate")])
   cfg = load_config(words)
   plan.parse_levers(cfg.plan.levers)
-  gpu = xla_presets.detect_gpu() is not None  # before the backend starts: XLA reads both settings then
-  for line in (xla_presets.apply(cfg.xla.preset), apply_mem_fraction(cfg.xla.mem_fraction, gpu)):
-    if line:  # on stderr under --json, whose stdout is the JSON alone
-      print(f"maxlm: {line}", file=sys.stderr if opts["json"] else sys.stdout, flush=True)
+  for line in startup.begin(cfg):  # as the trainer starts; the cache keeps the compiles for the run
+    print(f"maxlm: {line}", file=sys.stderr if opts["json"] else sys.stdout, flush=True)  # stderr under --json
   memory = int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None
   target = make_target(cfg, opts.get("devices"), opts.get("nodes"), memory, simulate)
   try:

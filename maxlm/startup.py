@@ -1,4 +1,10 @@
-"""The time from process start to the end of the first step, in parts (the first-step line, metrics.jsonl).
+"""Start-up: the process settings, applied once before the JAX backend starts (`begin`), and the time from
+process start to the end of the first step, in parts (the first-step line, metrics.jsonl).
+
+`begin(cfg)` is the one start sequence of every command that starts JAX for a config (train, --compile-only,
+--dry-run, plan, doctor): the XLA flag preset, train.deterministic's flags, the share of device memory XLA
+takes, and the persistent compilation cache. XLA reads its flags and the memory share once, when the backend
+starts; the cache must be set before the first compile.
 
 Parts, in order: `backend_s` process start (Linux: the kernel's start time of the process, so Python's
 imports count; for `maxlm.train.run` called as a library, the call's start) to the JAX backend up; `init_s`
@@ -10,9 +16,47 @@ sum: process start to the first step's end.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
+
+from maxlm import runtime, xla_presets
+from maxlm.config import Config
+from maxlm.plan_measure import apply_mem_fraction
+
+# Why train.deterministic keeps every compiled program (compile.min_compile_s=0): XLA's compiles of one program
+# are not bit-identical across processes: the autotuner times its candidate kernels and can pick another one in
+# another compile (XLA's docs/determinism.md: "different kernels can be picked as the fastest ones in different
+# compilation runs"; persisted autotuning is its workaround), and fusion decisions on near-ties can flip between
+# processes (openxla/xla#49047). A restart that loads the first start's binaries from the cache runs exactly them.
+DETERMINISTIC_CACHE = ("every compiled program is kept in the compilation cache (compile.min_compile_s=0), so a "
+                       "restart runs the binaries of the first start: two compiles of one program can differ")
+DETERMINISTIC_NO_CACHE = ("compile.cache=false: a restart compiles again, and two compiles of one program can "
+                          "differ (XLA's autotuning), so a resume may not repeat the first run's bits")
+
+
+def begin(cfg: Config, compile_cache: bool = True) -> list[str]:
+  """Apply the process settings of `cfg` before the backend starts; returns the lines for the log (the cache's
+  own line comes at the first step). ConfigError for settings that conflict or a cache directory that fails."""
+  lines = []
+  preset = xla_presets.apply(cfg.xla.preset)  # the preset first: deterministic flags add to it
+  if preset:
+    lines.append(preset)
+  det = cfg.train.deterministic
+  lines += [f"train.deterministic=true: {line}" for line in runtime.configure(deterministic=det)]
+  memory = apply_mem_fraction(cfg.xla.mem_fraction, xla_presets.detect_gpu() is not None)
+  if memory:
+    lines.append(memory)
+  if compile_cache:
+    c = cfg.compile
+    if det and c.cache and c.min_compile_s < 0:  # unset: keep every program (a value you set wins)
+      c = dataclasses.replace(c, min_compile_s=0.0)
+      lines.append(f"train.deterministic=true: {DETERMINISTIC_CACHE}")
+    elif det and not c.cache:
+      lines.append(f"train.deterministic=true with {DETERMINISTIC_NO_CACHE}")
+    runtime.configure_compile_cache(c)
+  return lines
 
 PARTS = (("backend_s", "imports and backend"), ("init_s", "init"), ("lower_s", "trace and lower"),
          ("compile_s", "compile"), ("first_run_s", "first run"))

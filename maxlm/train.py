@@ -32,14 +32,14 @@ import time
 
 import jax
 
-from maxlm import compile_cache, distributed, dryrun, runtime, startup, xla_presets
+from maxlm import compile_cache, distributed, dryrun, startup
 from maxlm import data as data_lib
 from maxlm.checkpoint import Preemption
 from maxlm.config import Config, ConfigError, help_text, load_config
 from maxlm.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, MaxlmError, report
 from maxlm.metrics import echo
 from maxlm.plan import oom_message
-from maxlm.plan_measure import apply_mem_fraction, is_oom, memory_stats
+from maxlm.plan_measure import is_oom, memory_stats
 from maxlm.sizing import human_bytes
 from maxlm.trainer import RunError, Trainer, train
 
@@ -63,15 +63,8 @@ def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -
   preemption = Preemption()  # first: a signal while the model is built or compiled exits at once
   try:
     try:
-      xla_line = xla_presets.apply(cfg.xla.preset)  # the preset first: deterministic flags add to it
-      if xla_line:
-        echo(f"maxlm: {xla_line}")
-      for line in runtime.configure(deterministic=cfg.train.deterministic):
-        echo(f"maxlm: train.deterministic=true: {line}")
-      mem_line = apply_mem_fraction(cfg.xla.mem_fraction, xla_presets.detect_gpu() is not None)
-      if mem_line:
-        echo(f"maxlm: {mem_line}")
-      runtime.configure_compile_cache(cfg.compile)  # before the first compile; its line comes at the first step
+      for line in startup.begin(cfg):  # XLA flags, memory share, compilation cache: before the backend starts
+        echo(f"maxlm: {line}")
       # Before anything asks JAX about devices. From here on (for the rest of the process: tracebacks
       # too) every output line of a multi-process run carries `[process i/N host]`.
       distributed.initialize(cfg, on_timeout=_exit_distributed_timeout)

@@ -28,7 +28,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from maxlm import distributed, runtime, sizing, xla_presets
+from maxlm import distributed, sizing, startup, xla_presets
 from maxlm.config import Config, ConfigError, MeshConfig, load_config
 from maxlm.tools.doctor import checks, probes
 from maxlm.tools.doctor.checks import STATUSES, Result
@@ -142,9 +142,8 @@ def run_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
     launch = None  # the devices check reports it, after the checks that need no backend
   if launch is not None:
     distributed.prefix_output(launch.prefix)
-  xla_presets.apply(cfg.xla.preset)  # as `maxlm train` starts: the preset, then deterministic flags
+  startup.begin(cfg)  # as `maxlm train` starts: the preset, deterministic flags, memory share, cache
   preset_line = "xla.preset={} ({})".format(*xla_presets.resolve(cfg.xla.preset))
-  runtime.configure(deterministic=cfg.train.deterministic)
   emit(guarded("versions", lambda: checks.check_versions(probes.installed_versions(), probes.required_ranges(),
                                                          probes.installed_plugins())))
   flags = os.environ.get("XLA_FLAGS", "")

@@ -1,0 +1,53 @@
+"""maxlm/startup.py: `begin`, the one start sequence of the commands, and train.deterministic's cache rule.
+
+Each run is a fresh process (the settings act before the backend starts), on CPU, with its own cache directory
+and the default compile.min_compile_s (JAX's 1 s, which most of a tiny model's programs compile under).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from maxlm import startup
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
+        "model.n_layers=1", "model.backend=flax", "model.vocab_size=128", "data.type=synthetic",
+        "data.seq_len=16", "data.global_batch_size=4", "train.steps=2", "train.log_every=1",
+        "train.eval_every=0", "checkpoint.enabled=false"]
+
+
+def _train(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
+             JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "maxlm.train", f"output_dir={tmp}",
+                         f"compile.cache_dir={tmp / 'cache'}", *TINY, *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def _first_row(run_dir: Path) -> dict:
+  return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_deterministic_runs_keep_every_program_so_a_second_start_compiles_nothing(tmp_path):
+  """train.deterministic=true: the first start keeps every program it compiles, so an identical second start
+  loads all of them (hits == compile requests) and runs the first one's binaries. Without the rule the default
+  threshold (1 s) leaves this tiny model's sub-second programs out and the second start compiles them again."""
+  first = _train(tmp_path, "run_name=a", "train.deterministic=true")
+  assert first.returncode == 0, first.stderr
+  assert f"maxlm: train.deterministic=true: {startup.DETERMINISTIC_CACHE}" in first.stdout, first.stdout
+  second = _train(tmp_path, "run_name=b", "train.deterministic=true")
+  assert second.returncode == 0, second.stderr
+  cold, warm = _first_row(tmp_path / "a"), _first_row(tmp_path / "b")
+  assert cold["compile_cache_hits"] == 0 and cold["compile_cache_requests"] >= 2
+  assert warm["compile_cache_requests"] == cold["compile_cache_requests"]
+  assert warm["compile_cache_hits"] == warm["compile_cache_requests"], warm
+
+
+def test_deterministic_without_the_cache_says_what_a_restart_risks(tmp_path):
+  r = _train(tmp_path, "run_name=a", "train.deterministic=true", "compile.cache=false")
+  assert r.returncode == 0, r.stderr
+  assert f"maxlm: train.deterministic=true with {startup.DETERMINISTIC_NO_CACHE}" in r.stdout, r.stdout

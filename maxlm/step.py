@@ -308,22 +308,25 @@ def jit_step(step: Callable, state_shardings, batch_shardings, scope: Callable[[
                    out_shardings=(state_shardings, metrics_sharding) if donate else metrics_sharding,
                    donate_argnums=(0,) if donate else ())
 
+  def compile_in_scope(state, batch):
+    t0 = time.perf_counter()
+    lowered = jitted.lower(state, batch)
+    t1 = time.perf_counter()
+    call.executable = lowered.compile()  # kept for profiling (its optimized HLO)
+    call.lower_s, call.compile_s = t1 - t0, time.perf_counter() - t1
+    call.compiled_memory_gb = compiled_memory_gb(call.executable)
+    return call.executable
+
   def compile(state, batch):
     """Trace, lower and compile for these arguments (arrays, or ShapeDtypeStructs carrying their shardings:
     the same program); the calls reuse the executable. Keeps the seconds of each part (maxlm/startup.py)."""
     with scope():
-      t0 = time.perf_counter()
-      lowered = jitted.lower(state, batch)
-      t1 = time.perf_counter()
-      call.executable = lowered.compile()  # kept for profiling (its optimized HLO)
-      call.lower_s, call.compile_s = t1 - t0, time.perf_counter() - t1
-      call.compiled_memory_gb = compiled_memory_gb(call.executable)
-    return call.executable
+      return compile_in_scope(state, batch)
 
   def call(state, batch):
-    with scope():
+    with scope():  # once per call
       if call.executable is None:  # the first call compiles ahead of time to read XLA's estimate; jitted reuses it
-        compile(state, batch)
+        compile_in_scope(state, batch)
       return jitted(state, batch)
   call.compile = compile
   call.executable, call.compiled_memory_gb, call.lower_s, call.compile_s = None, None, None, None  # set by compile

@@ -209,14 +209,16 @@ def test_states_that_do_not_fit_are_data_errors(numbered):
 
 
 def test_synthetic_rows_depend_on_seed_step_and_row_only():
-  """Synthetic row r of global batch s is drawn from numpy's generator seeded (data.seed, s, r), for any
+  """Synthetic row r of global batch s is drawn (Zipf) from numpy's generator seeded (data.seed, s, r), for any
   process count; its position restores across process counts too."""
   cfg = DataConfig(type="synthetic", seq_len=16, global_batch_size=4, seed=5)
   runs = [_global_run(_processes(cfg, n, vocab=100), steps=3) for n in (1, 2, 4)]
   _check_same_runs(runs)
   for s, b in enumerate(runs[0]):
     for r in range(4):
-      toks = np.random.default_rng((5, s, r)).integers(0, 100, 17, dtype=np.int32)
+      u = np.random.default_rng((5, s, r)).random(17)  # [T + 1], mapped through Zipf's law over 100 tokens:
+      cdf = np.cumsum([1.0 / (k + 1) for k in range(100)])  # P(k) = (1 / (k + 1)) / H_100
+      toks = np.minimum(np.searchsorted(cdf / cdf[-1], u, side="right"), 99)
       np.testing.assert_array_equal(b["inputs"][r], toks[:-1])
       np.testing.assert_array_equal(b["targets"][r], toks[1:])
   two = _processes(cfg, 2, vocab=100)

@@ -123,7 +123,9 @@ class Trainer:
     self.mesh = make_mesh(cfg.mesh)
     self._check_batch_split()
     # plan.mode (maxlm/plan.py): levers measured by XLA replace the config's where it plans; it checks the fit
+    t_plan = time.perf_counter()
     cfg = self.cfg = planner.for_run(cfg, echo if jax.process_index() == 0 else None)
+    self.plan_s = time.perf_counter() - t_plan  # its compiles: a part of the time to the first step
     planner.remember(self)  # for the out-of-memory line (maxlm/train.py)
     self.packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
     self.model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row)
@@ -363,7 +365,7 @@ def _compile(trainer: Trainer, wd, start_step: int) -> bool:
 def _first_step(trainer: Trainer, startup: Startup, done: int, t_first: float, hit: bool, is_main: bool) -> dict:
   """The first-step lines (the time to it in parts; the compilation cache) and the fields of the first row."""
   step = trainer.jitted_train_step
-  parts = startup.parts(t_first, step.lower_s, step.compile_s)
+  parts = startup.parts(t_first, step.lower_s, step.compile_s, trainer.plan_s)
   if is_main:
     echo(first_step_line(done, parts, peak_memory_gb(), step.compiled_memory_gb))
     echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s)}")

@@ -30,7 +30,7 @@ COMMANDS = {
   "generate": "maxlm.cli.generate",
   "convert": "maxlm.cli.convert",
   "convergence": "maxlm.tools.convergence",
-  "plan": "maxlm.plan_cmd",
+  "plan": "maxlm.cli.plan",
 }
 
 EXIT_BAD_INPUT = 2

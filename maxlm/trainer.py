@@ -244,7 +244,7 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Start
   profiler = Profiler(cfg.profile, run_dir, is_main, echo=echo)
   wd = watchdog.start(cfg.train, run_dir, jax.process_index(), jax.process_count())  # arm(): each host phase
   try:
-    ckpt = start_checkpoints(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
+    ckpt = _start_state(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
     start_step = int(jax.device_get(trainer.state.step))
     if is_main:  # only now is the run known to start (a checkpoint that does not fit has stopped it)
       (run_dir / "config.yml").write_text(dump_yaml(cfg))
@@ -360,6 +360,13 @@ def _compile(trainer: Trainer, wd, start_step: int) -> bool:
   """The train step compiled (or loaded from the persistent cache) before the first step; True for a hit."""
   wd.arm("compile", start_step + 1)
   return trainer.compile_train_step()
+
+
+def _start_state(trainer: Trainer, cfg: Config):
+  """The state the run starts from (maxlm/checkpoint/resume.py), taken into the trainer; the Checkpointer."""
+  started = start_checkpoints(trainer.state, trainer.state_shardings, trainer.train_data, cfg)
+  trainer.state = started.state
+  return started.checkpointer
 
 
 def _first_step(trainer: Trainer, startup: Startup, done: int, t_first: float, hit: bool, is_main: bool) -> dict:

@@ -18,7 +18,7 @@ train: setup
 # Convergence suite (docs/convergence.md): SUITE=cpu (CI tier, default) or gpu (the H200); ARGS: overrides
 # for every case; report, loss_curves.png, results.json and junit.xml in runs/convergence/<suite>.
 convergence: setup
-	$(PY) -m maxlm.tools.convergence run --suite $(or $(SUITE),cpu) $(ARGS)
+	$(PY) -m maxlm.tools.convergence run suite=$(or $(SUITE),cpu) $(ARGS)
 
 # The convergence suite's own tests that train (tests/test_convergence.py, marker `convergence`): the tiny
 # cases pass clean, and each injected bug (RoPE without positions, targets shifted by one token, learning

@@ -9,7 +9,7 @@
 # scan = true). Default order: bf16:unrolled fp8_delayed:unrolled bf16:scan fp8_delayed:scan. Each case runs
 # `python -m maxlm.train config=llama3.2-3b.yml train.steps=3` twice on its own cache directory: first emptied
 # (cold), then again (warm). The first row of each run's metrics.jsonl gives the parts of the time from process
-# start to the first step's end (startup_s = backend_s + init_s + lower_s + compile_s + first_run_s,
+# start to the first step's end (startup_s = backend_s + plan_s + init_s + lower_s + compile_s + first_run_s,
 # maxlm/startup.py) and whether the train step came from the cache. BUDGET_S (default 540: one 10-minute
 # device call less the set-up) bounds the whole script: a case starts only when its estimated cold + warm
 # time (the last measured cold and warm times, else COLD_EST_S=130 and WARM_EST_S=60) fits in what is left,
@@ -55,7 +55,7 @@ row = {}
 if os.path.exists(path):
   lines = open(path).read().splitlines()
   row = json.loads(lines[0]) if lines else {}
-keep = ("startup_s", "backend_s", "init_s", "lower_s", "compile_s", "first_run_s", "compile_cache_hit",
+keep = ("startup_s", "backend_s", "plan_s", "init_s", "lower_s", "compile_s", "first_run_s", "compile_cache_hit",
         "compile_cache_hits", "compile_cache_requests", "peak_memory_gb", "compiled_memory_gb")
 size = files = autotune = atime = 0
 for root, _, names in os.walk(cache):

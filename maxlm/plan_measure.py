@@ -39,11 +39,12 @@ import jax.numpy as jnp
 
 from maxlm.config import Config, ConfigError, from_dict, to_dict
 from maxlm.data.packing import BATCH_KEYS
-from maxlm.layers import get_backend, precision_scope, resolve_backend
+from maxlm.layers import get_backend, resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import LAG, make_optimizer
-from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
+from maxlm.scope import model_scope
+from maxlm.sharding import batch_sharding, replicated
 from maxlm.sizing import human_bytes
 from maxlm.step import make_train_step
 from maxlm.train_state import abstract_state
@@ -130,8 +131,7 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
   micro = cfg.data.global_batch_size // cfg.train.grad_accum
   step = make_train_step(model, optimizer, schedule, grad_accum=cfg.train.grad_accum,
                          packed=cfg.data.type != "synthetic")  # data.type=auto is never synthetic
-  scope = precision_scope(cfg.model.precision, backend, cfg.model.fp8_amax_history_len, TE_MESH_AXES)
-  with jax.set_mesh(mesh), axis_rules(), scope, fused_attention_footprint(backend, fused_attention):
+  with model_scope(cfg.model, backend, mesh), fused_attention_footprint(backend, fused_attention):  # as the trainer
     structs, shardings = abstract_state(model, optimizer, mesh, micro, cfg.data.seq_len, cfg.optim.offload)
     bs = batch_sharding(mesh)
     batch = {k: jax.ShapeDtypeStruct((cfg.data.global_batch_size, cfg.data.seq_len), jnp.int32, sharding=bs)

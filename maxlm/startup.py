@@ -2,13 +2,14 @@
 process start to the end of the first step, in parts (the first-step line, metrics.jsonl).
 
 `begin(cfg)` is the one start sequence of every command that starts JAX for a config (train, --compile-only,
---dry-run, plan, doctor): the XLA flag preset, train.deterministic's flags, the share of device memory XLA
+plan, doctor): the XLA flag preset, train.deterministic's flags, the share of device memory XLA
 takes, and the persistent compilation cache. XLA reads its flags and the memory share once, when the backend
 starts; the cache must be set before the first compile.
 
 Parts, in order: `backend_s` process start (Linux: the kernel's start time of the process, so Python's
-imports count; for `maxlm.train.run` called as a library, the call's start) to the JAX backend up; `init_s`
-the run's checks, data inputs, the state built or restored (and `plan.mode`'s measurements); `lower_s`
+imports count; for `maxlm.train.run` called as a library, the call's start) to the JAX backend up; `plan_s`
+`plan.mode`'s measurements (ahead-of-time compiles; 0 where it measured nothing; the line shows it when not 0);
+`init_s` the run's checks, data inputs, the state built or restored; `lower_s`
 tracing and lowering the train step; `compile_s` compiling it (or loading it from the persistent
 compilation cache); `first_run_s` the first batch fetched, moved and the step run. `startup_s` is their
 sum: process start to the first step's end.
@@ -58,7 +59,7 @@ def begin(cfg: Config, compile_cache: bool = True) -> list[str]:
     runtime.configure_compile_cache(c)
   return lines
 
-PARTS = (("backend_s", "imports and backend"), ("init_s", "init"), ("lower_s", "trace and lower"),
+PARTS = (("backend_s", "imports and backend"), ("plan_s", "plan"), ("init_s", "init"), ("lower_s", "trace and lower"),
          ("compile_s", "compile"), ("first_run_s", "first run"))
 
 
@@ -93,16 +94,18 @@ class Startup:
   def mark(self, name: str) -> None:
     self.marks[name] = time.perf_counter()
 
-  def parts(self, t_first: float, lower_s: float, compile_s: float) -> dict[str, float]:
-    """The parts and startup_s for a first step that ended at `t_first`."""
+  def parts(self, t_first: float, lower_s: float, compile_s: float, plan_s: float = 0.0) -> dict[str, float]:
+    """The parts and startup_s for a first step that ended at `t_first` (`plan_s`: plan.mode's measurements,
+    which happen between the backend's start and the state's)."""
     backend, ready = self.marks.get("backend", self.t0), self.marks.get("state", self.t0)
-    return {"startup_s": t_first - self.t0, "backend_s": backend - self.t0, "init_s": ready - backend,
+    return {"startup_s": t_first - self.t0, "backend_s": backend - self.t0, "plan_s": plan_s,
+            "init_s": ready - backend - plan_s,
             "lower_s": lower_s, "compile_s": compile_s,
             "first_run_s": max(0.0, t_first - ready - lower_s - compile_s)}
 
 
 def first_step_line(done: int, parts: dict[str, float], peak_gb: float | None, estimate_gb: float | None) -> str:
-  split = ", ".join(f"{name} {parts[key]:.1f} s" for key, name in PARTS)
+  split = ", ".join(f"{name} {parts[key]:.1f} s" for key, name in PARTS if key != "plan_s" or parts[key] > 0)
   return (f"maxlm: first step {done} done {parts['startup_s']:.1f} s after start ({split})"
           + (f", peak device memory {peak_gb:.1f} GB" if peak_gb is not None else "")
           + (f", XLA's compiled estimate {estimate_gb:.1f} GB per device" if estimate_gb is not None else ""))

@@ -123,7 +123,9 @@ class Trainer:
     self.mesh = make_mesh(cfg.mesh)
     self._check_batch_split()
     # plan.mode (maxlm/plan.py): levers measured by XLA replace the config's where it plans; it checks the fit
+    t_plan = time.perf_counter()
     cfg = self.cfg = planner.for_run(cfg, echo if jax.process_index() == 0 else None)
+    self.plan_s = time.perf_counter() - t_plan  # its compiles: a part of the time to the first step
     planner.remember(self)  # for the out-of-memory line (maxlm/train.py)
     self.packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
     self.model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row)
@@ -242,7 +244,7 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Start
   profiler = Profiler(cfg.profile, run_dir, is_main, echo=echo)
   wd = watchdog.start(cfg.train, run_dir, jax.process_index(), jax.process_count())  # arm(): each host phase
   try:
-    ckpt = start_checkpoints(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
+    ckpt = _start_state(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
     start_step = int(jax.device_get(trainer.state.step))
     if is_main:  # only now is the run known to start (a checkpoint that does not fit has stopped it)
       (run_dir / "config.yml").write_text(dump_yaml(cfg))
@@ -360,10 +362,17 @@ def _compile(trainer: Trainer, wd, start_step: int) -> bool:
   return trainer.compile_train_step()
 
 
+def _start_state(trainer: Trainer, cfg: Config):
+  """The state the run starts from (maxlm/checkpoint/resume.py), taken into the trainer; the Checkpointer."""
+  started = start_checkpoints(trainer.state, trainer.state_shardings, trainer.train_data, cfg)
+  trainer.state = started.state
+  return started.checkpointer
+
+
 def _first_step(trainer: Trainer, startup: Startup, done: int, t_first: float, hit: bool, is_main: bool) -> dict:
   """The first-step lines (the time to it in parts; the compilation cache) and the fields of the first row."""
   step = trainer.jitted_train_step
-  parts = startup.parts(t_first, step.lower_s, step.compile_s)
+  parts = startup.parts(t_first, step.lower_s, step.compile_s, trainer.plan_s)
   if is_main:
     echo(first_step_line(done, parts, peak_memory_gb(), step.compiled_memory_gb))
     echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s)}")

@@ -24,6 +24,13 @@ from maxlm.optim import make_optimizer
 from maxlm.train import Trainer
 from maxlm.train_state import abstract_state
 
+
+def _start(t, cfg):
+  """maxlm.checkpoint.start for a Trainer, as the trainer takes it: the state into `t`; the Checkpointer."""
+  r = start(t.state, t.state_shardings, t.train_data, cfg)
+  t.state = r.state
+  return r.checkpointer
+
 TINY = ["model.backend=flax", "model.n_layers=1", "model.d_model=64", "model.vocab_size=512",
         "model.remat=none", "data.type=synthetic", "data.seq_len=16", "data.global_batch_size=8",
         "optim.warmup_steps=0"]
@@ -275,13 +282,13 @@ def test_trainer_start_loads_params_only_or_resumes(saved, tmp_path, capsys):
   try:
     t.state = live.replace(step=live.step * 0, params=jax.tree_util.tree_map(lambda x: x * 0, live.params))
     cfg = load_config(TINY + mesh + ["checkpoint.enabled=false", f"checkpoint.load_params={saved['root'] / '2'}"])
-    assert start(t, cfg) is None  # checkpointing disabled: nothing to resume, params loaded
+    assert _start(t, cfg) is None  # checkpointing disabled: nothing to resume, params loaded
     assert _same(_host(t.state.params), saved["states"][2][1:1 + n]) and int(t.state.step) == 0
     assert _same(_host(t.state.opt_state), _host(live.opt_state))  # untouched
     shutil.copytree(saved["root"], tmp_path / "r" / "checkpoints")
     cfg = load_config(TINY + mesh + ["checkpoint.enabled=true",
                                      f"checkpoint.load_params={saved['root'] / '2'}"])
-    start(t, cfg).close()  # resuming wins over load_params
+    _start(t, cfg).close()  # resuming wins over load_params
     assert _same(_host(t.state), saved["states"][3]) and t.train_data.get_state() == saved["data"][3]
     out = capsys.readouterr().out
     assert "resumed from checkpoint step 3" in out and "ignoring checkpoint.load_params" in out

@@ -7,13 +7,13 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import nullcontext
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 from maxlm import cli, train
+from maxlm.cli.grammar import UsageError, parse_args
 
 # subprocess runs compile like the suite's own (conftest): XLA's CPU backend at optimization level 0
 FAST_CPU = "--xla_backend_optimization_level=0"
@@ -98,11 +98,10 @@ def test_version_and_help_alias(capsys):
   assert cli.main(["help"]) == 0 and "commands:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("cmd, module", [("train", "maxlm.train"), ("prepare", "maxlm.data.prepare"),
-                                         ("doctor", "maxlm.tools.doctor")])
+@pytest.mark.parametrize("cmd, module", [("train", "maxlm.train"), ("prepare", "maxlm.cli.prepare"),
+                                         ("doctor", "maxlm.tools.doctor"), ("convergence", "maxlm.tools.convergence")])
 def test_command_help_is_the_modules_help(cmd, module, capsys):
-  with pytest.raises(SystemExit) if cmd == "prepare" else nullcontext():  # argparse exits after --help
-    assert importlib.import_module(module).main(["--help"]) == 0
+  assert importlib.import_module(module).main(["--help"]) == 0
   own = capsys.readouterr().out
   via_cli = run([cmd, "--help"])  # through the console script, in a fresh process
   assert via_cli.returncode == 0 and len(own) > 200
@@ -136,8 +135,36 @@ def test_tiny_run_through_either_entry(tmp_path):
 
 def test_exit_code_of_a_failing_command_passes_through(tmp_path):
   """A non-zero code other than 2 (prepare: nothing to read) comes back unchanged."""
-  args = [str(tmp_path / "missing.txt"), "-o", str(tmp_path / "out")]
-  via_cli, via_module = run(["prepare", *args]), run(args, module="maxlm.data.prepare")
+  args = [str(tmp_path / "missing.txt"), f"out={tmp_path / 'out'}"]
+  via_cli, via_module = run(["prepare", *args]), run(args, module="maxlm.cli.prepare")
   assert via_cli.returncode == via_module.returncode != 0
   assert via_cli.stderr == via_module.stderr and via_cli.stderr.startswith("maxlm: error:")
   assert not (tmp_path / "out").exists()
+
+
+def test_grammar_splits_settings_overrides_and_flags():
+  own, overrides, flags = parse_args(["n=3", "model.dtype=float32", "--json", "name=a=b", "tag=x", "tag=y"],
+                                     {"n": int, "name": str, "tag": str}, repeated=("tag",))
+  assert own == {"n": 3, "name": "a=b", "tag": ["x", "y"]}
+  assert overrides == ["model.dtype=float32"] and flags == {"--json"}
+  with pytest.raises(UsageError, match="argument 'corpus.txt' is not key=value"):  # no positional: bare words fail
+    parse_args(["corpus.txt"], {"n": int})
+  with pytest.raises(UsageError, match="unknown argument 'm'"):
+    parse_args(["m=1"], {"n": int})
+  with pytest.raises(UsageError, match=r"argument n='x' is not an int"):
+    parse_args(["n=x"], {"n": int})
+
+
+def test_grammar_positional_words():
+  """`positional=NAME` collects the bare words (files, globs, directories) in order; a word holding '=' stays
+  key=value, and a word starting with '-' (an old `-o DIR`) is never taken for a file."""
+  own, overrides, flags = parse_args(["a.txt", "out=d", "dir/", "*.jsonl", "--overwrite", "data.x=1"],
+                                     {"out": str}, positional="inputs")
+  assert own == {"inputs": ["a.txt", "dir/", "*.jsonl"], "out": "d"}
+  assert overrides == ["data.x=1"] and flags == {"--overwrite"}
+  assert parse_args(["out=d"], {"out": str}, positional="inputs")[0] == {"inputs": [], "out": "d"}
+  for word in ("-o", "-"):
+    with pytest.raises(UsageError, match=f"argument '{word}' is not key=value"):
+      parse_args(["a.txt", word, "d"], {"out": str}, positional="inputs")
+  with pytest.raises(UsageError, match="unknown argument 'a'"):
+    parse_args(["a=b.txt"], {"out": str}, positional="inputs")

@@ -25,7 +25,7 @@ TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head
         "train.eval_every=0", "checkpoint.enabled=false"]
 HIT = "maxlm: compilation cache: the train step came from the cache (hit"
 MISS = "maxlm: compilation cache: the train step was compiled (miss"
-PARTS = ("backend_s", "init_s", "lower_s", "compile_s", "first_run_s")
+PARTS = ("backend_s", "plan_s", "init_s", "lower_s", "compile_s", "first_run_s")
 
 
 def _env() -> dict:

@@ -137,7 +137,7 @@ def test_shipped_suites_load():
 def test_bad_suite_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, edit, message):
   path = _suite_file(tmp_path, MINI.replace(*edit))
   out = tmp_path / "out"
-  assert main(["run", "--suite", str(path), "--out", str(out)]) == 2
+  assert main(["run", f"suite={path}", f"out={out}"]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and err.startswith("maxlm: error: ") and message in err
   assert not out.exists()
@@ -146,15 +146,54 @@ def test_bad_suite_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, edit,
 def test_missing_golden_bad_override_and_unknown_case_are_setup_errors(tmp_path, capsys):
   path = _suite_file(tmp_path, MINI)
   out = tmp_path / "out"
-  assert main(["run", "--suite", str(path), "--out", str(out)]) == 2
+  assert main(["run", f"suite={path}", f"out={out}"]) == 2
   assert "no golden for case micro" in capsys.readouterr().err
-  assert main(["run", "--suite", "cpu", "--out", str(out), "--cases", "nope"]) == 2
+  assert main(["run", "suite=cpu", f"out={out}", "cases=nope"]) == 2
   assert "has no case 'nope'" in capsys.readouterr().err
-  assert main(["run", "--suite", "cpu", "--out", str(out), "model.d_modle=3"]) == 2
+  assert main(["run", "suite=cpu", f"out={out}", "model.d_modle=3"]) == 2
   err = capsys.readouterr().err
   assert "unknown config key 'model.d_modle'" in err and err.count("\n") == 1
-  assert main(["run", "--suite", "nosuch", "--out", str(out)]) == 2
+  assert main(["run", "suite=nosuch", f"out={out}"]) == 2
   assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["run", "--suite", "cpu"], "convergence run: --suite is now suite=VALUE"),
+    (["run", "suite=cpu", "--out", "OUT"], "convergence run: --out is now out=VALUE"),
+    (["run", "suite=cpu", "--jobs=2"], "convergence run: --jobs is now jobs=VALUE"),
+    (["run", "suite=cpu", "--cases", "default", "--steps", "200"], "--cases is now cases=VALUE"),
+    (["update-golden", "suite=cpu", "--seeds", "3"], "convergence update-golden: --seeds is now seeds=VALUE"),
+    (["redraw", "--out", "OUT"], "convergence redraw: --out is now out=VALUE"),
+    (["run"], "convergence run: suite=... is required"),
+    (["redraw"], "convergence redraw: out=... is required"),
+    (["run", "suite=cpu", "jobs=0"], "jobs= must be at least 1, got 0"),
+    (["run", "suite=cpu", "steps=x"], "argument steps='x' is not an int"),
+    (["run", "suite=cpu", "--plot"], "convergence run: unknown option --plot (options: --help, --no-plot)"),
+    (["run", "suite=cpu", "cpu"], "argument 'cpu' is not key=value"),
+    (["update-golden", "suite=cpu", "model.d_model=8"], "model.d_model is a config key; update-golden takes none"),
+    (["baseline", "suite=cpu"], "unknown argument 'suite'"),
+    (["rnu", "suite=cpu"], "convergence: unknown subcommand 'rnu' (subcommands: run, redraw, update-golden"),
+    ([], "convergence: no subcommand given"),
+])
+def test_bad_arguments_and_old_spellings_are_one_line_exit_2(tmp_path, capsys, argv, want):
+  """`--suite cpu`, the spelling before the one grammar, names the new one (suite=cpu); nothing is written."""
+  out = tmp_path / "out"
+  assert main([w.replace("OUT", str(out)) for w in argv]) == 2
+  captured = capsys.readouterr()
+  assert captured.err.startswith("maxlm: error: ") and captured.err.count("\n") == 1 and want in captured.err
+  assert captured.out == "" and not out.exists()
+
+
+def test_baseline_takes_a_config_file_and_dotted_overrides(tmp_path, capsys):
+  words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
+  rng = np.random.default_rng(0)
+  (tmp_path / "c.txt").write_text("".join(" ".join(rng.choice(words, 12)) + "\n" for _ in range(300)))
+  data = ["data.type=text", f"data.paths={tmp_path / 'c.txt'}", "data.eval_fraction=0.1"]
+  assert main(["baseline", "config=default.yml", *data]) == 0
+  assert capsys.readouterr().out.startswith("bigram ")
+  assert main(["baseline", "config=nosuch.yml", *data]) == 2  # config= reaches the config loader
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "config file 'nosuch.yml' not found" in err
 
 
 class _Run:
@@ -249,7 +288,7 @@ def test_redraw_from_results_json(tmp_path):
   panels = [{"case": "a", "golden": {"loss_smooth": curve}, "run": {"loss_smooth": {"10": 7.0, "20": 6.05}},
              "failures": [], "failed": False}]
   (tmp_path / "results.json").write_text(json.dumps({"plot": {"title": "t", "panels": panels}}))
-  assert main(["redraw", "--out", str(tmp_path)]) == 0
+  assert main(["redraw", f"out={tmp_path}"]) == 0
   img = pytest.importorskip("matplotlib.image").imread(tmp_path / "loss_curves.png")
   assert img.shape[:2] == (round(plot.PANEL_H * plot.DPI), round(plot.PANEL_W * plot.DPI))
 
@@ -309,7 +348,7 @@ def test_bigram_baselines_match_a_reference_and_are_tuned():
 def test_old_module_name_runs_the_tool():
   """`python -m maxlm.convergence` (launch/slurm/nightly.sbatch calls it) is `python -m maxlm.tools.convergence`."""
   root = Path(__file__).resolve().parent.parent
-  runs = [subprocess.run([sys.executable, "-m", mod, "run", "--suite", "no_such_suite"], cwd=root, capture_output=True,
+  runs = [subprocess.run([sys.executable, "-m", mod, "run", "suite=no_such_suite"], cwd=root, capture_output=True,
                          text=True, timeout=300) for mod in ("maxlm.convergence", "maxlm.tools.convergence")]
   assert runs[0].returncode == runs[1].returncode == 2
   assert runs[0].stderr == runs[1].stderr and "no_such_suite" in runs[0].stderr
@@ -318,7 +357,7 @@ def test_old_module_name_runs_the_tool():
 # Marked `convergence`: outside the default suite (`make test`), run by `make test-convergence`, which CI
 # (.ci/run) runs after `make convergence`. They are ~4 CPU-minutes of training runs.
 # Each regression test runs one shipped case: a tiny case in full (100 steps), or the default run stopped
-# at step 200 of its 300 (`--steps 200`: the same learning-rate schedule, so the golden's checks at steps
+# at step 200 of its 300 (`steps=200`: the same learning-rate schedule, so the golden's checks at steps
 # 100 and 200 apply unchanged and those at 300, the margin's too, are skipped). A clean run of both tiny
 # cases passes.
 
@@ -352,11 +391,11 @@ rope.apply_rope = _at_position_zero  # before maxlm.model imports it by name
 
 
 def _run_cpu(monkeypatch, tmp_path, args):
-  """`maxlm convergence run --suite cpu ARGS` in this process; the trainer subprocesses get one CPU device
+  """`maxlm convergence run suite=cpu ARGS` in this process; the trainer subprocesses get one CPU device
   (conftest's 8 simulated devices would change the numbers the goldens were recorded with)."""
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   out = tmp_path / "report"
-  rc = main(["run", "--suite", "cpu", "--out", str(out), *args])
+  rc = main(["run", "suite=cpu", f"out={out}", *args])
   return rc, out, json.loads((out / "results.json").read_text())
 
 
@@ -364,7 +403,7 @@ def _run_cpu(monkeypatch, tmp_path, args):
 @pytest.mark.te
 def test_clean_cpu_suite_passes(monkeypatch, tmp_path, capsys):
   cases = ["tiny_te", "tiny_flax"]  # `default` (~2 min) runs in CI's `make convergence`, which runs them all
-  rc, out, res = _run_cpu(monkeypatch, tmp_path, ["--cases", ",".join(cases)])
+  rc, out, res = _run_cpu(monkeypatch, tmp_path, ["cases=" + ",".join(cases)])
   assert rc == 0, capsys.readouterr().out
   assert res["passed"] and res["failed_cases"] == [] and [r["case"] for r in res["runs"]] == cases
   assert all(c["verdict"] == "pass" for c in res["checks"]) and len(res["checks"]) == 6
@@ -378,7 +417,7 @@ def test_clean_cpu_suite_passes(monkeypatch, tmp_path, capsys):
 @pytest.mark.convergence
 @pytest.mark.te
 def test_learning_rate_x30_fails_and_names_the_case(monkeypatch, tmp_path, capsys):
-  rc, out, res = _run_cpu(monkeypatch, tmp_path, ["--cases", "tiny_te", "optim.learning_rate=0.09"])
+  rc, out, res = _run_cpu(monkeypatch, tmp_path, ["cases=tiny_te", "optim.learning_rate=0.09"])
   text = capsys.readouterr().out
   assert rc == 1 and res["failed_cases"] == ["tiny_te"] and "FAILED: tiny_te" in text
   assert "FAIL: tiny_te" in (out / "report.md").read_text().splitlines()[0]
@@ -396,7 +435,7 @@ def _inject(monkeypatch, tmp_path, source: str) -> None:
 @pytest.mark.te
 def test_broken_rope_fails_and_names_the_case(monkeypatch, tmp_path, capsys):
   _inject(monkeypatch, tmp_path, NO_POSITIONS)
-  rc, _, res = _run_cpu(monkeypatch, tmp_path, ["--cases", "default", "--steps", "200"])
+  rc, _, res = _run_cpu(monkeypatch, tmp_path, ["cases=default", "steps=200"])
   assert rc == 1 and res["failed_cases"] == ["default"] and "FAILED: default" in capsys.readouterr().out
   # caught where the model has begun to use word context (docs/convergence.md): the held-out loss at 200
   failed = {(c["metric"], c["step"]) for c in res["checks"] if c["verdict"] not in ("pass", "skipped")}
@@ -406,5 +445,5 @@ def test_broken_rope_fails_and_names_the_case(monkeypatch, tmp_path, capsys):
 @pytest.mark.convergence
 def test_targets_shifted_by_one_token_fail_and_name_the_case(monkeypatch, tmp_path, capsys):
   _inject(monkeypatch, tmp_path, MISALIGN)
-  rc, _, res = _run_cpu(monkeypatch, tmp_path, ["--cases", "tiny_flax"])
+  rc, _, res = _run_cpu(monkeypatch, tmp_path, ["cases=tiny_flax"])
   assert rc == 1 and res["failed_cases"] == ["tiny_flax"] and "FAILED: tiny_flax" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""`python -m maxlm.data.prepare` end to end: shards, metadata, training from them, bad input."""
+"""`maxlm prepare` end to end: shards, metadata, training from them, bad input."""
 
 import base64
 import json
@@ -12,7 +12,8 @@ import pytest
 
 from maxlm.config import DataConfig
 from maxlm.data import BATCH_KEYS, DataError, load_tokenizer, make_eval_iterator, make_train_iterator
-from maxlm.data.prepare import main, prepare
+from maxlm.cli.prepare import main
+from maxlm.data.prepare import prepare
 from maxlm.data.readers import META_NAME
 
 from test_data_pipeline import _check_state_restore
@@ -104,36 +105,36 @@ def test_cli_summary_and_bad_records(inputs, capsys):
   bad = tmp / "bad.jsonl"
   bad.write_text('{"body": "good"}\n{"body": \n{"text": "x"}\n{"body": "also good"}\n')
   out = tmp / "out"
-  assert main([str(bad), "-o", str(out), "--field", "body", "--no-progress"]) == 2
+  assert main([str(bad), f"out={out}", "field=body", "--no-progress"]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and f"{bad}:2: malformed JSON" in err
   assert not list(out.glob("*.array_record"))  # nothing half-written is left
-  assert main([str(bad), str(tmp / "a.txt"), "-o", str(out), "--field", "body", "--no-progress",
+  assert main([str(bad), str(tmp / "a.txt"), f"out={out}", "field=body", "--no-progress",
                "--skip-bad-records"]) == 0
   text = capsys.readouterr().out
   assert "prepared 32 documents" in text and "skipped 2 bad records" in text
   assert "1 x malformed JSON" in text and "1 x missing field 'body'" in text
   assert f"{bad}:3" in text
-  assert main([str(bad), "-o", str(out), "--no-progress"]) == 2  # already prepared: no overwrite
+  assert main([str(bad), f"out={out}", "--no-progress"]) == 2  # already prepared: no overwrite
   assert "--overwrite" in capsys.readouterr().err
-  assert main([str(tmp / "missing.txt"), "-o", str(tmp / "o2"), "--no-progress"]) == 2
+  assert main([str(tmp / "missing.txt"), f"out={tmp / 'o2'}", "--no-progress"]) == 2
   assert "not found" in capsys.readouterr().err
-  assert main([str(tmp / "a.txt"), "-o", str(tmp / "o3"), "--tokenizer", str(bad), "--no-progress"]) == 2
+  assert main([str(tmp / "a.txt"), f"out={tmp / 'o3'}", f"tokenizer={bad}", "--no-progress"]) == 2
   assert "cannot load tokenizer" in capsys.readouterr().err
 
 
 def test_cli_module_entry_point(inputs):
   """The module runs as documented; without a terminal there is no progress bar, so stderr is empty."""
   tmp, _ = inputs
-  r = subprocess.run([sys.executable, "-m", "maxlm.data.prepare", str(tmp / "a.txt"), "-o",
-                      str(tmp / "cli")], capture_output=True, text=True, timeout=120)
+  r = subprocess.run([sys.executable, "-m", "maxlm.cli", "prepare", str(tmp / "a.txt"), f"out={tmp / 'cli'}"],
+                     capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr
   assert "prepared 30 documents" in r.stdout and r.stderr == ""
 
 
 def _run_all(argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
   """Run several prepare commands at once (each pays the import time; they overlap)."""
-  procs = [subprocess.Popen([sys.executable, "-m", "maxlm.data.prepare", *a], stdout=subprocess.PIPE,
+  procs = [subprocess.Popen([sys.executable, "-m", "maxlm.cli", "prepare", *a], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True) for a in argvs]
   out = []
   for a, p in zip(argvs, procs):
@@ -152,13 +153,15 @@ def test_cli_bad_input_is_one_line_and_leaves_nothing(inputs):
   _corrupt_parquet(bad_pq, "snappy")  # a damaged data page behind an intact footer
   outs = [tmp / f"out{i}" / "nested" for i in range(6)]
   cases = [  # (argv, what the one line must contain)
-      ([str(tmp / "missing.txt"), "-o", str(outs[0])], f"data file '{tmp / 'missing.txt'}' not found"),
-      ([str(tmp / "a.txt"), "-o", str(tmp / "b.jsonl")], f"output '{tmp / 'b.jsonl'}' exists and is not"),
-      ([str(tmp / "a.txt"), "-o", str(outs[2]), "--tokenizer", str(tmp / "no.model")],
+      ([str(tmp / "missing.txt"), f"out={outs[0]}"], f"data file '{tmp / 'missing.txt'}' not found"),
+      ([str(tmp / "a.txt"), f"out={tmp / 'b.jsonl'}"], f"output '{tmp / 'b.jsonl'}' exists and is not"),
+      ([str(tmp / "a.txt"), f"out={outs[2]}", f"tokenizer={tmp / 'no.model'}"],
        f"tokenizer file '{tmp / 'no.model'}' not found"),
-      ([str(bad_pq), "-o", str(outs[3])], f"cannot read '{bad_pq}' (Parquet, after row 0)"),
-      ([str(bad_json), "-o", str(outs[4]), "--field", "body"], f"{bad_json}:601: malformed JSON"),
-      ([str(tmp / "a.txt")], "the following arguments are required: --output/-o"),
+      ([str(bad_pq), f"out={outs[3]}"], f"cannot read '{bad_pq}' (Parquet, after row 0)"),
+      ([str(bad_json), f"out={outs[4]}", "field=body"], f"{bad_json}:601: malformed JSON"),
+      ([str(tmp / "a.txt")], "prepare: out=<directory> is required"),
+      ([str(tmp / "a.txt"), f"out={outs[1]}", "format=csv"], "format must be one of auto, text, jsonl, parquet"),
+      ([str(tmp / "a.txt"), "-o", str(outs[5])], "prepare: -o is now out=VALUE"),  # the spelling before
   ]
   before = (tmp / "b.jsonl").read_bytes()
   for (argv, want), r in zip(cases, _run_all([c[0] for c in cases])):
@@ -170,6 +173,41 @@ def test_cli_bad_input_is_one_line_and_leaves_nothing(inputs):
   assert (tmp / "b.jsonl").read_bytes() == before
 
 
+@pytest.mark.parametrize("argv, want", [
+    (["a.txt", "-o", "x"], "-o is now out=VALUE"),
+    (["a.txt", "--output=x"], "--output is now out=VALUE"),
+    (["a.txt", "out=x", "--tokenizer", "t.model"], "--tokenizer is now tokenizer=VALUE"),
+    (["a.txt", "out=x", "--tokenizer-type", "hf"], "--tokenizer-type is now tokenizer_type=VALUE"),
+    (["a.txt", "out=x", "--text-split", "file"], "--text-split is now text_split=VALUE"),
+    (["a.txt", "out=x", "--shard-tokens", "9"], "--shard-tokens is now shard_tokens=VALUE"),
+    (["a.txt", "out=x", "--progress"], "unknown option --progress"),
+    (["a.txt", "out=x", "data.field=body"], "data.field is a config key; prepare takes none"),
+    (["out=x"], "no INPUT given"),
+    (["a.txt", "out=x", "threads=two"], "threads='two' is not an int"),
+    (["a.txt", "out=x", "tokenizer_type=bpe"], "tokenizer_type must be one of auto, sentencepiece, hf, tiktoken"),
+    (["a.txt", "out=x", "text_split=page"], "text_split must be one of"),
+    (["a.txt", "out=x", "threads=-1"], "threads must be >= 0"),
+])
+def test_bad_arguments_and_old_spellings_are_one_line_exit_2(inputs, monkeypatch, capsys, argv, want):
+  """The spellings before the one grammar (`-o DIR`, `--tokenizer PATH`) name the new one; nothing is made."""
+  tmp, _ = inputs
+  monkeypatch.chdir(tmp)
+  assert main(argv) == 2
+  captured = capsys.readouterr()
+  assert captured.err.startswith("maxlm: error: ") and captured.err.count("\n") == 1 and want in captured.err
+  assert captured.out == "" and not (tmp / "x").exists()
+
+
+def test_old_module_command_names_the_new_one(inputs):
+  """`python -m maxlm.data.prepare` (the data layer cannot import the commands) fails in one line, exit 2."""
+  tmp, _ = inputs
+  r = subprocess.run([sys.executable, "-m", "maxlm.data.prepare", str(tmp / "a.txt"), "-o", str(tmp / "x")],
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
+  assert r.stderr.startswith("maxlm: error: ") and "is now `maxlm prepare INPUT... out=DIR" in r.stderr
+  assert not (tmp / "x").exists()
+
+
 def test_overwrite_failure_keeps_old_data(inputs, capsys):
   """--overwrite replaces prepared data only once the new data is complete: a failing run keeps it."""
   tmp, _ = inputs
@@ -177,10 +215,10 @@ def test_overwrite_failure_keeps_old_data(inputs, capsys):
   prepare([str(tmp / "a.txt")], str(out), progress=False)
   old = {f.name: f.read_bytes() for f in out.iterdir()}
   (tmp / "bad.jsonl").write_text('{"text": "fine"}\n{oops\n')
-  assert main([str(tmp / "bad.jsonl"), "-o", str(out), "--overwrite", "--no-progress"]) == 2
+  assert main([str(tmp / "bad.jsonl"), f"out={out}", "--overwrite", "--no-progress"]) == 2
   assert "bad.jsonl:2: malformed JSON" in capsys.readouterr().err
   assert {f.name: f.read_bytes() for f in out.iterdir()} == old  # no staging directory left either
-  assert main([str(tmp / "b.jsonl"), "-o", str(out), "--overwrite", "--field", "body", "--no-progress"]) == 0
+  assert main([str(tmp / "b.jsonl"), f"out={out}", "--overwrite", "field=body", "--no-progress"]) == 0
   assert json.loads((out / META_NAME).read_text())["documents"] == 30
   assert sorted(f.name for f in out.iterdir()) == [META_NAME, "shard-00000.array_record"]
 
@@ -188,23 +226,25 @@ def test_overwrite_failure_keeps_old_data(inputs, capsys):
 def test_summary_and_help_tell_how_to_train_and_evaluate(inputs, capsys):
   """The printed train command works as printed, and the eval advice (data.eval_paths=DIR) works too."""
   tmp, docs = inputs
-  assert main([str(tmp / "a.txt"), "-o", str(tmp / "train"), "--no-progress"]) == 0
+  assert main([str(tmp / "a.txt"), f"out={tmp / 'train'}", "--no-progress"]) == 0
   text = capsys.readouterr().out
   line = next(x for x in text.splitlines() if x.startswith("train with: python -m maxlm.train "))
   overrides = dict(kv.split("=", 1) for kv in line.split("python -m maxlm.train ")[1].split())
   assert overrides == {"data.type": "arrayrecord", "data.paths": str(tmp / "train")}
   assert "model.vocab_size >= 8192" in text and "data.eval_paths=EVAL_DIR" in text
   assert "every k-th document is held out" in text and "every 50th by default" in text
-  assert main([str(tmp / "b.jsonl"), "-o", str(tmp / "held"), "--field", "body", "--no-progress"]) == 0
+  assert main([str(tmp / "b.jsonl"), f"out={tmp / 'held'}", "field=body", "--no-progress"]) == 0
   cfg = DataConfig(type=overrides["data.type"], paths=overrides["data.paths"], eval_paths=str(tmp / "held"),
                    seq_len=32, global_batch_size=4, num_epochs=1)
   assert make_train_iterator(cfg, 8192).info["documents"] == 30  # nothing held out of training
   assert make_eval_iterator(cfg, 8192).info["documents"] == 30  # the separate eval set
-  with pytest.raises(SystemExit):
-    main(["--help"])
+  assert main(["--help"]) == 0
   help_text = capsys.readouterr().out
   for part in ("data.eval_paths=EVAL_DIR", "every k-th document", "without BOS/EOS",
-               "uint16 when the vocabulary has at most 65,536 tokens", "docs/data_format.md"):
+               "uint16 when the vocabulary has at most 65,536 tokens", "docs/data_format.md",
+               *(f"\n  {k}" for k in ("INPUT...", "out=DIR", "tokenizer=PATH", "tokenizer_type=", "format=", "field=",
+                                      "text_split=", "shard_tokens=N", "threads=N", "--skip-bad-records",
+                                      "--overwrite", "--no-progress"))):  # every argument is explained
     assert part in help_text, part
 
 

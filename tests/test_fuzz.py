@@ -96,8 +96,8 @@ def _valid_files(tmp: Path) -> dict[str, Path]:
   files["text-gz"].write_bytes(gzip.compress(("\n".join(docs) + "\n").encode()))
   files["jsonl-bz2"].write_bytes(bz2.compress("".join(json.dumps({"text": d}) + "\n" for d in docs).encode()))
   shards = tmp / "shards"
-  r = subprocess.run([sys.executable, "-m", "maxlm.data.prepare", str(files["text"]), "-o", str(shards),
-                      "--shard-tokens", "2000"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  r = subprocess.run([sys.executable, "-m", "maxlm.cli", "prepare", str(files["text"]), f"out={shards}",
+                      "shard_tokens=2000"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr
   files["arrayrecord"] = shards
   return files

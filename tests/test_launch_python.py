@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from maxlm.tools.convergence.cli import _arguments
+
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = {"mpi": "launch/mpi/train.sh", "sbatch": "launch/slurm/train.sbatch",
              "nightly": "launch/slurm/nightly.sbatch"}
@@ -86,3 +88,15 @@ def test_then_python3_if_it_has_maxlm_else_one_error_line(tmp_path, template):
   lines = err.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("maxlm-launch: error: no Python with maxlm") and \
       "MAXLM_PYTHON" in lines[0] and "make setup" in lines[0], err
+
+
+def test_the_nightly_command_is_in_the_convergence_grammar(tmp_path):
+  """nightly.sbatch's srun line parses as `maxlm convergence run` arguments (suite=, jobs=, out=, overrides)."""
+  code, _, err, argv = _launch(tmp_path, "nightly", {"MAXLM_PYTHON": "py", "MAXLM_SUITE": "cpu", "MAXLM_JOBS": "2"},
+                               venv=False, python3_has_maxlm=True)
+  assert code == 0, err
+  words = argv[argv.index("-m") + 1:]
+  assert words[:2] == ["maxlm.convergence", "run"]
+  sub, args = _arguments(words[1:])
+  assert (sub, args.suite, args.jobs, args.out.parent) == ("run", "cpu", 2, tmp_path / "reports")
+  assert args.overrides == ["distributed.mode=off", "train.steps=1"]  # the template's own, then the job's

@@ -17,6 +17,13 @@ from maxlm.train import Trainer
 import reference as R
 from test_step import MODEL, batch, setup
 
+
+def _start(t, cfg):
+  """maxlm.checkpoint.start for a Trainer, as the trainer takes it: the state into `t`; the Checkpointer."""
+  r = start(t.state, t.state_shardings, t.train_data, cfg)
+  t.state = r.state
+  return r.checkpointer
+
 FP16 = dataclasses.replace(MODEL, precision="fp16", dtype="bfloat16")
 
 
@@ -181,7 +188,7 @@ def test_resume_keeps_the_loss_scale(tmp_path):
       scale=jnp.float32(256.0), good_steps=jnp.int32(7), overflow_steps=jnp.int32(3)))
   save(cfg, t)
   cfg, t = trainer(tmp_path, "model.precision=fp16")
-  start(t, cfg).close()
+  _start(t, cfg).close()
   ls = t.state.loss_scale
   assert (float(ls.scale), int(ls.good_steps), int(ls.overflow_steps)) == (256.0, 7, 3)
 
@@ -194,7 +201,7 @@ def test_checkpoint_without_loss_scale_restores_into_fp16(tmp_path, capsys):
   t.state = t.state.replace(nonfinite_steps=jnp.int32(2))
   save(cfg, t)
   cfg, t = trainer(tmp_path, "model.precision=fp16", "model.fp16_initial_scale=512")
-  start(t, cfg).close()
+  _start(t, cfg).close()
   assert float(t.state.loss_scale.scale) == 512.0 and int(t.state.loss_scale.overflow_steps) == 0
   assert int(t.state.nonfinite_steps) == 2
   assert "holds no fp16 loss scale" in capsys.readouterr().out
@@ -205,7 +212,7 @@ def test_fp16_checkpoint_into_bf16_is_refused_in_one_line(tmp_path):
   save(cfg, t)
   cfg, t = trainer(tmp_path)
   with pytest.raises(CheckpointError) as e:
-    start(t, cfg)
+    _start(t, cfg)
   msg = str(e.value)
   assert "\n" not in msg and ".loss_scale" in msg and "model.precision: 'fp16' -> 'bf16'" in msg
 

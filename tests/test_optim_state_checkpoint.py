@@ -14,6 +14,13 @@ from maxlm.checkpoint import start
 from maxlm.config import load_config
 from maxlm.train import Trainer, main
 
+
+def _start(t, cfg):
+  """maxlm.checkpoint.start for a Trainer, as the trainer takes it: the state into `t`; the Checkpointer."""
+  r = start(t.state, t.state_shardings, t.train_data, cfg)
+  t.state = r.state
+  return r.checkpointer
+
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
          "model.n_layers=1", "model.vocab_size=128", "model.remat=none", "data.type=synthetic",
          "data.seq_len=16", "data.global_batch_size=8", "optim.warmup_steps=0", "train.log_every=1",
@@ -42,7 +49,7 @@ def _resumed(args):
   cfg = load_config(args)
   t = Trainer(cfg)
   t.build()
-  start(t, cfg).close()
+  _start(t, cfg).close()
   return t
 
 

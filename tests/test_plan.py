@@ -1,4 +1,4 @@
-"""The memory planner (maxlm/plan.py, plan_measure.py, plan_cmd.py) on 8 simulated CPU devices: its per-device
+"""The memory planner (maxlm/plan.py, plan_measure.py, cli/plan.py) on 8 simulated CPU devices: its per-device
 bytes equal XLA's memory analysis of the step the trainer compiles (read here off the trainer's own executable),
 a config that fits only with a memory-saving lever gets it (CLI table, trainer, dry run), the search is
 deterministic and compiles only what it must, and an out-of-memory error ends in one line."""

@@ -4,8 +4,10 @@ weights: a checkpoint step directory, a checkpoints directory, or a bare Orbax p
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
+from typing import Any
 
 import orbax.checkpoint as ocp
 
@@ -59,34 +61,42 @@ def load_params(path: str, target):
   return params
 
 
-def start(trainer, cfg) -> Checkpointer | None:
-  """Resume `trainer` (state and data position) from its run's latest usable checkpoint, or load
-  `checkpoint.load_params` into a fresh state. Returns the Checkpointer (None when disabled)."""
+@dataclasses.dataclass
+class Started:
+  """What `start` found: the state to train from (restored, with loaded parameters, or the fresh one given) and
+  the run's Checkpointer (None when checkpointing is off; the caller closes it)."""
+  state: Any
+  checkpointer: Checkpointer | None
+
+
+def start(state, shardings, data, cfg) -> Started:
+  """The state a run starts from: its latest usable checkpoint's (state, and `data`'s position set to the
+  checkpoint's), else the fresh `state` with `checkpoint.load_params`'s parameters, else `state` itself.
+  `shardings`: the state's. Nothing of the caller's is changed but the data iterator's position."""
   c = cfg.checkpoint
   ckpt = Checkpointer(cfg.run_dir / "checkpoints", c) if c.enabled else None
   try:
-    _start(trainer, cfg, ckpt)
+    return Started(_start(state, shardings, data, cfg, ckpt), ckpt)
   except BaseException:
     if ckpt is not None:
       ckpt.close()
     raise
-  return ckpt
 
 
-def _start(trainer, cfg, ckpt: Checkpointer | None) -> None:
+def _start(state, shardings, data, cfg, ckpt: Checkpointer | None):
   c = cfg.checkpoint
-  target = abstract_like(trainer.state, trainer.state_shardings)
+  target = abstract_like(state, shardings)
   t0 = time.perf_counter()
   restored = ckpt.restore_latest(target, to_dict(cfg)) if ckpt else None
   if restored is not None:
-    fresh_scale = trainer.state.loss_scale
-    trainer.state = restored.state
+    fresh_scale = state.loss_scale
+    state = restored.state
     if restored.state.loss_scale is None and fresh_scale is not None:
-      trainer.state = trainer.state.replace(loss_scale=fresh_scale)
+      state = state.replace(loss_scale=fresh_scale)
       echo(f"maxlm: checkpoint step {restored.step} holds no fp16 loss scale (written by another precision or "
            f"an older maxlm); starting from model.fp16_initial_scale={cfg.model.fp16_initial_scale:g}")
     try:
-      trainer.train_data.set_state(restored.data)
+      data.set_state(restored.data)
     except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types; each becomes one line
       raise CheckpointError(f"checkpoint step {restored.step}: the data-iterator state does not fit "
                             f"this data config: {reason(e)}") from None
@@ -97,5 +107,6 @@ def _start(trainer, cfg, ckpt: Checkpointer | None) -> None:
     if c.load_params:
       echo(f"maxlm: ignoring checkpoint.load_params={c.load_params} (resuming this run)")
   elif c.load_params:
-    trainer.state = trainer.state.replace(params=load_params(c.load_params, target.params))
+    state = state.replace(params=load_params(c.load_params, target.params))
     echo(f"maxlm: loaded parameters from {c.load_params}")
+  return state

@@ -24,13 +24,13 @@ __all__ = ["COMMANDS", "UsageError", "command_main", "main", "parse_args"]  # th
 # `main(argv: list[str] | None = None) -> int`. A command whose module does not exist yet is not offered.
 COMMANDS = {
   "train": "maxlm.train",
-  "prepare": "maxlm.data.prepare",
+  "prepare": "maxlm.cli.prepare",
   "doctor": "maxlm.tools.doctor",
   "eval": "maxlm.cli.eval",
   "generate": "maxlm.cli.generate",
   "convert": "maxlm.cli.convert",
   "convergence": "maxlm.tools.convergence",
-  "plan": "maxlm.plan_cmd",
+  "plan": "maxlm.cli.plan",
 }
 
 EXIT_BAD_INPUT = 2

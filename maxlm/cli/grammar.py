@@ -16,15 +16,24 @@ class UsageError(BadInput, ValueError):
   """A bad command-line argument (one line)."""
 
 
-def parse_args(argv: list[str], keys: dict[str, type], repeated=()) -> tuple[dict, list[str], set[str]]:
-  """key=value words -> (own settings, config overrides (dotted keys), --flags)."""
-  own: dict = {k: [] for k in repeated}
+def parse_args(argv: list[str], keys: dict[str, type], repeated=(), positional: str | None = None
+               ) -> tuple[dict, list[str], set[str]]:
+  """key=value words -> (own settings, config overrides (dotted keys), --flags).
+
+  `repeated` keys collect every value in a list. With `positional`, the command also takes bare words (not
+  key=value, not starting with '-'; e.g. input files, which the shell expands): own[positional] is their list (a
+  word holding '=' is always key=value).
+  """
+  own: dict = {k: [] for k in (*repeated, *([positional] if positional else []))}
   overrides, flags = [], set()
   for word in argv:
     if word.startswith("--") and "=" not in word:
       flags.add(word)
       continue
     if "=" not in word:
+      if positional and not word.startswith("-"):
+        own[positional].append(word)
+        continue
       raise UsageError(f"argument {word!r} is not key=value (see --help)")
     key, value = word.split("=", 1)
     if "." in key:

@@ -15,7 +15,7 @@ __all__ = ["DataError", "Tokenizer", "load_tokenizer", *_PIPELINE]
 
 
 def __getattr__(name: str):
-  # Lazy on purpose: the pipeline imports Grain (and JAX, ~1-3 s); `python -m maxlm.data.prepare`
+  # Lazy on purpose: the pipeline imports Grain (and JAX, ~1-3 s); `maxlm prepare`
   # and other users of readers/tokenizers only should not pay for it.
   if name in _PIPELINE:
     from maxlm.data import pipeline  # noqa: PLC0415

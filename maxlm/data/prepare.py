@@ -1,29 +1,13 @@
-"""Tokenize text/JSONL/Parquet files into ArrayRecord shards for `data.type=arrayrecord`.
+"""Tokenize text/JSONL/Parquet files into ArrayRecord shards for `data.type=arrayrecord`: the library part of
+`maxlm prepare` (its command line, the arguments and what they mean: maxlm/cli/prepare.py).
 
-  python -m maxlm.data.prepare INPUT [INPUT ...] -o DIR [--tokenizer PATH] [--field text] ...
-
-INPUT is a file, a glob or a directory. Documents: text files give one per non-blank line
-(`--text-split line`), per blank-line separated paragraph, or per file; JSONL one per line (the
-`--field` string); Parquet one per row (the `--field` column). Each document is stored as one
-record of raw little-endian token ids (uint16 when the vocabulary has at most 65,536 tokens, else
-uint32) without BOS/EOS; training adds those as `data.add_bos`/`data.add_eos` say.
-DIR/maxlm_data.json records the tokenizer (path, sha256, vocab size, BOS/EOS ids), the shards
-with their record counts, and skipped records (format: docs/data_format.md).
-
-Use the tokenizer of the model you will train: training refuses shards made with a different
-`data.tokenizer`, and needs model.vocab_size >= the tokenizer's vocabulary.
-  train:  python -m maxlm.train data.type=arrayrecord data.paths=DIR
-  eval:   without data.eval_paths, every k-th document of DIR is held out for eval
-          (k = round(1/data.eval_fraction), every 50th by default); to evaluate on separate data,
-          prepare it into its own directory with the same --tokenizer and add
-          data.eval_paths=EVAL_DIR (training then uses every document of DIR).
-Bad input stops with one line `maxlm: error: ...` naming the file and line, exit code 2, and
-leaves nothing behind (no shards, no directory it created).
+`prepare(inputs, output, ...)` writes the shards and DIR/maxlm_data.json (format: docs/data_format.md) and
+returns that metadata; `summary(meta, output)` is what the command prints. Bad input raises a DataError naming
+the file and line, and leaves nothing behind (no shards, no directory it created).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -46,6 +30,7 @@ SHARD_PATTERN = "shard-{:05d}.array_record"
 SHARD_GLOB = "shard-*.array_record"
 WRITER_OPTIONS = "group_size:1"  # random access per record, as Grain's reader expects
 BATCH_DOCS = 512
+FORMATS = ("auto", "text", "jsonl", "parquet")
 
 
 class ShardWriter:
@@ -94,7 +79,7 @@ def _inputs(specs: list[str], fmt: str) -> list[tuple[Path, str]]:
 def _check_output(out: Path, overwrite: bool) -> None:
   """Refuse an output that is not a directory, holds other data, or (without --overwrite) shards."""
   if out.exists() and not out.is_dir():
-    raise DataError(f"output '{out}' exists and is not a directory; give a new or empty directory to -o")
+    raise DataError(f"output '{out}' exists and is not a directory; give a new or empty directory to out=")
   if not out.is_dir():
     return
   if (list(out.glob(SHARD_GLOB)) or (out / META_NAME).exists()) and not overwrite:
@@ -103,7 +88,7 @@ def _check_output(out: Path, overwrite: bool) -> None:
                  and f.name != META_NAME and not f.match(SHARD_GLOB))
   if other:
     raise DataError(f"output directory '{out}' holds other data files ({', '.join(other[:3])}); training "
-                    f"reads every data file of data.paths=DIR, so give a new or empty directory to -o")
+                    f"reads every data file of data.paths=DIR, so give a new or empty directory to out=")
 
 
 def _make_output(out: Path) -> Path | None:
@@ -142,12 +127,16 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "", tokenizer_ty
   Shards are written into a staging directory inside `output` and moved in at the end: on any
   error nothing is left behind (and `output` itself is removed if this call created it).
   """
-  if fmt not in ("auto", "text", "jsonl", "parquet"):
-    raise DataError(f"--format must be auto, text, jsonl or parquet; got {fmt!r}")
+  if tokenizer_type not in KINDS:
+    raise DataError(f"tokenizer_type must be one of {', '.join(KINDS)}; got {tokenizer_type!r}")
+  if fmt not in FORMATS:
+    raise DataError(f"format must be one of {', '.join(FORMATS)}; got {fmt!r}")
   if text_split not in TEXT_SPLITS:
-    raise DataError(f"--text-split must be one of {', '.join(TEXT_SPLITS)}; got {text_split!r}")
+    raise DataError(f"text_split must be one of {', '.join(TEXT_SPLITS)}; got {text_split!r}")
   if shard_tokens <= 0:
-    raise DataError(f"--shard-tokens must be positive, got {shard_tokens}")
+    raise DataError(f"shard_tokens must be positive, got {shard_tokens}")
+  if threads < 0:
+    raise DataError(f"threads must be >= 0 (0: all cores), got {threads}")
   files = _inputs(inputs, fmt)
   tok = load_tokenizer(tokenizer, tokenizer_type)
   dtype = np.dtype(token_dtype(tok.vocab_size))
@@ -253,54 +242,12 @@ def summary(meta: dict, output: str) -> str:
   lines.append("eval: without data.eval_paths, every k-th document is held out "
                "(k = round(1/data.eval_fraction): every 50th by default);")
   lines.append("  to evaluate on separate data, prepare it into another directory with the same "
-               "--tokenizer and add data.eval_paths=EVAL_DIR (training then uses every document)")
+               "tokenizer= and add data.eval_paths=EVAL_DIR (training then uses every document)")
   return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-  """Usage errors as one line `maxlm: error: ...` and exit code 2, like every other bad input."""
-
-  def error(self, message: str):
-    print(f"maxlm: error: {DataError(message)} (see python -m maxlm.data.prepare --help)", file=sys.stderr)
-    sys.exit(2)
-
-
-def main(argv: list[str] | None = None) -> int:
-  ap = _Parser(prog="python -m maxlm.data.prepare", description=__doc__.split("\n\n")[0],
-               epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("inputs", nargs="+", metavar="INPUT", help="files, globs or directories")
-  ap.add_argument("--output", "-o", required=True, metavar="DIR",
-                  help="directory for the shards (new or empty; created if missing)")
-  ap.add_argument("--tokenizer", default="", metavar="PATH",
-                  help="SentencePiece .model, tokenizer.json (or its directory) or tiktoken rank file; "
-                       "default: the shipped 8k SentencePiece trained on the embedded Austen corpus")
-  ap.add_argument("--tokenizer-type", default="auto", choices=KINDS, help="auto: detected from the content")
-  ap.add_argument("--format", default="auto", choices=("auto", "text", "jsonl", "parquet"),
-                  help="auto: from each file's extension")
-  ap.add_argument("--field", default="text", help="JSONL field / Parquet column with the text")
-  ap.add_argument("--text-split", default="line", choices=TEXT_SPLITS,
-                  help="text files: a document per line, per blank-line separated paragraph, or per file")
-  ap.add_argument("--shard-tokens", type=int, default=50_000_000, metavar="N",
-                  help="start a new shard file after about N tokens (default 50,000,000)")
-  ap.add_argument("--threads", type=int, default=0, help="tokenizer threads (0 = all cores)")
-  ap.add_argument("--skip-bad-records", action="store_true",
-                  help="count bad records (listed in the summary) instead of stopping at the first")
-  ap.add_argument("--overwrite", action="store_true", help="replace prepared data already in DIR")
-  ap.add_argument("--no-progress", action="store_true",
-                  help="no progress bar (it is shown only when stderr is a terminal)")
-  args = ap.parse_args(argv)
-  try:
-    meta = prepare(args.inputs, args.output, tokenizer=args.tokenizer, tokenizer_type=args.tokenizer_type,
-                   fmt=args.format, field=args.field, text_split=args.text_split,
-                   shard_tokens=args.shard_tokens, threads=args.threads,
-                   skip_bad_records=args.skip_bad_records, overwrite=args.overwrite,
-                   progress=not args.no_progress and sys.stderr.isatty())
-  except DataError as e:
-    print(f"maxlm: error: {e}", file=sys.stderr)
-    return 2
-  print(summary(meta, args.output))
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
+if __name__ == "__main__":  # the old command; the data layer does not import the commands (maxlm/cli/)
+  print("maxlm: error: `python -m maxlm.data.prepare INPUT -o DIR --tokenizer PATH ...` is now "
+        "`maxlm prepare INPUT... out=DIR tokenizer=PATH ...` (or python -m maxlm.cli prepare ...; "
+        "see maxlm prepare --help)", file=sys.stderr)
+  sys.exit(2)

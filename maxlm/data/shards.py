@@ -29,7 +29,7 @@ def token_dtype(vocab_size: int) -> str:
 
 def _meta_error(path: Path, what: str) -> DataError:
   return DataError(f"'{path}' is not a valid {META_NAME}: {what}; make shards with "
-                   f"python -m maxlm.data.prepare")
+                   "maxlm prepare")
 
 
 def read_meta(directory: Path) -> dict:
@@ -37,7 +37,7 @@ def read_meta(directory: Path) -> dict:
   path = directory / META_NAME
   if not path.is_file():
     raise DataError(f"'{directory}' has no {META_NAME}; make ArrayRecord shards with "
-                    f"python -m maxlm.data.prepare")
+                    "maxlm prepare")
   try:
     meta = json.loads(path.read_text())
   except (OSError, ValueError) as e:

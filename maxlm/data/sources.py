@@ -245,7 +245,7 @@ def resolve_vocab(cfg: DataConfig, comps: list[Component], vocab_size: int, part
     m = c.meta["tokenizer"] if c.meta is not None else None
     if m is not None and trained is not None and m["sha256"] != trained["sha256"]:
       raise DataError(f"shards '{c.name}' were tokenized with {m.get('path')} but the training shards "
-                      f"with {trained.get('path')}; prepare both with the same --tokenizer")
+                      f"with {trained.get('path')}; prepare both with the same tokenizer=")
     if m is not None and tok is not None and m["sha256"] != tok.sha256:
       raise DataError(f"shards '{c.name}' were tokenized with {m.get('path')}, not with {tok.path} "
                       f"(data.tokenizer); re-prepare them or point data.tokenizer there")

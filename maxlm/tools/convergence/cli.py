@@ -1,19 +1,20 @@
-"""`maxlm convergence run | update-golden | baseline`: arguments, setup checks, exit codes."""
+"""`maxlm convergence run | redraw | update-golden | baseline`: arguments, setup checks, exit codes."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import difflib
 import importlib.util
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+from maxlm.cli.grammar import UsageError, command_main, parse_args
 from maxlm.config import CONFIG_DIR, ConfigError, load_config
+from maxlm.tools import convergence
 from maxlm.tools.convergence import golden as goldens
 from maxlm.tools.convergence import report
 from maxlm.tools.convergence.bands import verdict, within_relative
@@ -22,45 +23,49 @@ from maxlm.tools.convergence.runner import run_all
 from maxlm.tools.convergence.suite import Case, Suite, SuiteError, load_suite
 from maxlm.data import DataError
 
-EXIT_FAIL, EXIT_SETUP = 1, 2
+EXIT_FAIL = 1  # a check failed; bad input (a UsageError or SuiteError) exits 2
 ROOT = CONFIG_DIR.parent.parent  # the checkout (for the commit a report records)
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message: str):  # one line, exit 2, like every maxlm command
-    raise SuiteError(f"convergence: {message}")
+# subcommand -> (its key=value arguments, its --flags, whether it takes config overrides, its required keys)
+SUBCOMMANDS = {
+  "run": ({"suite": str, "out": str, "cases": str, "jobs": int, "steps": int}, {"--no-plot"}, True, ("suite",)),
+  "redraw": ({"out": str}, set(), False, ("out",)),
+  "update-golden": ({"suite": str, "seeds": int, "cases": str, "jobs": int, "out": str}, set(), False, ("suite",)),
+  "baseline": ({"config": str}, set(), True, ()),
+}
+_OLD = ("suite", "out", "cases", "jobs", "steps", "seeds")  # `--suite cpu`: the spelling before the one grammar
 
 
-def _parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="maxlm convergence", description=sys.modules["maxlm.tools.convergence"].__doc__,
-              formatter_class=argparse.RawDescriptionHelpFormatter)
-  sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-  r = sub.add_parser("run", help="run a suite and compare it with its goldens")
-  r.add_argument("--suite", required=True, help="a name in configs/convergence/ (cpu, gpu) or a path")
-  r.add_argument("--out", type=Path, help="report directory (default runs/convergence/<suite>)")
-  r.add_argument("--cases", default="", help="comma-separated subset of the suite's cases")
-  r.add_argument("--jobs", type=int, default=1, help="cases run side by side (default 1)")
-  r.add_argument("--steps", type=int, help="stop every case after this many steps (checks past it are skipped); "
-                 "the learning-rate schedule stays the full case's")
-  r.add_argument("--no-plot", action="store_true", help="skip loss_curves.png (where matplotlib is missing); "
-                 "`redraw --out DIR` draws it later from results.json")
-  r.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every case")
-  d = sub.add_parser("redraw", help="draw loss_curves.png of a finished run from its results.json")
-  d.add_argument("--out", type=Path, required=True, help="the run's report directory")
-  u = sub.add_parser("update-golden", help="re-record goldens from several seeds and print the diff")
-  u.add_argument("--suite", required=True)
-  u.add_argument("--seeds", type=int, help="seeds 0..N-1 (default: the suite's `seeds`)")
-  u.add_argument("--cases", default="")
-  u.add_argument("--jobs", type=int, default=1)
-  u.add_argument("--out", type=Path, help="where the seed runs go (default: a temporary directory)")
-  b = sub.add_parser("baseline", help="unigram / bigram cross-entropies of a config's held-out split")
-  b.add_argument("overrides", nargs="*", metavar="key=value", help="config=FILE and overrides, as for train")
-  return p
-
-
-def _fail(msg: str, code: int) -> int:
-  print(f"maxlm: error: {msg}", file=sys.stderr, flush=True)
-  return code
+def _arguments(argv: list[str]) -> tuple[str, SimpleNamespace]:
+  """(subcommand, its arguments with their defaults), or a UsageError naming the culprit."""
+  if not argv or argv[0] not in SUBCOMMANDS:
+    got = f"unknown subcommand {argv[0]!r}" if argv else "no subcommand given"
+    raise UsageError(f"convergence: {got} (subcommands: {', '.join(SUBCOMMANDS)}; see maxlm convergence --help)")
+  sub, rest = argv[0], argv[1:]
+  keys, known_flags, takes_overrides, required = SUBCOMMANDS[sub]
+  for word in rest:
+    old = word.split("=", 1)[0]
+    if old.startswith("--") and old[2:] in _OLD:
+      raise UsageError(f"convergence {sub}: {old} is now {old[2:]}=VALUE (e.g. maxlm convergence run suite=cpu "
+                       f"jobs=2; see maxlm convergence --help)")
+  own, overrides, flags = parse_args(rest, keys)
+  if overrides and not takes_overrides:
+    raise UsageError(f"convergence {sub}: {overrides[0].split('=', 1)[0]} is a config key; {sub} takes none")
+  if flags - known_flags:
+    raise UsageError(f"convergence {sub}: unknown option {sorted(flags - known_flags)[0]} "
+                     f"(options: {', '.join(sorted(known_flags | {'--help'}))})")
+  missing = [k for k in required if not own.get(k)]
+  if missing:
+    raise UsageError(f"convergence {sub}: {missing[0]}=... is required (see maxlm convergence --help)")
+  for key in ("jobs", "steps"):
+    if own.get(key, 1) < 1:
+      raise UsageError(f"convergence {sub}: {key}= must be at least 1, got {own[key]}")
+  if "config" in own:  # baseline: config=FILE first, as for train
+    overrides = [f"config={own['config']}", *overrides]
+  return sub, SimpleNamespace(suite=own.get("suite"), out=Path(own["out"]) if own.get("out") else None,
+                              cases=own.get("cases", ""), jobs=own.get("jobs", 1), steps=own.get("steps"),
+                              seeds=own.get("seeds"), no_plot="--no-plot" in flags, overrides=overrides)
 
 
 def echo(line: str) -> None:
@@ -209,9 +214,9 @@ def cmd_update_golden(args) -> int:
   suite = load_suite(args.suite).select([c for c in args.cases.split(",") if c])
   n = suite.seeds if args.seeds is None else args.seeds
   if n < 2:
-    raise SuiteError("--seeds must be at least 2 (a band needs a spread)")
+    raise SuiteError(f"seeds={n}: must be at least 2 (a band needs a spread)")
   if suite.run_seed >= n:
-    raise SuiteError(f"--seeds {n} does not include the suite's run_seed {suite.run_seed}")
+    raise SuiteError(f"seeds={n} does not include the suite's run_seed {suite.run_seed}")
   tmp = None
   if args.out is None:
     tmp = tempfile.TemporaryDirectory(prefix=f"maxlm-golden-{suite.name}-")
@@ -266,15 +271,11 @@ def cmd_baseline(args) -> int:
   return 0
 
 
+def run(argv: list[str]) -> int:
+  sub, args = _arguments(argv)
+  commands = {"run": cmd_run, "update-golden": cmd_update_golden, "baseline": cmd_baseline, "redraw": cmd_redraw}
+  return commands[sub](args)
+
+
 def main(argv: list[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  try:
-    args = _parser().parse_args(argv)
-    if getattr(args, "jobs", 1) < 1:
-      raise SuiteError("--jobs must be at least 1")
-    if getattr(args, "steps", None) is not None and args.steps < 1:
-      raise SuiteError("--steps must be at least 1")
-    commands = {"run": cmd_run, "update-golden": cmd_update_golden, "baseline": cmd_baseline, "redraw": cmd_redraw}
-    return commands[args.command](args)
-  except SuiteError as e:
-    return _fail(str(e), EXIT_SETUP)
+  return command_main(convergence.__doc__, run, argv)  # the package's docstring is the help

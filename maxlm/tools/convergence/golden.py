@@ -67,7 +67,7 @@ def load_golden(suite: Suite, case: Case) -> dict[str, Any]:
   path = suite.golden_path(case)
   if not path.is_file():
     raise SuiteError(f"no golden for case {case.name} ({path}); record it with `maxlm convergence update-golden "
-                     f"--suite {suite.name} --seeds {suite.seeds}` and review the diff")
+                     f"suite={suite.name} seeds={suite.seeds}` and review the diff")
   try:
     g = json.loads(path.read_text())
     checks = g["checks"]

@@ -24,7 +24,7 @@ import json
 import sys
 
 from maxlm import plan, startup
-from maxlm.cli import command_main
+from maxlm.cli.grammar import command_main
 from maxlm.config import ConfigError, load_config
 from maxlm.dryrun import parse_flags
 from maxlm.plan_measure import make_target

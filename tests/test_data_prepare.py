@@ -13,7 +13,7 @@ import pytest
 from maxlm.config import DataConfig
 from maxlm.data import BATCH_KEYS, DataError, load_tokenizer, make_eval_iterator, make_train_iterator
 from maxlm.cli.prepare import main
-from maxlm.data.prepare import prepare
+from maxlm.data.prepare import prepare, summary
 from maxlm.data.readers import META_NAME
 
 from test_data_pipeline import _check_state_restore
@@ -280,3 +280,12 @@ def test_vocab_over_65535_round_trips_as_uint32(tmp_path):
     want += [tuple(ids[s:s + 17]) for s in range(0, len(ids) - 1, 16)]
   assert sorted(got) == sorted(want)
   assert max(max(p) for p in got) > 65_535
+
+
+def test_summary_gives_a_rate_only_for_a_measurable_time():
+  """A tiny input prepared in 0.0 s (rounded) gets no tokens/s (it printed 2,410,000,000,000 tokens/s); 2.0 s
+  gets tokens / seconds."""
+  meta = {"documents": 3, "tokens": 2410, "dtype": "uint16", "shards": ["s0"], "skipped": {},
+          "tokenizer": {"kind": "sentencepiece", "path": "t.model", "vocab_size": 8192, "bos_id": 1, "eos_id": 2}}
+  assert "tokens/s" not in summary({**meta, "seconds": 0.0}, "out").splitlines()[0]
+  assert summary({**meta, "seconds": 2.0}, "out").splitlines()[0].endswith("in 2.0 s (1,205 tokens/s)")

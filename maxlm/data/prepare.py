@@ -223,7 +223,8 @@ def summary(meta: dict, output: str) -> str:
   tok = meta["tokenizer"]
   lines = [f"prepared {meta['documents']:,} documents, {meta['tokens']:,} tokens "
            f"({meta['dtype']}) into {len(meta['shards'])} shard(s) in {output} "
-           f"in {meta['seconds']:.1f} s ({meta['tokens'] / max(meta['seconds'], 1e-9):,.0f} tokens/s)",
+           f"in {meta['seconds']:.1f} s" + (f" ({meta['tokens'] / meta['seconds']:,.0f} tokens/s)"
+                                             if meta["seconds"] >= 0.1 else ""),  # a rate of 0.0 s means nothing
            f"tokenizer: {tok['kind']} {tok['path']} (vocab {tok['vocab_size']}, "
            f"BOS {tok['bos_id']}, EOS {tok['eos_id']}; records hold no BOS/EOS)"]
   skipped = meta["skipped"]

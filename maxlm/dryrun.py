@@ -85,6 +85,8 @@ def abstract_train_state(cfg: Config, mesh: AbstractMesh, precision: str):
   m = dataclasses.replace(cfg.model, scan_layers=True, remat="none")  # one traced layer, same parameters
   backend = resolve_backend(m.backend)
   optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
+  # Not scope.model_scope: its mesh scope (jax.set_mesh) takes a concrete Mesh, and a dry run sizes meshes of
+  # devices it does not have (AbstractMesh); the axis rules and the precision scope are the trainer's.
   with axis_rules(), precision_scope(precision, backend, m.fp8_amax_history_len):
     return abstract_state(Transformer(m), optimizer, mesh, 1, min(cfg.data.seq_len, 16))  # init: any length
 

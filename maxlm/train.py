@@ -34,7 +34,7 @@ import jax
 
 from maxlm import compile_cache, distributed, dryrun, startup
 from maxlm import data as data_lib
-from maxlm.checkpoint import Preemption
+from maxlm.checkpoint import EXIT_PREEMPTED, Preemption
 from maxlm.config import Config, ConfigError, help_text, load_config
 from maxlm.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, MaxlmError, report
 from maxlm.metrics import echo
@@ -71,7 +71,9 @@ def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -
     except MaxlmError as e:
       return report(e)
     try:
-      return compile_step_only(cfg, t_start) if compile_only else train(cfg, preemption, t_start)
+      if compile_only:
+        return compile_step_only(cfg, t_start)
+      return EXIT_PREEMPTED if train(cfg, preemption, t_start).preempted else 0
     except MaxlmError as e:  # every error a user can cause (maxlm/errors.py): one line, its exit code
       return report(e)
     except Exception as e:

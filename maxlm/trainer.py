@@ -196,8 +196,15 @@ class Trainer:
     return {"eval_loss": sums.loss, "eval_perplexity": math.exp(min(sums.loss, 50.0))}
 
 
-def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> int:
-  """Run `cfg` to train.steps; returns the exit code (0 done, 75 preempted).
+@dataclasses.dataclass(frozen=True)
+class RunEnd:
+  """How a run ended, when it did not raise: every step trained (or the data ended), or stopped by a signal
+  after saving (maxlm/train.py turns that into exit code 75, EXIT_PREEMPTED)."""
+  preempted: bool
+
+
+def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> RunEnd:
+  """Run `cfg` to train.steps; returns how it ended (RunEnd: done, or preempted after saving).
 
   The run directory is claimed first (maxlm/checkpoint/run_dir.py: a directory holding another run is used
   only to resume it). A directory this call created is removed again when the run fails on bad input or a
@@ -225,7 +232,7 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
     raise
 
 
-def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Startup) -> int:
+def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Startup) -> RunEnd:
   run_dir = cfg.run_dir
   is_main = jax.process_index() == 0
   trainer.build()
@@ -332,7 +339,7 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Start
           wd.arm("checkpoint save", done, slow=True)
           ckpt.wait()
         echo(_preempted_line(preemption.signal, done, ckpt))
-        return EXIT_PREEMPTED
+        return RunEnd(preempted=True)
       if batches.ended and done < t.steps:
         if is_main:
           echo(f"maxlm: the training data ended after step {done} (data.num_epochs={d.num_epochs})")
@@ -345,7 +352,7 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Start
       wd.arm("checkpoint close", slow=True)
       ckpt.close()  # waits for the save in flight
     wd.stop()
-  return 0
+  return RunEnd(preempted=False)
 
 
 def _start_line(cfg: Config, trainer: Trainer, n_params: int, kind: str) -> str:

@@ -144,7 +144,7 @@ def test_trainer_profiles_the_configured_steps(tmp_path, monkeypatch):
                      "data.seq_len=16", "data.global_batch_size=8", f"output_dir={tmp_path}", "run_name=r"])
   preemption = Preemption()
   try:
-    assert trainer_lib.train(cfg, preemption) == 0
+    assert trainer_lib.train(cfg, preemption) == trainer_lib.RunEnd(preempted=False)
   finally:
     preemption.close()
   order = [e.split(" |")[0] for e in events if e.startswith(("step ", "cudaProfiler"))]
@@ -168,7 +168,7 @@ def test_gpu_window_with_the_real_cuda_profiler_api(tmp_path):
                      f"output_dir={tmp_path}", "run_name=r"])
   preemption = Preemption()
   try:
-    assert trainer_lib.train(cfg, preemption) == 0
+    assert trainer_lib.train(cfg, preemption) == trainer_lib.RunEnd(preempted=False)
   finally:
     preemption.close()
   (trace,) = traces(tmp_path / "r")

@@ -4,6 +4,7 @@ memory between steps (maxlm/offload.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import flax
@@ -50,12 +51,32 @@ def abstract_state(model: nn.Module, optimizer: optax.GradientTransformation, me
                    seq_len: int, offload: str = "none"):
   """(ShapeDtypeStructs with shardings, shardings) of the state, without allocating it; `offload` as in
   `place`."""
-  abstract = jax.eval_shape(lambda r: init_boxed(model, optimizer, r, batch, seq_len),
-                            jax.random.PRNGKey(0))
+  abstract = jax.eval_shape(lambda r: init_boxed(model, optimizer, r, batch, seq_len), jax.random.PRNGKey(0))
   shardings = place(shardings_from_logical(abstract, mesh), offload)
   structs = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                    strip_boxes(abstract), shardings)
   return structs, shardings
+
+
+THREEFRY_KERNEL = "jax_threefry_gpu_kernel_lowering"
+
+
+@contextlib.contextmanager
+def threefry_kernel():
+  """JAX's prebuilt threefry kernel for the RNG calls traced inside (GPU only; a no-op elsewhere).
+
+  Why: by default XLA:GPU gets every threefry call unrolled into its own fusion, one per parameter tensor, each
+  compiled by LLVM and ptxas: the init of llama3.2-3b (28 unrolled layers) took 54 s to compile on the H200 for
+  0.05 s of running (benchmarks/init_profile.py, 2026-12-04). The kernel computes the same threefry2x32 (the
+  same bits; tests/test_gpu.py checks it), and costs its inputs broadcast to each tensor's shape for the
+  duration of one call, at init, when the train step's activations do not exist yet. Scoped, not global: the
+  flag is part of the jit key, so the train step's own programs are unchanged."""
+  old = getattr(jax.config, THREEFRY_KERNEL)
+  jax.config.update(THREEFRY_KERNEL, True)
+  try:
+    yield
+  finally:
+    jax.config.update(THREEFRY_KERNEL, old)
 
 
 def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int,
@@ -63,6 +84,10 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
   """(state, shardings): the state initialized directly into its shards (no host copy), each leaf in
   the memory `offload` gives it (see `place`)."""
   _, shardings = abstract_state(model, optimizer, mesh, batch, seq_len, offload)
+
   def init(r):
     return nn.unbox(init_boxed(model, optimizer, r, batch, seq_len))
-  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed)), shardings
+
+  with threefry_kernel():
+    state = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed))
+  return state, shardings

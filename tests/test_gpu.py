@@ -22,7 +22,7 @@ from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
 from maxlm.step import make_train_step
 from maxlm.train import Trainer
-from maxlm.train_state import create_train_state
+from maxlm.train_state import create_train_state, threefry_kernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te]
 
@@ -48,6 +48,28 @@ def apply(backend, tokens, params=None, **kw):
     if params is None:
       params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens))
     return jax.jit(model.apply)(params, tokens, kw.get("positions"), kw.get("segment_ids")), params
+
+
+def test_threefry_kernel_gives_the_bits_of_the_default_threefry():
+  """The state's init uses JAX's threefry kernel on a GPU (maxlm/train_state.py: a compile of seconds, not a
+  minute): the same parameters, bit for bit, as XLA's default unrolled threefry, which the kernel's lowering
+  must really replace (its FFI target in the lowered program)."""
+  model = Transformer(MODEL, max_segments=8)
+  tokens = jnp.zeros((2, 128), jnp.int32)  # [B, T]
+
+  def init(r):
+    return nn.unbox(model.init(r, tokens))["params"]
+
+  with precision_scope("bf16", "te"):
+    default_text = jax.jit(init).lower(jax.random.PRNGKey(7)).as_text()
+    default = jax.jit(init)(jax.random.PRNGKey(7))
+    with threefry_kernel():
+      kernel_text = jax.jit(init).lower(jax.random.PRNGKey(7)).as_text()
+      kernel = jax.jit(init)(jax.random.PRNGKey(7))
+  assert "threefry2x32_ffi" in kernel_text and "threefry2x32_ffi" not in default_text
+  assert jax.tree_util.tree_structure(kernel) == jax.tree_util.tree_structure(default)
+  for k, d in zip(jax.tree_util.tree_leaves(kernel), jax.tree_util.tree_leaves(default)):
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(d))
 
 
 def test_fused_attention_te_matches_flax():

@@ -56,7 +56,7 @@ if os.path.exists(path):
   lines = open(path).read().splitlines()
   row = json.loads(lines[0]) if lines else {}
 keep = ("startup_s", "backend_s", "plan_s", "init_s", "lower_s", "compile_s", "first_run_s", "compile_cache_hit",
-        "compile_cache_hits", "compile_cache_requests", "peak_memory_gb", "compiled_memory_gb")
+        "compile_cache_hits", "compile_cache_requests", "warm_start", "peak_memory_gb", "compiled_memory_gb")
 size = files = autotune = atime = 0
 for root, _, names in os.walk(cache):
   for n in names:
@@ -88,14 +88,15 @@ done
 python3 - "$JSON" > "$OUT/startup.md" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-cols = ("startup_s", "backend_s", "init_s", "lower_s", "compile_s", "first_run_s")
-print("| case | start | exit | to first step s | imports+backend | init | trace+lower | compile | first run | "
-      "train step from cache | cache MB (autotune files) | peak GB |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+cols = ("startup_s", "backend_s", "plan_s", "init_s", "lower_s", "compile_s", "first_run_s")
+print("| case | start | exit | to first step s | imports+backend | plan | init | trace+lower | compile | first run | "
+      "train step from | cache MB (autotune files) | peak GB |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 fmt = lambda v: "-" if v is None else f"{v:.1f}"
 for r in rows:
   print(f"| {r['case']} | {r['phase']} | {r['exit']} | " + " | ".join(fmt(r[c]) for c in cols)
-        + f" | {r['compile_cache_hit']} | {r['cache_bytes'] / 1e6:.1f} ({r['autotune_files']}) | "
+        + f" | {'warm start' if r.get('warm_start') else 'JAX cache' if r['compile_cache_hit'] else 'compile'} | "
+        f"{r['cache_bytes'] / 1e6:.1f} ({r['autotune_files']}) | "
         f"{fmt(r['peak_memory_gb'])} |")
 PY
 cat "$OUT/startup.md"

@@ -182,6 +182,11 @@ def configure(c: CompileConfig) -> str:
   return f"compilation cache {path} ({how}; programs compiled in {_active['min_compile_s']:g} s or more)"
 
 
+def directory() -> Path | None:
+  """The cache directory configure() set; None while the cache is off."""
+  return _active.get("dir")
+
+
 def size_on_disk(path: Path) -> int:
   total = 0
   for root, _, files in os.walk(path):
@@ -201,12 +206,16 @@ def human(n: int) -> str:
   return ""
 
 
-def step_line(hit: bool, compile_s: float) -> str:
-  """The first step's cache line: whether the train step came from the cache, the counts, the size on disk."""
+def step_line(hit: bool, compile_s: float, loaded: bool = False) -> str:
+  """The first step's cache line: whether the train step came from the cache (or, `loaded`, as an executable
+  kept by an earlier start: maxlm/warm_start.py), the counts, the size on disk."""
   if not _active:
     return f"compilation cache off: the train step compiled in {compile_s:.1f} s"
   hits, requests = COUNTER.snapshot()
-  if hit:
+  if loaded:
+    what = (f"the train step's executable, kept by an earlier start of this run, loaded in {compile_s:.1f} s "
+            "(warm start: nothing traced or compiled)")
+  elif hit:
     what = f"the train step came from the cache (hit, loaded in {compile_s:.1f} s)"
   elif compile_s >= _active["min_compile_s"]:
     what = f"the train step was compiled (miss, {compile_s:.1f} s) and written to the cache"

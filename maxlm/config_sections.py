@@ -54,3 +54,6 @@ class CompileConfig:
   min_compile_s: float = option(-1.0, "cache only programs that took at least this long to compile; -1 = "
                                 "JAX's setting (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, else 1 s)",
                                 within="[0, 86400] or -1")
+  warm_start: bool = option(True, "with the cache on, also keep the planner's decision and the serialized "
+                            "executables of the init and the train step (maxlm/warm_start.py), so that a restart "
+                            "of the same run skips planning, tracing and compiling (one process only)")

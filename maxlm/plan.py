@@ -37,7 +37,7 @@ import weakref
 
 import jax
 
-from maxlm import sizing
+from maxlm import sizing, warm_start
 from maxlm.config import Config, ConfigError, load_config
 from maxlm.devices import device_memory_bytes
 from maxlm.layers import resolve_backend
@@ -306,10 +306,27 @@ def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = Non
 _LAST_HOW = ""  # what for_run did last (remember keeps it with the trainer), for the out-of-memory line
 
 
-def for_run(cfg: Config, say=None) -> Config:
-  """The trainer's config by plan.mode (`resolve` on the devices at hand), its line printed by `say`; where
-  nothing was planned, the bytes the step certainly needs are checked against a device (sizing.check_fits)."""
+def resolve_kept(cfg: Config) -> tuple[Config, str | None]:
+  """`resolve(cfg)` on the devices at hand, or the decision an earlier start of this run took on this machine
+  (compile.warm_start, maxlm/warm_start.py: the key holds the config, the code, the devices and the memory XLA
+  may use), which a decision taken now is kept as."""
+  if cfg.plan.mode == "off" or (cfg.plan.mode != "auto" and not gpu_here()):
+    return resolve(cfg)  # nothing measured: nothing to keep
+  parts = [warm_start.run_signature(cfg), device_memory_bytes()]
+  kept = warm_start.load("plan", parts)
+  if kept is not None:
+    levers, line = kept
+    return (cfg if levers == current(cfg) else apply(cfg, levers)), f"{line} (kept from an earlier start)"
   out, line = resolve(cfg)
+  if line is not None:
+    warm_start.save("plan", parts, (current(out), line))
+  return out, line
+
+
+def for_run(cfg: Config, say=None) -> Config:
+  """The trainer's config by plan.mode (`resolve_kept` on the devices at hand), its line printed by `say`; where
+  nothing was planned, the bytes the step certainly needs are checked against a device (sizing.check_fits)."""
+  out, line = resolve_kept(cfg)
   if line is None and (mem := device_memory_bytes()):
     sizing.check_fits(cfg, jax.device_count(), mem, n_nodes=jax.process_count())
   global _LAST_HOW

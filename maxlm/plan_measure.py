@@ -37,6 +37,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from maxlm import warm_start
 from maxlm.config import Config, ConfigError, from_dict, to_dict
 from maxlm.data.packing import BATCH_KEYS
 from maxlm.layers import get_backend, resolve_backend
@@ -138,7 +139,12 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
              for k in BATCH_KEYS}  # [B, T] each
     jitted = jax.jit(step, in_shardings=(shardings, {k: bs for k in BATCH_KEYS}),
                      out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
-    compiled = jitted.lower(structs, batch).compile()
+    if warm_start.active() and not fused_attention and not unrolled:
+      # the trainer's own program (the same jit, shardings and arguments): kept, so that the run's start loads it
+      # instead of tracing it again (maxlm/warm_start.py)
+      compiled = warm_start.compiled("train_step", jitted, (structs, batch), warm_start.run_signature(cfg)).executable
+    else:
+      compiled = jitted.lower(structs, batch).compile()
   return compiled, {"params": _shard_bytes(structs.params), "opt_state": _shard_bytes(structs.opt_state),
                     "opt_leaf_fp32": _largest_parameter(structs.params, cfg.model.n_layers if unrolled else 1)}
 

@@ -56,5 +56,7 @@ def configure(deterministic: bool = False) -> list[str]:
 def configure_compile_cache(c) -> str:
   """`compile:` (a CompileConfig): JAX's persistent compilation cache, before the first compile. Returns
   what was set, for the log; ConfigError for a cache directory that cannot be used."""
-  from maxlm import compile_cache  # noqa: PLC0415 - imports jax: only once a process is about to compile
-  return compile_cache.configure(c)
+  from maxlm import compile_cache, warm_start  # noqa: PLC0415 - import jax: only once a process is about to compile
+  line = compile_cache.configure(c)
+  warm_start.configure(compile_cache.directory(), c.warm_start)
+  return line

@@ -105,7 +105,7 @@ class Startup:
 
 
 def first_step_line(done: int, parts: dict[str, float], peak_gb: float | None, estimate_gb: float | None) -> str:
-  split = ", ".join(f"{name} {parts[key]:.1f} s" for key, name in PARTS if key != "plan_s" or parts[key] > 0)
+  split = ", ".join(f"{name} {parts[key]:.1f} s" for key, name in PARTS if key != "plan_s" or parts[key] >= 0.05)
   return (f"maxlm: first step {done} done {parts['startup_s']:.1f} s after start ({split})"
           + (f", peak device memory {peak_gb:.1f} GB" if peak_gb is not None else "")
           + (f", XLA's compiled estimate {estimate_gb:.1f} GB per device" if estimate_gb is not None else ""))

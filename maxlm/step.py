@@ -302,18 +302,26 @@ def make_eval_step(model: nn.Module, *, packed: bool = False) -> Callable:
 
 
 def jit_step(step: Callable, state_shardings, batch_shardings, scope: Callable[[], contextlib.AbstractContextManager],
-             donate: bool = True, metrics_sharding=None) -> Callable:
-  """Jit with explicit shardings; every call (hence every trace) runs inside `scope()`."""
+             donate: bool = True, metrics_sharding=None, compiler: Callable | None = None,
+             name: str = "train_step") -> Callable:
+  """Jit with explicit shardings; every call (hence every trace) runs inside `scope()`. `compiler(name, jitted,
+  args)`, when given, supplies the executable (maxlm/warm_start.py `compiled`: loaded from an earlier start,
+  else compiled and kept), and the calls run that executable."""
   jitted = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, metrics_sharding) if donate else metrics_sharding,
                    donate_argnums=(0,) if donate else ())
 
   def compile_in_scope(state, batch):
-    t0 = time.perf_counter()
-    lowered = jitted.lower(state, batch)
-    t1 = time.perf_counter()
-    call.executable = lowered.compile()  # kept for profiling (its optimized HLO)
-    call.lower_s, call.compile_s = t1 - t0, time.perf_counter() - t1
+    if compiler is not None:
+      got = compiler(name, jitted, (state, batch))
+      call.executable, call.loaded, call.lower_s, call.compile_s = (got.executable, got.loaded, got.lower_s,
+                                                                    got.compile_s)
+    else:
+      t0 = time.perf_counter()
+      lowered = jitted.lower(state, batch)
+      t1 = time.perf_counter()
+      call.executable = lowered.compile()  # kept for profiling (its optimized HLO)
+      call.lower_s, call.compile_s = t1 - t0, time.perf_counter() - t1
     call.compiled_memory_gb = compiled_memory_gb(call.executable)
     return call.executable
 
@@ -327,9 +335,10 @@ def jit_step(step: Callable, state_shardings, batch_shardings, scope: Callable[[
     with scope():  # once per call
       if call.executable is None:  # the first call compiles ahead of time to read XLA's estimate; jitted reuses it
         compile_in_scope(state, batch)
-      return jitted(state, batch)
+      return jitted(state, batch) if compiler is None else call.executable(state, batch)
   call.compile = compile
   call.executable, call.compiled_memory_gb, call.lower_s, call.compile_s = None, None, None, None  # set by compile
+  call.loaded = False  # True: the executable came from an earlier start (warm start), nothing was traced
   return call
 
 

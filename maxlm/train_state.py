@@ -5,7 +5,7 @@ memory between steps (maxlm/offload.py)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import flax
 import jax
@@ -80,14 +80,17 @@ def threefry_kernel():
 
 
 def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int,
-                       batch: int, seq_len: int, offload: str = "none"):
+                       batch: int, seq_len: int, offload: str = "none", compiler: Callable | None = None):
   """(state, shardings): the state initialized directly into its shards (no host copy), each leaf in
-  the memory `offload` gives it (see `place`)."""
+  the memory `offload` gives it (see `place`). `compiler(kind, jitted, args)`, when given, supplies the init's
+  executable (maxlm/warm_start.py `compiled`: loaded from an earlier start, else compiled and kept)."""
   _, shardings = abstract_state(model, optimizer, mesh, batch, seq_len, offload)
 
   def init(r):
     return nn.unbox(init_boxed(model, optimizer, r, batch, seq_len))
 
+  key = jax.random.PRNGKey(seed)
   with threefry_kernel():
-    state = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed))
+    jitted = jax.jit(init, out_shardings=shardings)
+    state = jitted(key) if compiler is None else compiler("init", jitted, (key,)).executable(key)
   return state, shardings

@@ -21,7 +21,7 @@ import yaml
 
 from maxlm import data as data_lib
 from maxlm import plan as planner
-from maxlm import compile_cache, evaluate, watchdog
+from maxlm import compile_cache, evaluate, warm_start, watchdog
 from maxlm.batches import Batches
 from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
 from maxlm.checkpoint import run_dir as run_dirs
@@ -110,7 +110,11 @@ class Trainer:
     cfg = self.cfg
     self.optimizer, self.schedule = make_optimizer(cfg.optim, cfg.train.steps)
     micro = cfg.data.global_batch_size // cfg.train.grad_accum
-    make = abstract_state if abstract else functools.partial(create_train_state, seed=cfg.train.seed)
+    # compile.warm_start (maxlm/warm_start.py): executables kept from an earlier start of this run, else kept now
+    compiler = (functools.partial(warm_start.compiled, cfg_parts=warm_start.run_signature(cfg))
+                if warm_start.active() else None)
+    make = (abstract_state if abstract else
+            functools.partial(create_train_state, seed=cfg.train.seed, compiler=compiler))
     with self.scope():
       self.state, self.state_shardings = make(self.model, self.optimizer, self.mesh, batch=micro,
                                               seq_len=cfg.data.seq_len, offload=cfg.optim.offload)
@@ -120,7 +124,7 @@ class Trainer:
                            packed=self.packed)
     # jitted_train_step keeps XLA's memory estimate (compiled_memory_gb) also where train_step gets wrapped
     self.train_step = self.jitted_train_step = jit_step(step, self.state_shardings, bs, self.scope,
-                                                        metrics_sharding=replicated(self.mesh))
+                                                        metrics_sharding=replicated(self.mesh), compiler=compiler)
     self.eval_step = jit_step(make_eval_step(self.model, packed=self.packed), self.state_shardings, bs,
                               self.scope, donate=False, metrics_sharding=replicated(self.mesh))
     self.n_devices = jax.device_count()
@@ -339,8 +343,9 @@ def _first_step(trainer: Trainer, startup: Startup, done: int, t_first: float, h
   parts = startup.parts(t_first, step.lower_s, step.compile_s, trainer.plan_s)
   if is_main:
     echo(first_step_line(done, parts, peak_memory_gb(), step.compiled_memory_gb))
-    echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s)}")
-  return {"first_step_s": parts["startup_s"], **parts, "compile_cache_hit": hit, **compile_cache.stats(),
+    echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s, step.loaded)}")
+  return {"first_step_s": parts["startup_s"], **parts, "compile_cache_hit": hit, "warm_start": step.loaded,
+          **compile_cache.stats(),
           "compiled_memory_gb": step.compiled_memory_gb}
 
 

@@ -3,7 +3,9 @@
 
 The runs use their own cache directory (compile.cache_dir, which wins over the suite's JAX_COMPILATION_CACHE_DIR)
 and no JAX_COMPILATION_CACHE_MAX_SIZE, so maxlm's own file cache (atomic writes) is the one under test;
-compile.min_compile_s=0 keeps every program, however fast this machine compiles it.
+compile.min_compile_s=0 keeps every program, however fast this machine compiles it. compile.warm_start=false:
+JAX's cache alone is under test here (a warm start would load the executables without asking it;
+tests/test_warm_start.py).
 """
 
 import json
@@ -37,7 +39,7 @@ def _env() -> dict:
 
 def _cmd(out: Path, cache: Path, *args: str) -> list[str]:
   return [sys.executable, "-m", "maxlm.train", f"output_dir={out}", f"compile.cache_dir={cache}",
-          "compile.min_compile_s=0", *args]
+          "compile.min_compile_s=0", "compile.warm_start=false", *args]
 
 
 def _train(out: Path, cache: Path, *args: str) -> subprocess.CompletedProcess:

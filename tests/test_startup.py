@@ -1,7 +1,8 @@
 """maxlm/startup.py: `begin`, the one start sequence of the commands, and train.deterministic's cache rule.
 
 Each run is a fresh process (the settings act before the backend starts), on CPU, with its own cache directory
-and the default compile.min_compile_s (JAX's 1 s, which most of a tiny model's programs compile under).
+and the default compile.min_compile_s (JAX's 1 s, which most of a tiny model's programs compile under), and
+compile.warm_start=false: JAX's cache alone is under test (tests/test_warm_start.py has the warm start).
 """
 
 import json
@@ -24,7 +25,8 @@ def _train(tmp: Path, *args: str) -> subprocess.CompletedProcess:
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
              JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "maxlm.train", f"output_dir={tmp}",
-                         f"compile.cache_dir={tmp / 'cache'}", *TINY, *args], cwd=ROOT, env=env,
+                         f"compile.cache_dir={tmp / 'cache'}", "compile.warm_start=false", *TINY, *args],
+                        cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
 
 

@@ -1,0 +1,198 @@
+"""What a restart reuses beyond JAX's compilation cache (`compile.warm_start`, on by default): the planner's
+decision and the serialized executables of the state's init and of the train step.
+
+Why. JAX's persistent cache (maxlm/compile_cache.py) skips XLA's compile, but its key is the lowered program,
+so every start still traces and lowers: on the H200 a warm start of llama3.2-3b (28 unrolled layers) spent
+5.0 s tracing and lowering the step and 2.2 s loading it, 4.4 s tracing the init twice (benchmarks/
+init_profile.py), and with `plan.mode=fit` the planner's own trace of the step (benchmarks/results/
+2026-12-04-startup_h200.jsonl). Here the executables themselves are kept, serialized by JAX
+(`jax.experimental.serialize_executable`, the mechanism of MaxText's `compiled_trainstep_file`), under a key
+computed without tracing: a restart of the same run on the same machine loads them and runs.
+
+The key is a SHA-256 of everything that decides the program and can change between two starts: the config
+(all of it, less `KEEP_OUT`: names, paths, checkpointing, profiling and logging cadence, which no program
+reads), the program's argument shapes, dtypes and shardings, the source of every maxlm module, the versions of
+the libraries that build or compile programs (`LIBRARIES`), the backend (platform, its version, the devices),
+JAX's settings, and the environment variables XLA, JAX and TE read (`ENV_PREFIXES`). A change in any of
+them is a miss and the program is traced and compiled again, then stored beside the old entry. What the key
+cannot see (a library patched in place without a version change) is why `compile.warm_start=false` exists.
+
+Where and who. Entries are files `<kind>-<key>.pkl` in `<compile cache dir>/maxlm-warm`, written atomically
+(a temporary file renamed into place) so a reader sees a whole entry or none. One process only: a serialized
+executable holds the device assignment of the process that compiled it, so multi-process runs use JAX's cache
+alone. An entry that cannot be read or loaded (truncated, another JAX) counts as a miss. The entries are
+pickles: loading one runs code, as loading JAX's cache entries does, hence a per-user default directory.
+
+Only an executable XLA compiled in this process is kept, never one that JAX's persistent cache handed back: on
+XLA:CPU (jax 0.10.2) an executable loaded from that cache serializes without its kernels, and the entry then
+fails when run ("NOT_FOUND: Function broadcast_multiply_fusion not found"; tests/test_warm_start.py). So a
+program that JAX's cache already holds (from a start before compile.warm_start, or after a change of maxlm's
+code that left the program the same) stays a JAX-cache hit, traced and lowered at each start, until JAX's entry
+is gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import pickle
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+from jax.experimental import serialize_executable
+
+from maxlm import compile_cache
+from maxlm.config import Config, to_dict
+
+SUBDIR = "maxlm-warm"
+KEEP_OUT = ("output_dir", "run_name", "checkpoint", "profile", "compile", "train.log_every", "train.eval_every",
+            "train.eval_steps", "train.watchdog", "train.watchdog_factor", "train.watchdog_floor_s",
+            "train.watchdog_first_step_s")
+LIBRARIES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt",
+             "transformer-engine", "transformer-engine-jax", "transformer_engine", "transformer_engine_jax",
+             "flax", "optax", "ml-dtypes", "numpy")
+ENV_PREFIXES = ("XLA_", "JAX_", "NVTE_", "CUDA_VISIBLE_DEVICES", "TF_XLA")
+
+_dir: Path | None = None
+
+
+def configure(cache_dir: Path | None, enabled: bool) -> str | None:
+  """Set where entries live (None or not enabled: off); returns the line for the log, if any."""
+  global _dir
+  _dir = Path(cache_dir) / SUBDIR if cache_dir is not None and enabled else None
+  return None if _dir is None else f"warm start: plans and executables in {_dir} (compile.warm_start)"
+
+
+def active() -> bool:
+  return _dir is not None and jax.process_count() == 1
+
+
+def run_signature(cfg: Config) -> dict:
+  """The config less what no program reads (`KEEP_OUT`)."""
+  flat = {}
+
+  def walk(prefix: str, node: Any) -> None:
+    for k, v in node.items():
+      name = f"{prefix}{k}"
+      if name in KEEP_OUT:
+        continue
+      if isinstance(v, dict):
+        walk(f"{name}.", v)
+      else:
+        flat[name] = v
+  walk("", to_dict(cfg))
+  return flat
+
+
+@functools.lru_cache(maxsize=1)
+def _code() -> str:
+  """A hash of every maxlm source file, in path order."""
+  h = hashlib.sha256()
+  root = Path(__file__).resolve().parent
+  for p in sorted(root.rglob("*.py")):
+    h.update(str(p.relative_to(root)).encode())
+    h.update(p.read_bytes())
+  return h.hexdigest()
+
+
+def _versions() -> dict:
+  out = {}
+  for name in LIBRARIES:
+    try:
+      out[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      continue
+  return out
+
+
+def _environment() -> dict:
+  """The backend, JAX's settings (plain values) and the environment variables XLA, JAX and TE read."""
+  devices = jax.devices()
+  settings = {k: v for k, v in jax.config.values.items()
+              if isinstance(v, (bool, int, float, str, type(None))) and k != "jax_compilation_cache_dir"}
+  env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)
+         and k != "JAX_COMPILATION_CACHE_DIR"}
+  client = devices[0].client
+  return {"platform": client.platform, "platform_version": client.platform_version,
+          "devices": [(d.id, d.device_kind) for d in devices], "settings": settings, "env": env}
+
+
+def key(kind: str, parts: Any) -> str:
+  text = json.dumps([kind, _code(), _versions(), _environment(), parts], sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def signature(args: Any) -> list:
+  """Arguments as the key sees them: the tree and each leaf's shape, dtype and sharding."""
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  return [str(tree)] + [(tuple(x.shape), str(x.dtype), repr(getattr(x, "sharding", None))) for x in leaves]
+
+
+def _path(kind: str, k: str) -> Path:
+  return _dir / f"{kind}-{k}.pkl"
+
+
+def load(kind: str, parts: Any) -> Any:
+  """The entry stored for (kind, parts), None when there is none or it cannot be read."""
+  if not active():
+    return None
+  try:
+    return pickle.loads(_path(kind, key(kind, parts)).read_bytes())
+  except Exception:  # noqa: BLE001 - missing, truncated or from another library version: a miss
+    return None
+
+
+def save(kind: str, parts: Any, value: Any) -> None:
+  """Store `value` (picklable) for (kind, parts), atomically; nothing when off."""
+  if not active():
+    return
+  _dir.mkdir(parents=True, exist_ok=True)
+  target = _path(kind, key(kind, parts))
+  tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+  try:
+    tmp.write_bytes(pickle.dumps(value))
+    os.replace(tmp, target)
+  finally:
+    tmp.unlink(missing_ok=True)
+
+
+class Timed:
+  """An executable with how it came: `loaded` from this store, else traced + lowered (`lower_s`) and compiled
+  (`compile_s`, which JAX's own cache may have shortened); `compile_s` is the load's time when loaded."""
+
+  def __init__(self, executable, loaded: bool, lower_s: float, compile_s: float):
+    self.executable, self.loaded, self.lower_s, self.compile_s = executable, loaded, lower_s, compile_s
+
+
+def compiled(kind: str, jitted: Callable, args: tuple, cfg_parts: dict) -> Timed:
+  """The executable of `jitted` for `args` (arrays or ShapeDtypeStructs with shardings): loaded from the store
+  when this run's key has one, else traced, lowered, compiled and stored."""
+  parts = [cfg_parts, signature(args)]
+  t0 = time.perf_counter()
+  entry = load(kind, parts)
+  if entry is not None:
+    try:
+      exe = serialize_executable.deserialize_and_load(*entry)
+      return Timed(exe, True, 0.0, time.perf_counter() - t0)
+    except Exception:  # noqa: BLE001 - an entry this JAX cannot load: compile as if there were none
+      pass
+  t0 = time.perf_counter()
+  lowered = jitted.lower(*args)
+  t1 = time.perf_counter()
+  hits = compile_cache.COUNTER.snapshot()[0]
+  exe = lowered.compile()
+  t2 = time.perf_counter()
+  if active() and compile_cache.COUNTER.snapshot()[0] == hits:  # compiled here, not from JAX's cache (doc)
+    try:
+      entry = serialize_executable.serialize(exe)
+    except (ValueError, NotImplementedError):  # a program JAX cannot serialize (constants): not kept
+      entry = None
+    if entry is not None:
+      save(kind, parts, entry)
+  return Timed(exe, False, t1 - t0, t2 - t1)

@@ -1,0 +1,201 @@
+"""compile.warm_start (maxlm/warm_start.py): a restart of the same run loads the executables an earlier start
+kept (and the planner's decision), runs exactly them, and misses whenever anything that decides the program
+changed.
+
+The end-to-end runs are fresh processes on CPU, as restarts are, each with its own cache directory. The
+reference for "runs exactly them" is the first start's own losses (and a start with compile.warm_start=false):
+bit-identical per step, which CPU XLA gives for one program on one machine.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from maxlm import plan, warm_start
+from maxlm.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
+        "model.n_layers=1", "model.backend=flax", "model.vocab_size=128", "data.type=synthetic",
+        "data.seq_len=16", "data.global_batch_size=4", "train.steps=3", "train.log_every=1",
+        "train.eval_every=0", "checkpoint.enabled=false"]
+LOADED = "maxlm: compilation cache: the train step's executable, kept by an earlier start of this run, loaded in"
+
+
+def _train(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
+             JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "maxlm.train", f"output_dir={tmp}",
+                         f"compile.cache_dir={tmp / 'cache'}", *TINY, *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+  return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run_dir: Path) -> list[float]:
+  return [r["loss"] for r in _rows(run_dir)]
+
+
+def _entries(tmp: Path, kind: str) -> list[Path]:
+  return sorted((tmp / "cache" / warm_start.SUBDIR).glob(f"{kind}-*.pkl"))
+
+
+def test_a_restart_runs_the_kept_executables_and_a_changed_config_compiles_again(tmp_path):
+  first = _train(tmp_path, "run_name=a")
+  assert first.returncode == 0, first.stderr
+  assert LOADED not in first.stdout
+  assert len(_entries(tmp_path, "init")) == 1 and len(_entries(tmp_path, "train_step")) == 1
+  second = _train(tmp_path, "run_name=b")  # another name and directory: the same program
+  assert second.returncode == 0, second.stderr
+  assert LOADED in second.stdout, second.stdout
+  cold, warm = _rows(tmp_path / "a")[0], _rows(tmp_path / "b")[0]
+  assert warm["warm_start"] and not cold["warm_start"]
+  assert warm["lower_s"] == 0.0 and cold["lower_s"] > 0
+  off = _train(tmp_path, "run_name=off", "compile.warm_start=false")
+  assert off.returncode == 0, off.stderr
+  assert LOADED not in off.stdout
+  assert _losses(tmp_path / "b") == _losses(tmp_path / "a") == _losses(tmp_path / "off")
+  # a key that misses: another learning rate is another program (the schedule is compiled in)
+  other = _train(tmp_path, "run_name=c", "optim.learning_rate=0.01")
+  assert other.returncode == 0, other.stderr
+  assert LOADED not in other.stdout
+  assert len(_entries(tmp_path, "train_step")) == 2
+  assert _losses(tmp_path / "c")[1:] != _losses(tmp_path / "a")[1:]
+
+
+def test_a_damaged_entry_is_a_miss_and_is_written_again(tmp_path):
+  # compile.min_compile_s=1000: JAX's cache keeps nothing, so the restart compiles (an executable from JAX's
+  # cache is never kept: the next test)
+  keep_out_of_jax = "compile.min_compile_s=1000"
+  assert _train(tmp_path, "run_name=a", keep_out_of_jax).returncode == 0
+  (entry,) = _entries(tmp_path, "train_step")
+  whole = entry.read_bytes()
+  entry.write_bytes(whole[: len(whole) // 2])  # a writer killed mid-write (maxlm writes atomically; others may not)
+  again = _train(tmp_path, "run_name=b", keep_out_of_jax)
+  assert again.returncode == 0, again.stderr
+  assert LOADED not in again.stdout
+  assert entry.read_bytes() != whole[: len(whole) // 2]
+  assert _losses(tmp_path / "b") == _losses(tmp_path / "a")
+  assert LOADED in _train(tmp_path, "run_name=c", keep_out_of_jax).stdout
+
+
+def test_an_executable_from_jax_cache_is_not_kept(tmp_path):
+  """On XLA:CPU an executable that JAX's persistent cache loaded serializes without its kernels (the entry
+  fails when run: NOT_FOUND ... not found). A start whose train step is a JAX-cache hit keeps no entry for it,
+  and the next start runs."""
+  every = "compile.min_compile_s=0"  # JAX keeps every program
+  assert _train(tmp_path, "run_name=a", every, "compile.warm_start=false").returncode == 0
+  b = _train(tmp_path, "run_name=b", every)
+  assert b.returncode == 0, b.stderr
+  assert "the train step came from the cache (hit" in b.stdout, b.stdout
+  assert not _entries(tmp_path, "train_step")
+  c = _train(tmp_path, "run_name=c", every)
+  assert c.returncode == 0, c.stderr
+  assert _losses(tmp_path / "c") == _losses(tmp_path / "a")
+
+
+def test_compile_only_leaves_the_train_step_for_the_run(tmp_path):
+  ahead = _train(tmp_path, "run_name=r", "--compile-only")
+  assert ahead.returncode == 0, ahead.stderr
+  assert not (tmp_path / "r").exists()
+  run = _train(tmp_path, "run_name=r")
+  assert run.returncode == 0, run.stderr
+  assert LOADED in run.stdout, run.stdout
+
+
+def test_the_key_holds_the_config_less_names_paths_and_logging():
+  base = load_config(TINY)
+  same = load_config(TINY + ["run_name=other", "output_dir=/elsewhere", "train.log_every=7", "checkpoint.every=3",
+                             "compile.cache_dir=/x"])
+  assert warm_start.run_signature(same) == warm_start.run_signature(base)
+  for change in ("optim.learning_rate=0.5", "data.seq_len=32", "model.remat=none", "train.steps=9", "train.seed=4"):
+    other = warm_start.run_signature(load_config(TINY + [change]))
+    assert other != warm_start.run_signature(base), change
+    assert warm_start.key("train_step", other) != warm_start.key("train_step", warm_start.run_signature(base))
+
+
+def test_the_key_holds_the_environment_xla_reads(monkeypatch):
+  parts = warm_start.run_signature(load_config(TINY))
+  before = warm_start.key("train_step", parts)
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true")
+  assert warm_start.key("train_step", parts) != before
+  monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+  monkeypatch.delenv("XLA_FLAGS")
+  assert warm_start.key("train_step", parts) != before
+
+
+def test_nothing_is_kept_or_loaded_by_several_processes_or_when_off(tmp_path, monkeypatch):
+  warm_start.configure(tmp_path, True)
+  try:
+    warm_start.save("plan", ["x"], 1)
+    assert warm_start.load("plan", ["x"]) == 1
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert not warm_start.active() and warm_start.load("plan", ["x"]) is None
+    monkeypatch.undo()
+    warm_start.configure(tmp_path, False)
+    assert warm_start.load("plan", ["x"]) is None
+  finally:
+    warm_start.configure(None, False)
+
+
+def test_the_planners_decision_is_kept_and_reused(tmp_path, monkeypatch):
+  """plan.resolve_kept: the first start measures (resolve), a restart of the same run takes the decision it
+  kept and says so; a changed config measures again."""
+  calls = []
+
+  def fake_resolve(cfg, *a, **k):
+    calls.append(cfg)
+    return plan.apply(cfg, {"model.remat": "full"}), "plan: chose model.remat=full"
+
+  monkeypatch.setattr(plan, "resolve", fake_resolve)
+  warm_start.configure(tmp_path, True)
+  try:
+    cfg = load_config(TINY + ["plan.mode=auto"])
+    out, line = plan.resolve_kept(cfg)
+    assert len(calls) == 1 and out.model.remat == "full" and line == "plan: chose model.remat=full"
+    again, line2 = plan.resolve_kept(dataclasses.replace(cfg, run_name="restart"))
+    assert len(calls) == 1 and again.model.remat == "full"
+    assert line2 == "plan: chose model.remat=full (kept from an earlier start)"
+    plan.resolve_kept(load_config(TINY + ["plan.mode=auto", "data.seq_len=32"]))
+    assert len(calls) == 2
+  finally:
+    warm_start.configure(None, False)
+
+
+@pytest.mark.parametrize("mode", ["off"])
+def test_plan_mode_off_keeps_nothing(tmp_path, mode):
+  warm_start.configure(tmp_path, True)
+  try:
+    cfg = load_config(TINY + [f"plan.mode={mode}"])
+    assert plan.resolve_kept(cfg) == (cfg, None)
+    assert not list(Path(tmp_path, warm_start.SUBDIR).glob("plan-*"))
+  finally:
+    warm_start.configure(None, False)
+
+
+def test_the_planners_compile_is_the_runs_train_step(tmp_path):
+  """plan.mode=fit measures the configured step on the GPUs at hand by compiling it: that executable is kept
+  under the trainer's key, so the run's start loads it instead of tracing and compiling the step again."""
+  from maxlm.plan_measure import compile_step
+  from maxlm.trainer import Trainer
+
+  cfg = load_config([*TINY, "plan.mode=off", f"output_dir={tmp_path}", "data.global_batch_size=8"])  # 8 CPU devices
+  warm_start.configure(tmp_path, True)
+  try:
+    compile_step(cfg)
+    assert len(list((tmp_path / warm_start.SUBDIR).glob("train_step-*.pkl"))) == 1
+    trainer = Trainer(cfg)
+    trainer.build()
+    trainer.compile_train_step()
+    assert trainer.jitted_train_step.loaded and trainer.jitted_train_step.lower_s == 0.0
+  finally:
+    warm_start.configure(None, False)

@@ -312,14 +312,14 @@ def resolve_kept(cfg: Config) -> tuple[Config, str | None]:
   may use), which a decision taken now is kept as."""
   if cfg.plan.mode == "off" or (cfg.plan.mode != "auto" and not gpu_here()):
     return resolve(cfg)  # nothing measured: nothing to keep
-  parts = [warm_start.run_signature(cfg), device_memory_bytes()]
-  kept = warm_start.load("plan", parts)
+  entry = warm_start.Entry("plan", [warm_start.run_signature(cfg), device_memory_bytes()])
+  kept = entry.load()
   if kept is not None:
     levers, line = kept
     return (cfg if levers == current(cfg) else apply(cfg, levers)), f"{line} (kept from an earlier start)"
   out, line = resolve(cfg)
   if line is not None:
-    warm_start.save("plan", parts, (current(out), line))
+    entry.save((current(out), line))
   return out, line
 
 

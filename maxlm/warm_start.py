@@ -134,32 +134,33 @@ def signature(args: Any) -> list:
   return [str(tree)] + [(tuple(x.shape), str(x.dtype), repr(getattr(x, "sharding", None))) for x in leaves]
 
 
-def _path(kind: str, k: str) -> Path:
-  return _dir / f"{kind}-{k}.pkl"
+class Entry:
+  """The store's file for (kind, parts), its key computed once, when it is made: what is then loaded or saved
+  has the key of the state before the work (importing TE, for one, sets environment variables of its own)."""
 
+  def __init__(self, kind: str, parts: Any):
+    self.path = _dir / f"{kind}-{key(kind, parts)}.pkl" if active() else None
 
-def load(kind: str, parts: Any) -> Any:
-  """The entry stored for (kind, parts), None when there is none or it cannot be read."""
-  if not active():
-    return None
-  try:
-    return pickle.loads(_path(kind, key(kind, parts)).read_bytes())
-  except Exception:  # noqa: BLE001 - missing, truncated or from another library version: a miss
-    return None
+  def load(self) -> Any:
+    """The value stored, None when off, when there is none or when it cannot be read."""
+    if self.path is None:
+      return None
+    try:
+      return pickle.loads(self.path.read_bytes())
+    except Exception:  # noqa: BLE001 - missing, truncated or from another library version: a miss
+      return None
 
-
-def save(kind: str, parts: Any, value: Any) -> None:
-  """Store `value` (picklable) for (kind, parts), atomically; nothing when off."""
-  if not active():
-    return
-  _dir.mkdir(parents=True, exist_ok=True)
-  target = _path(kind, key(kind, parts))
-  tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-  try:
-    tmp.write_bytes(pickle.dumps(value))
-    os.replace(tmp, target)
-  finally:
-    tmp.unlink(missing_ok=True)
+  def save(self, value: Any) -> None:
+    """Store `value` (picklable), atomically; nothing when off."""
+    if self.path is None:
+      return
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+      tmp.write_bytes(pickle.dumps(value))
+      os.replace(tmp, self.path)
+    finally:
+      tmp.unlink(missing_ok=True)
 
 
 class Timed:
@@ -173,12 +174,12 @@ class Timed:
 def compiled(kind: str, jitted: Callable, args: tuple, cfg_parts: dict) -> Timed:
   """The executable of `jitted` for `args` (arrays or ShapeDtypeStructs with shardings): loaded from the store
   when this run's key has one, else traced, lowered, compiled and stored."""
-  parts = [cfg_parts, signature(args)]
   t0 = time.perf_counter()
-  entry = load(kind, parts)
-  if entry is not None:
+  entry = Entry(kind, [cfg_parts, signature(args)])
+  kept = entry.load()
+  if kept is not None:
     try:
-      exe = serialize_executable.deserialize_and_load(*entry)
+      exe = serialize_executable.deserialize_and_load(*kept)
       return Timed(exe, True, 0.0, time.perf_counter() - t0)
     except Exception:  # noqa: BLE001 - an entry this JAX cannot load: compile as if there were none
       pass
@@ -188,11 +189,9 @@ def compiled(kind: str, jitted: Callable, args: tuple, cfg_parts: dict) -> Timed
   hits = compile_cache.COUNTER.snapshot()[0]
   exe = lowered.compile()
   t2 = time.perf_counter()
-  if active() and compile_cache.COUNTER.snapshot()[0] == hits:  # compiled here, not from JAX's cache (doc)
+  if entry.path is not None and compile_cache.COUNTER.snapshot()[0] == hits:  # compiled here, not by JAX's cache
     try:
-      entry = serialize_executable.serialize(exe)
+      entry.save(serialize_executable.serialize(exe))
     except (ValueError, NotImplementedError):  # a program JAX cannot serialize (constants): not kept
-      entry = None
-    if entry is not None:
-      save(kind, parts, entry)
+      pass
   return Timed(exe, False, t1 - t0, t2 - t1)

@@ -136,13 +136,13 @@ def test_the_key_holds_the_environment_xla_reads(monkeypatch):
 def test_nothing_is_kept_or_loaded_by_several_processes_or_when_off(tmp_path, monkeypatch):
   warm_start.configure(tmp_path, True)
   try:
-    warm_start.save("plan", ["x"], 1)
-    assert warm_start.load("plan", ["x"]) == 1
+    warm_start.Entry("plan", ["x"]).save(1)
+    assert warm_start.Entry("plan", ["x"]).load() == 1
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    assert not warm_start.active() and warm_start.load("plan", ["x"]) is None
+    assert not warm_start.active() and warm_start.Entry("plan", ["x"]).load() is None
     monkeypatch.undo()
     warm_start.configure(tmp_path, False)
-    assert warm_start.load("plan", ["x"]) is None
+    assert warm_start.Entry("plan", ["x"]).load() is None
   finally:
     warm_start.configure(None, False)
 
@@ -154,14 +154,17 @@ def test_the_planners_decision_is_kept_and_reused(tmp_path, monkeypatch):
 
   def fake_resolve(cfg, *a, **k):
     calls.append(cfg)
+    os.environ["NVTE_SET_BY_AN_IMPORT"] = "1"  # as importing TE does, inside the planner's first measurement
     return plan.apply(cfg, {"model.remat": "full"}), "plan: chose model.remat=full"
 
   monkeypatch.setattr(plan, "resolve", fake_resolve)
+  monkeypatch.delenv("NVTE_SET_BY_AN_IMPORT", raising=False)
   warm_start.configure(tmp_path, True)
   try:
     cfg = load_config(TINY + ["plan.mode=auto"])
     out, line = plan.resolve_kept(cfg)
     assert len(calls) == 1 and out.model.remat == "full" and line == "plan: chose model.remat=full"
+    monkeypatch.delenv("NVTE_SET_BY_AN_IMPORT")  # a restart starts without it again
     again, line2 = plan.resolve_kept(dataclasses.replace(cfg, run_name="restart"))
     assert len(calls) == 1 and again.model.remat == "full"
     assert line2 == "plan: chose model.remat=full (kept from an earlier start)"

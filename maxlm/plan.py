@@ -308,11 +308,12 @@ _LAST_HOW = ""  # what for_run did last (remember keeps it with the trainer), fo
 
 def resolve_kept(cfg: Config) -> tuple[Config, str | None]:
   """`resolve(cfg)` on the devices at hand, or the decision an earlier start of this run took on this machine
-  (compile.warm_start, maxlm/warm_start.py: the key holds the config, the code, the devices and the memory XLA
-  may use), which a decision taken now is kept as."""
+  (compile.warm_start, maxlm/warm_start.py: the key holds the config, the code, the devices and the memory the
+  planner counts as usable), which a decision taken now is kept as."""
   if cfg.plan.mode == "off" or (cfg.plan.mode != "auto" and not gpu_here()):
     return resolve(cfg)  # nothing measured: nothing to keep
-  entry = warm_start.Entry("plan", [warm_start.run_signature(cfg), device_memory_bytes()])
+  target = make_target(cfg)  # the planner's own view of the devices (no measurement yet)
+  entry = warm_start.Entry("plan", [warm_start.run_signature(cfg), target.n_devices, target.kind, target.usable])
   kept = entry.load()
   if kept is not None:
     levers, line = kept

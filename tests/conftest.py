@@ -100,3 +100,12 @@ def fake_fp8_gpu(monkeypatch):
   monkeypatch.setattr(helper, "_reason_for_no_scaling_mode", None, raising=False)
   yield
   device_utils.get_device_compute_capability.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _warm_start_off_after_each_test():
+  """compile.warm_start's store is process-wide (maxlm/warm_start.py): an in-process run configures it, and a
+  later test in the same worker must not find that run's kept plans and executables."""
+  yield
+  from maxlm import warm_start  # noqa: PLC0415 - imports jax: only once the first test has run
+  warm_start.configure(None, False)

@@ -170,6 +170,11 @@ def test_the_planners_decision_is_kept_and_reused(tmp_path, monkeypatch):
     assert line2 == "plan: chose model.remat=full (kept from an earlier start)"
     plan.resolve_kept(load_config(TINY + ["plan.mode=auto", "data.seq_len=32"]))
     assert len(calls) == 2
+    # the memory the planner counts as usable is in the key too (another xla.mem_fraction, another GPU)
+    from maxlm import plan_measure
+    monkeypatch.setattr(plan_measure, "_local_memory", lambda dev: 2 ** 30)
+    plan.resolve_kept(cfg)
+    assert len(calls) == 3
   finally:
     warm_start.configure(None, False)
 

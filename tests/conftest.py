@@ -107,5 +107,5 @@ def _warm_start_off_after_each_test():
   """compile.warm_start's store is process-wide (maxlm/warm_start.py): an in-process run configures it, and a
   later test in the same worker must not find that run's kept plans and executables."""
   yield
-  from maxlm import warm_start  # noqa: PLC0415 - imports jax: only once the first test has run
+  from maxlm import warm_start  # lazy on purpose: it imports jax, once the first test has run
   warm_start.configure(None, False)

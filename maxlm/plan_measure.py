@@ -14,14 +14,16 @@ difference, the [B, H, T, T] attention scores that CPU attention materializes an
 never holds (52.3 GB of temporaries per device for the 8B shape at sequence 8192 on 8 devices, of which the
 scores are most), is removed by `gpu_footprint=True`: a stand-in with fused attention's footprint
 (custom VJP keeping q, k, v, the output and fp32 softmax statistics [B, H, T]; its values are not
-attention's), used only for such measurements. Unrolled layers (`model.scan_layers=false`) are measured
-scanned: XLA:CPU's unrolled program keeps far more than XLA:GPU's memory-aware scheduler does, and more with
-every layer (the 8B shape on one simulated device, full remat, bfloat16 moments: 679 GiB unrolled, where the
-H200 measured 110 GiB with save_attn; cut to 4 layers on 8 devices: 19.9 GiB unrolled, 12.0 GiB scanned, 3.9
-GB more per unrolled layer against 0.57 GB per scanned one, about a layer's state and activations). Scanned,
-80 layers also compile in the time of 4. Against XLA:GPU on one H200 (the 8B shape cut to 4 layers, batch 4 x
-4096, every remat policy; docs/plan.md) the scanned simulation was 29% to 67% high: a conservative stand-in,
-not a measurement of the GPU.
+attention's), used only for such measurements. Its other big difference, bf16 computed (and FSDP's weights
+gathered) in f32, is removed there too: the step is compiled with bf16 kept (`GPU_DTYPE_OPTIONS`). Unrolled
+layers (`model.scan_layers=false`) are measured scanned: XLA:CPU's unrolled program keeps far more than
+XLA:GPU's memory-aware scheduler does, and more with every layer (the 8B shape on one simulated device, full
+remat, bfloat16 moments: 679 GiB unrolled, where the H200 measured 110 GiB with save_attn; cut to 4 layers on 8
+devices: 19.9 GiB unrolled, 12.0 GiB scanned, 3.9 GB more per unrolled layer against 0.57 GB per scanned one,
+about a layer's state and activations; both before bf16 was kept). Scanned, 80 layers also compile in the time
+of 4. Against XLA:GPU on one H200 (the 8B shape cut to 4 layers, batch 4 x 4096, every remat policy;
+docs/plan.md) the scanned simulation was 29% to 67% high, and is 13.5% to 22% high with bf16 kept: a
+conservative stand-in, not a measurement of the GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax._src.lax import lax as _lax_internal  # jnp.dot and jnp.matmul call its dot_general
+from jax.ad_checkpoint import checkpoint_name
 
+from maxlm import model as model_module
 from maxlm import warm_start
 from maxlm.config import Config, ConfigError, from_dict, to_dict
 from maxlm.data.packing import BATCH_KEYS
@@ -116,6 +121,70 @@ def fused_attention_footprint(backend: str, enabled: bool = True):
     module.attention = saved
 
 
+# XLA:CPU has no bf16 arithmetic: its pass float-normalization-bf16 rewrites every bf16 instruction it does not
+# support (on the CPU: all but dots a library runs; collectives included) to f32 between converts, which the
+# algebraic simplifier then drops. FSDP's bf16 weight all-gathers so became f32 ones (70B, 2 layers, 8 simulated
+# devices: all 9, the gathered LM head f32[8192,128256], 3.9 GiB, where XLA:GPU gathers bf16), and most bf16
+# activations f32. --xla_allow_excess_precision=false does not help (the same 9 f32 gathers, the same bytes: the
+# pass itself makes them f32). So a simulated step (measured for a GPU on XLA:CPU; the program is never run) is
+# compiled without that pass (bf16 stays bf16, as XLA:GPU, which supports bf16 nearly everywhere, keeps it).
+# XLA:CPU's dot emitter has no bf16, so each GEMM with a bf16 result is traced as a bf16 x bf16 -> f32 dot
+# and a convert to bf16 (cuBLAS's f32 accumulation; its result is f32 until the convert: a transient XLA:GPU
+# does not hold) and run by YNNPACK (individual_dot), which takes the bf16 operands as they are (without it,
+# XLA's operand upcaster makes f32 copies of them). The remat policies that save dots save the bf16 result,
+# as on the GPU, not the f32 dot. Measured (docs/plan.md, "Simulated H200s"): the 70B cut to 2 layers on 8
+# simulated devices, 71.6 -> 44.2 GiB per device and the 9 weight all-gathers bf16; the 8B cut to 4 layers on
+# one device against XLA:GPU on an H200, every remat policy, 29-67% high before, 13.5-22% high after.
+GPU_DTYPE_OPTIONS = {"xla_disable_hlo_passes": "float-normalization-bf16",
+                     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+SIM_DOT = "maxlm_sim_dot"  # checkpoint name of a GEMM's bf16 result (no batch dimensions) in a simulated step
+_LAX_DOT = jax.lax.dot_general
+_MIXED = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
+
+
+def _gpu_dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
+  """`jax.lax.dot_general` whose bf16 result is an f32 dot rounded to bf16 (see GPU_DTYPE_OPTIONS). An f32 x
+  bf16 -> f32 dot is JAX's transpose of such a dot (the bf16 cotangent of its f32 result, upcast): its f32
+  operand is rounded back to the bf16 it is on the GPU (else XLA's upcast f32 copies of the bf16 one, a
+  gathered weight among them, would be measured)."""
+  out = jnp.result_type(lhs, rhs) if preferred_element_type is None else jnp.dtype(preferred_element_type)
+  if preferred_element_type is not None and out == jnp.float32 and {lhs.dtype, rhs.dtype} == _MIXED:
+    return _LAX_DOT(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), dimension_numbers, precision, out, **kw)
+  if out != jnp.bfloat16:
+    return _LAX_DOT(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kw)
+  y = _LAX_DOT(lhs, rhs, dimension_numbers, precision, jnp.float32, **kw).astype(jnp.bfloat16)
+  batch = any(len(b) for b in dimension_numbers[1])
+  return y if batch else checkpoint_name(y, SIM_DOT)
+
+
+def _saving_sim_dots(policy):
+  """A remat policy that keeps a SIM_DOT result exactly when it keeps a dot without batch dimensions."""
+  if policy is None:
+    return None
+
+  def keep(prim, *args, **params):
+    if getattr(prim, "name", None) == "name" and params.get("name") == SIM_DOT:
+      return policy(jax.lax.dot_general_p, *args, dimension_numbers=(((), ()), ((), ())))
+    return policy(prim, *args, **params)
+  return keep
+
+
+@contextlib.contextmanager
+def gpu_dot_dtypes(enabled: bool = True):
+  """While a step is traced: `jax.lax.dot_general` (what both layer backends and the LM head call; also as
+  jax.numpy's dot and matmul call it, e.g. the tied head's `attend`) as `_gpu_dot`, and the model's remat
+  policies as `_saving_sim_dots` (measurements on XLA:CPU only)."""
+  saved = model_module.remat_policy
+  if enabled:
+    jax.lax.dot_general = _lax_internal.dot_general = _gpu_dot
+    model_module.remat_policy = lambda name, backend: _saving_sim_dots(saved(name, backend))
+  try:
+    yield
+  finally:
+    jax.lax.dot_general = _lax_internal.dot_general = _LAX_DOT
+    model_module.remat_policy = saved
+
+
 def _shard_bytes(structs) -> int:
   """Bytes one device holds of a tree of abstract arrays carrying their shardings."""
   return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(structs))
@@ -123,8 +192,10 @@ def _shard_bytes(structs) -> int:
 
 def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrolled: bool = False):
   """(compiled train step of `cfg` on `devices` (default: all), {"params", "opt_state", "opt_leaf_fp32": bytes
-  per device}), from abstract shapes only. unrolled: the model is scanned for the measurement only, so a
-  scanned stack counts per layer in opt_leaf_fp32."""
+  per device, "bf16_kept"}), from abstract shapes only. fused_attention (measuring a GPU's step): with fused
+  attention's footprint, and on CPU devices with bf16 kept (GPU_DTYPE_OPTIONS; bf16_kept: True, False where
+  XLA:CPU could not compile it so, None where not asked). unrolled: the model is scanned for the measurement
+  only, so a scanned stack counts per layer in opt_leaf_fp32."""
   mesh = make_mesh(cfg.mesh, devices)
   backend = resolve_backend(cfg.model.backend)
   model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row)
@@ -132,21 +203,33 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
   micro = cfg.data.global_batch_size // cfg.train.grad_accum
   step = make_train_step(model, optimizer, schedule, grad_accum=cfg.train.grad_accum,
                          packed=cfg.data.type != "synthetic")  # data.type=auto is never synthetic
-  with model_scope(cfg.model, backend, mesh), fused_attention_footprint(backend, fused_attention):  # as the trainer
+  gpu_dtypes = fused_attention and mesh.devices.flat[0].platform == "cpu"  # a GPU's step, on XLA:CPU
+  with (model_scope(cfg.model, backend, mesh), fused_attention_footprint(backend, fused_attention),  # as the trainer
+        gpu_dot_dtypes(gpu_dtypes)):
     structs, shardings = abstract_state(model, optimizer, mesh, micro, cfg.data.seq_len, cfg.optim.offload)
     bs = batch_sharding(mesh)
     batch = {k: jax.ShapeDtypeStruct((cfg.data.global_batch_size, cfg.data.seq_len), jnp.int32, sharding=bs)
              for k in BATCH_KEYS}  # [B, T] each
     jitted = jax.jit(step, in_shardings=(shardings, {k: bs for k in BATCH_KEYS}),
                      out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
+    kept = True if gpu_dtypes else None
     if warm_start.active() and not fused_attention and not unrolled:
       # the trainer's own program (the same jit, shardings and arguments): kept, so that the run's start loads it
       # instead of tracing it again (maxlm/warm_start.py)
       compiled = warm_start.compiled("train_step", jitted, (structs, batch), warm_start.run_signature(cfg)).executable
     else:
-      compiled = jitted.lower(structs, batch).compile()
+      lowered = jitted.lower(structs, batch)
+      try:
+        compiled = lowered.compile(GPU_DTYPE_OPTIONS if gpu_dtypes else None)
+      except jax.errors.JaxRuntimeError as e:
+        if not gpu_dtypes or is_oom(e):
+          raise
+        # a bf16 instruction XLA:CPU cannot emit (a bf16 GEMM not traced through `_gpu_dot`): its usual
+        # program, bf16 computed in f32 (higher, as before GPU_DTYPE_OPTIONS)
+        compiled, kept = lowered.compile(), False
   return compiled, {"params": _shard_bytes(structs.params), "opt_state": _shard_bytes(structs.opt_state),
-                    "opt_leaf_fp32": _largest_parameter(structs.params, cfg.model.n_layers if unrolled else 1)}
+                    "opt_leaf_fp32": _largest_parameter(structs.params, cfg.model.n_layers if unrolled else 1),
+                    "bf16_kept": kept}
 
 
 def _largest_parameter(params, n_layers: int) -> int:
@@ -179,6 +262,8 @@ def measure(cfg: Config, devices=None, gpu_footprint: bool = False) -> dict:
     if not is_oom(e):
       raise
     return {"oom": str(e).splitlines()[0][:300]}
+  if parts.pop("bf16_kept") is False:
+    how += ", bf16 computed in f32 (XLA:CPU could not compile the step with bf16 kept: higher)"
   out = memory_stats(compiled) | parts | {"how": how}
   return offloaded(out) if gpu_footprint and cfg.optim.offload == "host" else out
 

@@ -28,7 +28,6 @@ conservative stand-in, not a measurement of the GPU.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -38,17 +37,15 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jax._src.lax import lax as _lax_internal  # jnp.dot and jnp.matmul call its dot_general
-from jax.ad_checkpoint import checkpoint_name
 
-from maxlm import model as model_module
 from maxlm import warm_start
 from maxlm.config import Config, ConfigError, from_dict, to_dict
 from maxlm.data.packing import BATCH_KEYS
-from maxlm.layers import get_backend, resolve_backend
+from maxlm.layers import resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import LAG, make_optimizer
+from maxlm.plan_standins import GPU_DTYPE_OPTIONS, fused_attention_footprint, gpu_dot_dtypes
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
 from maxlm.sizing import human_bytes
@@ -72,117 +69,6 @@ def memory_stats(compiled) -> dict[str, int]:
   out["device"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
   out["host"] = out["host_argument"] + out["host_output"] + out["host_temp"] - out["host_alias"]
   return out
-
-
-@jax.custom_vjp
-def _fused_standin(q, k, v):
-  return _standin_fwd(q, k, v)[0]
-
-
-def _standin_fwd(q, k, v):
-  """Same inputs, output and residuals as a fused attention kernel; not attention's values."""
-  g = q.shape[2] // k.shape[2]
-  s = jnp.sum(q.astype(jnp.float32) * jnp.repeat(k, g, axis=2), axis=-1)  # [B, T, H]
-  out = (jnp.repeat(v, g, axis=2) * jax.nn.sigmoid(s)[..., None]).astype(q.dtype)  # [B, T, H, Dh]
-  stats = jnp.moveaxis(s, 1, 2)  # [B, H, T] fp32, as cuDNN's softmax statistics
-  return out, (q, k, v, out, stats)
-
-
-def _standin_bwd(res, d_out):
-  q, k, v, _, stats = res
-  b, t, kv, dh = k.shape
-  g = q.shape[2] // kv
-  w = jax.nn.sigmoid(jnp.moveaxis(stats, 2, 1))[..., None]  # [B, T, H, 1]
-  dw = d_out.astype(jnp.float32) * w  # [B, T, H, Dh]
-  dq = (dw * jnp.repeat(k, g, axis=2)).astype(q.dtype)  # [B, T, H, Dh]
-  dk = (dw * q).reshape(b, t, kv, g, dh).sum(3).astype(k.dtype)  # [B, T, KV, Dh]
-  dv = dw.reshape(b, t, kv, g, dh).sum(3).astype(v.dtype)  # [B, T, KV, Dh]
-  return dq, dk, dv
-
-
-_fused_standin.defvjp(_standin_fwd, _standin_bwd)
-
-
-def standin_attention(q, k, v, **_):
-  """`attention` of a layer backend, with fused attention's memory footprint (see the module doc)."""
-  return _fused_standin(q, k, v)  # [B, T, H, Dh]
-
-
-@contextlib.contextmanager
-def fused_attention_footprint(backend: str, enabled: bool = True):
-  """Swap the backend's `attention` for the stand-in while a step is traced (measurements only)."""
-  module = get_backend(backend)
-  saved = module.attention
-  if enabled:
-    module.attention = standin_attention
-  try:
-    yield
-  finally:
-    module.attention = saved
-
-
-# XLA:CPU has no bf16 arithmetic: its pass float-normalization-bf16 rewrites every bf16 instruction it does not
-# support (on the CPU: all but dots a library runs; collectives included) to f32 between converts, which the
-# algebraic simplifier then drops. FSDP's bf16 weight all-gathers so became f32 ones (70B, 2 layers, 8 simulated
-# devices: all 9, the gathered LM head f32[8192,128256], 3.9 GiB, where XLA:GPU gathers bf16), and most bf16
-# activations f32. --xla_allow_excess_precision=false does not help (the same 9 f32 gathers, the same bytes: the
-# pass itself makes them f32). So a simulated step (measured for a GPU on XLA:CPU; the program is never run) is
-# compiled without that pass (bf16 stays bf16, as XLA:GPU, which supports bf16 nearly everywhere, keeps it).
-# XLA:CPU's dot emitter has no bf16, so each GEMM with a bf16 result is traced as a bf16 x bf16 -> f32 dot
-# and a convert to bf16 (cuBLAS's f32 accumulation; its result is f32 until the convert: a transient XLA:GPU
-# does not hold) and run by YNNPACK (individual_dot), which takes the bf16 operands as they are (without it,
-# XLA's operand upcaster makes f32 copies of them). The remat policies that save dots save the bf16 result,
-# as on the GPU, not the f32 dot. Measured (docs/plan.md, "Simulated H200s"): the 70B cut to 2 layers on 8
-# simulated devices, 71.6 -> 44.2 GiB per device and the 9 weight all-gathers bf16; the 8B cut to 4 layers on
-# one device against XLA:GPU on an H200, every remat policy, 29-67% high before, 13.5-22% high after.
-GPU_DTYPE_OPTIONS = {"xla_disable_hlo_passes": "float-normalization-bf16",
-                     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
-SIM_DOT = "maxlm_sim_dot"  # checkpoint name of a GEMM's bf16 result (no batch dimensions) in a simulated step
-_LAX_DOT = jax.lax.dot_general
-_MIXED = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
-
-
-def _gpu_dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
-  """`jax.lax.dot_general` whose bf16 result is an f32 dot rounded to bf16 (see GPU_DTYPE_OPTIONS). An f32 x
-  bf16 -> f32 dot is JAX's transpose of such a dot (the bf16 cotangent of its f32 result, upcast): its f32
-  operand is rounded back to the bf16 it is on the GPU (else XLA's upcast f32 copies of the bf16 one, a
-  gathered weight among them, would be measured)."""
-  out = jnp.result_type(lhs, rhs) if preferred_element_type is None else jnp.dtype(preferred_element_type)
-  if preferred_element_type is not None and out == jnp.float32 and {lhs.dtype, rhs.dtype} == _MIXED:
-    return _LAX_DOT(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), dimension_numbers, precision, out, **kw)
-  if out != jnp.bfloat16:
-    return _LAX_DOT(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kw)
-  y = _LAX_DOT(lhs, rhs, dimension_numbers, precision, jnp.float32, **kw).astype(jnp.bfloat16)
-  batch = any(len(b) for b in dimension_numbers[1])
-  return y if batch else checkpoint_name(y, SIM_DOT)
-
-
-def _saving_sim_dots(policy):
-  """A remat policy that keeps a SIM_DOT result exactly when it keeps a dot without batch dimensions."""
-  if policy is None:
-    return None
-
-  def keep(prim, *args, **params):
-    if getattr(prim, "name", None) == "name" and params.get("name") == SIM_DOT:
-      return policy(jax.lax.dot_general_p, *args, dimension_numbers=(((), ()), ((), ())))
-    return policy(prim, *args, **params)
-  return keep
-
-
-@contextlib.contextmanager
-def gpu_dot_dtypes(enabled: bool = True):
-  """While a step is traced: `jax.lax.dot_general` (what both layer backends and the LM head call; also as
-  jax.numpy's dot and matmul call it, e.g. the tied head's `attend`) as `_gpu_dot`, and the model's remat
-  policies as `_saving_sim_dots` (measurements on XLA:CPU only)."""
-  saved = model_module.remat_policy
-  if enabled:
-    jax.lax.dot_general = _lax_internal.dot_general = _gpu_dot
-    model_module.remat_policy = lambda name, backend: _saving_sim_dots(saved(name, backend))
-  try:
-    yield
-  finally:
-    jax.lax.dot_general = _lax_internal.dot_general = _LAX_DOT
-    model_module.remat_policy = saved
 
 
 def _shard_bytes(structs) -> int:

@@ -92,14 +92,15 @@ class AtomicFileCache:
     target = self.path / f"{key}{_SUFFIX}"
     if target.exists():
       return
-    _write_atomic(self.path / f"{key}{_ATIME}", time.time_ns().to_bytes(8, "little"))
-    _write_atomic(target, value)
+    write_atomic(self.path / f"{key}{_ATIME}", time.time_ns().to_bytes(8, "little"))
+    write_atomic(target, value)
 
   def clear(self) -> None:  # part of JAX's interface; maxlm never clears a shared cache
     raise NotImplementedError("remove the cache directory instead")
 
 
-def _write_atomic(target: Path, data: bytes) -> None:
+def write_atomic(target: Path, data: bytes) -> None:
+  """`data` into `target` through a temporary file renamed into place: a reader sees all of it or none."""
   tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
   try:
     with open(tmp, "wb") as f:

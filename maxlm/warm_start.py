@@ -40,7 +40,6 @@ import json
 import os
 import pickle
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -101,6 +100,7 @@ def _code() -> str:
   return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=1)
 def _versions() -> dict:
   out = {}
   for name in LIBRARIES:
@@ -155,12 +155,7 @@ class Entry:
     if self.path is None:
       return
     self.path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-      tmp.write_bytes(pickle.dumps(value))
-      os.replace(tmp, self.path)
-    finally:
-      tmp.unlink(missing_ok=True)
+    compile_cache.write_atomic(self.path, pickle.dumps(value))
 
 
 class Timed:

@@ -5,8 +5,12 @@
 #   bash benchmarks/startup.sh
 #   CASES="bf16:unrolled fp8_delayed:scan" BUDGET_S=500 bash benchmarks/startup.sh
 #
-# A case is PRECISION:LAYERS (model.precision, and model.scan_layers: unrolled = false, the shipped config's,
-# scan = true). Default order: bf16:unrolled fp8_delayed:unrolled bf16:scan fp8_delayed:scan. Each case runs
+# A case is PRECISION:LAYERS[:STEPS] (model.precision, and model.scan_layers: unrolled = false, the shipped
+# config's, scan = true; STEPS, default 3: train.steps of both runs, so that tokens_per_s, the mean over the steps
+# after the second, measures the step time; both runs must have the same steps, or the warm one is another
+# program). CONFIG (default llama3.2-3b) picks the shipped config. PROFILE="CASE ..." adds a third run to each case
+# named, a warm start under cProfile: its 45 costliest calls by cumulative time go to $OUT/prof-<case>.txt (the timed warm run
+# stays unprofiled). Default order: bf16:unrolled fp8_delayed:unrolled bf16:scan fp8_delayed:scan. Each case runs
 # `python -m maxlm.train config=llama3.2-3b.yml train.steps=3` twice on its own cache directory: first emptied
 # (cold), then again (warm). The first row of each run's metrics.jsonl gives the parts of the time from process
 # start to the first step's end (startup_s = backend_s + plan_s + init_s + lower_s + compile_s + first_run_s,
@@ -32,15 +36,17 @@ t0=$(date +%s)
 cold_est=${COLD_EST_S:-130} warm_est=${WARM_EST_S:-60}
 left() { echo $(( BUDGET_S - ($(date +%s) - t0) )); }
 
-run() {  # run CASE PHASE CACHE PRECISION SCAN
-  local case=$1 phase=$2 cache=$3 precision=$4 scan=$5 name limit start rc secs
-  name="${case/:/-}-$phase"
+run() {  # run CASE PHASE CACHE PRECISION SCAN STEPS (PHASE prof: a warm start under cProfile)
+  local case=$1 phase=$2 cache=$3 precision=$4 scan=$5 steps=$6 name limit start rc secs
+  local -a py=(python3)
+  name="${case//:/-}-$phase"
+  [ "$phase" = prof ] && py=(python3 -m cProfile -o "$WORK/$name.pstats")
   limit=$(( $(left) - 5 ))
   [ "$limit" -gt 10 ] || { echo "=== $name: skipped, the budget is spent" | tee -a "$LOG"; return 1; }
   echo "=== $name ($(date +%T), limit ${limit} s)" | tee -a "$LOG"
   rm -rf "$WORK/runs/$name"
   start=$(date +%s)
-  timeout "$limit" python3 -m maxlm.train config=llama3.2-3b.yml train.steps=3 train.log_every=1 \
+  timeout "$limit" "${py[@]}" -m maxlm.train config="${CONFIG:-llama3.2-3b}.yml" train.steps="$steps" train.log_every=1 \
     checkpoint.enabled=false plan.mode="${PLAN_MODE:-off}" model.precision="$precision" \
     model.scan_layers="$scan" output_dir="$WORK/runs" run_name="$name" compile.cache_dir="$cache" ${EXTRA:-} \
     2>&1 | grep -v "UserWarning\|warnings.warn\|^  " >> "$LOG"
@@ -48,13 +54,18 @@ run() {  # run CASE PHASE CACHE PRECISION SCAN
   secs=$(( $(date +%s) - start ))
   if [ "$rc" -eq 0 ]; then grep "maxlm: first step\|maxlm: compilation cache" "$LOG" | tail -2
   else echo "$name: exit $rc after ${secs} s"; tail -3 "$LOG"; fi
-  python3 - "$WORK/runs/$name/metrics.jsonl" "$cache" "$case" "$phase" "$rc" "$secs" >> "$JSON" <<'PY'
+  if [ "$phase" = prof ] && [ -f "$WORK/$name.pstats" ]; then
+    python3 -c "import pstats, sys; pstats.Stats(sys.argv[1], stream=sys.stdout).sort_stats('cumulative').print_stats(45)" \
+      "$WORK/$name.pstats" > "$OUT/prof-${case//:/-}.txt" 2>&1
+  fi
+  python3 - "$WORK/runs/$name/metrics.jsonl" "$cache" "$case" "$phase" "$rc" "$secs" "${CONFIG:-llama3.2-3b}" >> "$JSON" <<'PY'
 import json, os, sys
-path, cache, case, phase, rc, secs = sys.argv[1:]
-row = {}
+path, cache, case, phase, rc, secs, config = sys.argv[1:]
+row, rows = {}, []
 if os.path.exists(path):
-  lines = open(path).read().splitlines()
-  row = json.loads(lines[0]) if lines else {}
+  rows = [json.loads(line) for line in open(path).read().splitlines() if line.strip()]
+  row = rows[0] if rows else {}
+later = [r["tokens_per_sec"] for r in rows if r.get("step", 0) > 2 and r.get("tokens_per_sec")]
 keep = ("startup_s", "backend_s", "plan_s", "init_s", "lower_s", "compile_s", "first_run_s", "compile_cache_hit",
         "compile_cache_hits", "compile_cache_requests", "warm_start", "peak_memory_gb", "compiled_memory_gb")
 size = files = autotune = atime = 0
@@ -64,7 +75,8 @@ for root, _, names in os.walk(cache):
     size += os.path.getsize(os.path.join(root, n))
     autotune += "autotune" in root
     atime += n.endswith("-atime")  # written by maxlm's atomic file cache (JAX's unbounded one writes none)
-rec = {"case": case, "phase": phase, "exit": int(rc), "wall_s": int(secs), **{k: row.get(k) for k in keep},
+rec = {"config": config, "case": case, "phase": phase, "exit": int(rc), "wall_s": int(secs),
+       **{k: row.get(k) for k in keep}, "tokens_per_s": sum(later) / len(later) if later else None,
        "cache_bytes": size, "cache_files": files, "autotune_files": autotune, "atime_files": atime}
 print(json.dumps(rec))
 PY
@@ -73,31 +85,32 @@ PY
 }
 
 for case in $CASES; do
-  precision=${case%%:*} layers=${case##*:}
+  IFS=: read -r precision layers steps <<< "$case"; steps=${steps:-3}
   case $layers in unrolled) scan=false ;; scan) scan=true ;; *) echo "unknown case $case"; exit 2 ;; esac
   need=$(( cold_est + warm_est ))
   if [ "$(left)" -lt "$need" ]; then
     echo "=== $case: skipped, ${need} s estimated, $(left) s left of BUDGET_S=$BUDGET_S" | tee -a "$LOG"
     continue
   fi
-  cache=$WORK/cache/${case/:/-}
+  cache=$WORK/cache/${case//:/-}
   rm -rf "$cache"
-  run "$case" cold "$cache" "$precision" "$scan" && run "$case" warm "$cache" "$precision" "$scan"
+  run "$case" cold "$cache" "$precision" "$scan" "$steps" && run "$case" warm "$cache" "$precision" "$scan" "$steps" &&
+    { [[ " ${PROFILE:-} " != *" $case "* ]] || run "$case" prof "$cache" "$precision" "$scan" "$steps"; }
 done
 
 python3 - "$JSON" > "$OUT/startup.md" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 cols = ("startup_s", "backend_s", "plan_s", "init_s", "lower_s", "compile_s", "first_run_s")
-print("| case | start | exit | to first step s | imports+backend | plan | init | trace+lower | compile | first run | "
-      "train step from | cache MB (autotune files) | peak GB |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| config | case | start | exit | to first step s | imports+backend | plan | init | trace+lower | compile | "
+      "first run | train step from | cache MB (autotune files) | peak GB | tokens/s after step 2 |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 fmt = lambda v: "-" if v is None else f"{v:.1f}"
 for r in rows:
-  print(f"| {r['case']} | {r['phase']} | {r['exit']} | " + " | ".join(fmt(r[c]) for c in cols)
+  print(f"| {r.get('config', '-')} | {r['case']} | {r['phase']} | {r['exit']} | " + " | ".join(fmt(r[c]) for c in cols)
         + f" | {'warm start' if r.get('warm_start') else 'JAX cache' if r['compile_cache_hit'] else 'compile'} | "
         f"{r['cache_bytes'] / 1e6:.1f} ({r['autotune_files']}) | "
-        f"{fmt(r['peak_memory_gb'])} |")
+        f"{fmt(r['peak_memory_gb'])} | {fmt(r.get('tokens_per_s'))} |")
 PY
 cat "$OUT/startup.md"
 echo "total $(( $(date +%s) - t0 )) s of BUDGET_S=$BUDGET_S"

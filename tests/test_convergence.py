@@ -117,9 +117,9 @@ cases:
 def test_shipped_suites_load():
   cpu, gpu = load_suite("cpu"), load_suite("gpu")
   assert [c.name for c in cpu.cases] == ["tiny_te", "tiny_flax", "default"]
-  assert {c.name for c in gpu.cases} == {"bf16", "fp8_delayed", "fp8_current", "fp8_delayed_head", "fp16"}
-  assert {(r.case, r.reference, r.max_rel) for r in gpu.rules} == {
-      (c, "bf16", 0.01) for c in ("fp8_delayed", "fp8_current", "fp8_delayed_head", "fp16")}
+  others = ("fp8_delayed", "fp8_current", "fp8_delayed_head", "fp16", "bf16_moments")
+  assert {c.name for c in gpu.cases} == {"bf16", *others}
+  assert {(r.case, r.reference, r.max_rel) for r in gpu.rules} == {(c, "bf16", 0.01) for c in others}
   assert [(c.name, c.margin) for c in cpu.cases if c.margin is not None] == [("default", 0.3)]
   assert all(c.golden for c in cpu.cases)
   for case in cpu.cases:  # every cpu case has its golden, for this definition

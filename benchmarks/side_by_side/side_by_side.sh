@@ -165,7 +165,11 @@ run_one() {  # run_one FRAMEWORK VARIANT
   local fw=$1 v=$2 name log left est tmo t1 rc wall n
   name=${fw}_$v; log=$OUTD/$name.log
   case $fw in maxlm|maxtext|torch) ;; *) say "=== $name: unknown framework (maxlm, maxtext, torch)"; return ;; esac
-  local full=""; [ "$v" = llama8b_full ] && full=1
+  local full=""; case $v in llama8b_full*) full=1 ;; esac
+  # the full pair's variants: maxlm llama8b_full[_fp8_delayed|_fp8_current][_head] (precision; _head: fp8_lm_head),
+  # MaxText llama8b_full[_fp8ds|_fp8cs] (its te_fp8_delayedscaling / te_fp8_currentscaling quantization)
+  local fprec=${v#llama8b_full}; fprec=${fprec#_}; local fhead=""
+  case $fprec in *_head) fhead=1; fprec=${fprec%_head} ;; esac
   est=${SEEN_WALL[$fw]:-${EST[$fw]}}; [ -n "$full" ] && est=${EST_FULL[$fw]:-300}
   left=$(( BUDGET - RESERVE - $(now) ))
   if [ "$left" -lt "$est" ]; then
@@ -181,6 +185,9 @@ run_one() {  # run_one FRAMEWORK VARIANT
       if [ -n "$full" ]; then   # as shipped: only the steps, the logging interval, the output and no checkpoint
         cmd=(env PYTHONPATH="$SITE:$MAXLM_ROOT" "$PY" -m maxlm.train config=llama8b.yml train.steps=$FULL_STEPS
              train.log_every=$LOGE run_name=$v output_dir=$SCR/maxlm_runs checkpoint.enabled=false)
+        case $fprec in "") ;; fp8_delayed|fp8_current) cmd+=(model.precision=$fprec) ;;
+          *) say "=== $name: unknown maxlm full variant"; return ;; esac
+        [ -n "$fhead" ] && cmd+=(model.fp8_lm_head=true)
         # shellcheck disable=SC2206
         cmd+=(${SBS_MAXLM_FULL_EXTRA:-})
       else
@@ -197,6 +204,8 @@ run_one() {  # run_one FRAMEWORK VARIANT
         fp8ds_te) q=(quantization=te_fp8_delayedscaling) ;;
         fp8cs_te) q=(quantization=te_fp8_currentscaling) ;;
         llama8b_full) ;;
+        llama8b_full_fp8ds) q=(quantization=te_fp8_delayedscaling) ;;
+        llama8b_full_fp8cs) q=(quantization=te_fp8_currentscaling) ;;
         *) say "=== $name: unknown MaxText variant"; return ;;
       esac
       if [ -n "$full" ]; then   # Llama 3 8B, 32 layers: the settings measured by hand at ~8,190 tokens/s
@@ -206,7 +215,7 @@ run_one() {  # run_one FRAMEWORK VARIANT
              steps=$MT_FULL_STEPS per_device_batch_size=1 max_target_length=8192 packing=false dtype=bfloat16
              weight_dtype=float32 mu_dtype=bfloat16 remat_policy=full scan_layers=true use_iota_embed=false
              enable_checkpointing=false enable_tensorboard=false log_config=false base_output_directory=$SCR/mt_out
-             jax_cache_dir=$SCR/mt_cache_$v attention=cudnn_flash_te)
+             jax_cache_dir=$SCR/mt_cache_$v attention=cudnn_flash_te "${q[@]}")
         # shellcheck disable=SC2206
         cmd+=(${SBS_MT_FULL_EXTRA:-})
       else
@@ -279,7 +288,7 @@ for line in open(E["SBS_MANIFEST"]):
   r = {"run": name, "framework": fw, "variant": var, "status": status, "rc": int(rc) if rc else None,
        "wall_s": int(wall or 0), "log": os.path.basename(log) if log else None, "cmd": cmd}
   text = open(log, errors="replace").read() if log and os.path.exists(log) else ""
-  full = var == "llama8b_full"
+  full = var.startswith("llama8b_full")
   per_step = FULL_TOK.get(fw, TOK) if full else TOK
   r["shape"] = "full" if full else "4 layers"
   if full:
@@ -288,8 +297,7 @@ for line in open(E["SBS_MANIFEST"]):
     used = [int(x) for x in open(smi).read().split() if x.isdigit()] if os.path.exists(smi) else []
     r["peak_smi_mib"] = max(used) if used else None  # nvidia-smi memory.used, sampled every second
   if fw == "maxlm":
-    prec = var
-    prec = "bf16" if full else var
+    prec = (var.removeprefix("llama8b_full").removeprefix("_").removesuffix("_head") or "bf16") if full else var
     run_dir = os.path.join(E["SBS_SCR"], "maxlm_runs", var if full else f"8b4l-{var}")
     mpath = os.path.join(run_dir, "metrics.jsonl")
     ms = []
@@ -324,7 +332,8 @@ for line in open(E["SBS_MANIFEST"]):
       m = re.search(r"^maxlm: first step[^\n]*", text, re.M)
       r["first_step_line"] = m.group(0) if m else None
   elif fw == "maxtext":
-    prec = {"bf16_te": "bf16", "fp8ds_te": "fp8_delayed", "fp8cs_te": "fp8_current", "llama8b_full": "bf16"}.get(var, var)
+    prec = {"bf16_te": "bf16", "fp8ds_te": "fp8_delayed", "fp8cs_te": "fp8_current", "llama8b_full": "bf16",
+            "llama8b_full_fp8ds": "fp8_delayed", "llama8b_full_fp8cs": "fp8_current"}.get(var, var)
     pat = re.compile(r"completed step: (\d+), seconds: ([\d.]+), TFLOP/s/device: ([\d.]+), Tokens/s/device: ([\d.]+).*?loss: ([\d.]+)")
     steps = [(int(a), float(b), float(c), float(d), float(e)) for a, b, c, d, e in pat.findall(text)]
     steady = [s for s in steps if s[0] >= int(E["SBS_MT_SKIP"])]

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorstore as ts
 
 from maxlm.checkpoint import CheckpointError, Checkpointer, load_params, start
 from maxlm.checkpoint.verify import json_digest, reason
@@ -102,8 +103,42 @@ def _restore(directory, *extra):
     ckpt.close()
 
 
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
 def _largest_file(step_dir: Path, item: str = "params") -> Path:
   return max((p for p in (step_dir / item).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _zstd_frames(b: bytes):
+  """(start, end, content size) of each zstd frame in `b` (RFC 8878: magic, header, blocks, optional checksum)."""
+  i = b.find(_ZSTD_MAGIC)
+  while i >= 0:
+    fhd, single = b[i + 4], b[i + 4] & 0x20
+    j = i + 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+    k = (1 if single else 0, 2, 4, 8)[fhd >> 6]
+    size, j = int.from_bytes(b[j:j + k], "little") + (256 if k == 2 else 0), j + k
+    while j + 3 <= len(b):
+      h = int.from_bytes(b[j:j + 3], "little")
+      j += 3 + (1 if (h >> 1) & 3 == 1 else h >> 3)  # an RLE block holds one byte
+      if h & 1:  # the last block
+        if j + (4 if fhd & 4 else 0) <= len(b):
+          yield i, j + (4 if fhd & 4 else 0), size
+        break
+    i = b.find(_ZSTD_MAGIC, i + 4)
+
+
+def _zstd_decode(frame: bytes, size: int) -> bytes | None:
+  """`frame` decoded as Orbax reads a chunk (TensorStore's zarr zstd codec), or None where that fails."""
+  ctx = ts.Context()
+  kv = ts.KvStore.open({"driver": "memory"}, context=ctx).result()
+  kv[".zarray"] = json.dumps({"zarr_format": 2, "shape": [size], "chunks": [size], "dtype": "|u1", "order": "C",
+                              "compressor": {"id": "zstd", "level": 1}, "fill_value": 0, "filters": None}).encode()
+  kv["0"] = bytes(frame)
+  try:
+    return ts.open({"driver": "zarr", "kvstore": {"driver": "memory"}}, context=ctx).result().read().result().tobytes()
+  except ValueError:
+    return None
 
 
 def test_restore_onto_other_meshes_is_identical(saved, tmp_path):
@@ -144,11 +179,31 @@ def test_truncated_latest_falls_back_in_one_line(saved, tmp_path, capsys):
 
 
 def test_flipped_bits_are_caught_by_checksums(saved, tmp_path, capsys):
+  """One bit flipped in a parameter's stored values where Orbax and TensorStore read on without noticing: only
+  maxlm's checksums catch it. Orbax stores every array chunk as a zstd frame (zarr compressor, level 1, no content
+  checksum) of Huffman-coded bytes, so a parameter's raw float32 bytes never appear in the files, and a bit flipped
+  at a fixed offset (once: the middle of the largest file) can break a frame's header or code tables or an OCDBT
+  node instead: Orbax's read fails, which falls back too but with other wording. So the bit is picked: in the
+  largest frame of `params` that holds a chunk of a saved float32 array, the first byte from its middle whose
+  flipped bit TensorStore's own zstd decoder decodes without error to a chunk with one value changed (which always
+  changes maxlm's checksum, a sum of per-element bijective hashes)."""
   root = _copy(saved, tmp_path)
-  f = _largest_file(root / "3")  # random float32 weights are stored as raw (incompressible) chunks
-  b = bytearray(f.read_bytes())
-  b[len(b) // 2] ^= 0x40
-  f.write_bytes(b)
+  frames = [(e - s, str(f), s, e, n) for f in sorted((root / "3" / "params").rglob("*")) if f.is_file()
+            for s, e, n in _zstd_frames(f.read_bytes())]
+  _, f, start, end, n = max(frames)
+  data = bytearray(Path(f).read_bytes())
+  chunk = _zstd_decode(data[start:end], n)
+  leaves = [x.tobytes() for x in saved["states"][3] if x.dtype == np.float32]
+  assert chunk is not None and sum(x.count(chunk[:16]) for x in leaves) == 1  # raw values of one saved array
+  for i in range(start + (end - start) // 2, end):
+    data[i] ^= 0x40
+    flipped = _zstd_decode(data[start:end], n)
+    if flipped is not None and np.sum(np.frombuffer(flipped, np.uint32) != np.frombuffer(chunk, np.uint32)) == 1:
+      break
+    data[i] ^= 0x40
+  else:
+    pytest.fail(f"no bit of {f}[{start}:{end}] decodes silently to one changed value")
+  Path(f).write_bytes(data)
   r, _ = _restore(root, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
   assert r.step == 2 and _same(_host(r.state), saved["states"][2])
   out = capsys.readouterr().out

@@ -207,13 +207,17 @@ def human(n: int) -> str:
   return ""
 
 
-def step_line(hit: bool, compile_s: float, loaded: bool = False) -> str:
+def step_line(hit: bool, compile_s: float, loaded: bool = False, background_s: float | None = None) -> str:
   """The first step's cache line: whether the train step came from the cache (or, `loaded`, as an executable
-  kept by an earlier start: maxlm/warm_start.py), the counts, the size on disk."""
+  kept by an earlier start: maxlm/warm_start.py, `background_s` when it was loaded ahead), the counts, the
+  size on disk."""
   if not _active:
     return f"compilation cache off: the train step compiled in {compile_s:.1f} s"
   hits, requests = COUNTER.snapshot()
-  if loaded:
+  if loaded and background_s is not None:
+    what = (f"the train step's executable, kept by an earlier start of this run, loaded in the background in "
+            f"{background_s:.1f} s, {compile_s:.1f} s of it waited for (warm start: nothing traced or compiled)")
+  elif loaded:
     what = (f"the train step's executable, kept by an earlier start of this run, loaded in {compile_s:.1f} s "
             "(warm start: nothing traced or compiled)")
   elif hit:

@@ -316,6 +316,7 @@ def jit_step(step: Callable, state_shardings, batch_shardings, scope: Callable[[
       got = compiler(name, jitted, (state, batch))
       call.executable, call.loaded, call.lower_s, call.compile_s = (got.executable, got.loaded, got.lower_s,
                                                                     got.compile_s)
+      call.background_s = got.background_s
     else:
       t0 = time.perf_counter()
       lowered = jitted.lower(state, batch)
@@ -339,6 +340,7 @@ def jit_step(step: Callable, state_shardings, batch_shardings, scope: Callable[[
   call.compile = compile
   call.executable, call.compiled_memory_gb, call.lower_s, call.compile_s = None, None, None, None  # set by compile
   call.loaded = False  # True: the executable came from an earlier start (warm start), nothing was traced
+  call.background_s = None  # loaded ahead, in the background (warm_start.prefetch): that load's seconds
   return call
 
 

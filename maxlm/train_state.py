@@ -83,13 +83,18 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
                        batch: int, seq_len: int, offload: str = "none", compiler: Callable | None = None):
   """(state, shardings): the state initialized directly into its shards (no host copy), each leaf in
   the memory `offload` gives it (see `place`). `compiler(kind, jitted, args)`, when given, supplies the init's
-  executable (maxlm/warm_start.py `compiled`: loaded from an earlier start, else compiled and kept)."""
+  executable (maxlm/warm_start.py `Compiler`: loaded from an earlier start, else compiled and kept); an init
+  kept by an earlier start also gives the shardings (its output's), so nothing is traced."""
+  key = jax.random.PRNGKey(seed)
+  with threefry_kernel():  # the init's entries are keyed under the kernel's flag (one of JAX's settings)
+    kept = compiler.kept("init", (key,)) if compiler is not None else None
+  if kept is not None:
+    return kept(key), kept.output_shardings
   _, shardings = abstract_state(model, optimizer, mesh, batch, seq_len, offload)
 
   def init(r):
     return nn.unbox(init_boxed(model, optimizer, r, batch, seq_len))
 
-  key = jax.random.PRNGKey(seed)
   with threefry_kernel():
     jitted = jax.jit(init, out_shardings=shardings)
     state = jitted(key) if compiler is None else compiler("init", jitted, (key,)).executable(key)

@@ -84,6 +84,8 @@ class Trainer:
     cfg = self.cfg = planner.for_run(cfg, echo if jax.process_index() == 0 else None)
     self.plan_s = time.perf_counter() - t_plan  # its compiles: a part of the time to the first step
     planner.remember(self)  # for the out-of-memory line (maxlm/train.py)
+    if warm_start.active():  # the config is final: load the executables kept by the last start, in the background
+      warm_start.prefetch(warm_start.run_signature(cfg))
     self.packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
     self.model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row)
     pi, pc = jax.process_index(), jax.process_count()
@@ -111,8 +113,7 @@ class Trainer:
     self.optimizer, self.schedule = make_optimizer(cfg.optim, cfg.train.steps)
     micro = cfg.data.global_batch_size // cfg.train.grad_accum
     # compile.warm_start (maxlm/warm_start.py): executables kept from an earlier start of this run, else kept now
-    compiler = (functools.partial(warm_start.compiled, cfg_parts=warm_start.run_signature(cfg))
-                if warm_start.active() else None)
+    compiler = warm_start.Compiler(warm_start.run_signature(cfg)) if warm_start.active() else None
     make = (abstract_state if abstract else
             functools.partial(create_train_state, seed=cfg.train.seed, compiler=compiler))
     with self.scope():
@@ -343,8 +344,9 @@ def _first_step(trainer: Trainer, startup: Startup, done: int, t_first: float, h
   parts = startup.parts(t_first, step.lower_s, step.compile_s, trainer.plan_s)
   if is_main:
     echo(first_step_line(done, parts, peak_memory_gb(), step.compiled_memory_gb))
-    echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s, step.loaded)}")
+    echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s, step.loaded, step.background_s)}")
   return {"first_step_s": parts["startup_s"], **parts, "compile_cache_hit": hit, "warm_start": step.loaded,
+          "warm_load_background_s": step.background_s,
           **compile_cache.stats(),
           "compiled_memory_gb": step.compiled_memory_gb}
 

@@ -23,6 +23,18 @@ executable holds the device assignment of the process that compiled it, so multi
 alone. An entry that cannot be read or loaded (truncated, another JAX) counts as a miss. The entries are
 pickles: loading one runs code, as loading JAX's cache entries does, hence a per-user default directory.
 
+Loaded ahead. Loading a kept executable is not free: on the H200, llama3.2-3b's train step took 1.7 s to load
+in bf16 and 5.8-6.5 s in fp8_delayed, whose program is larger (quantization around every GEMM). So each run
+also keeps a manifest (`run-<key>.pkl`, keyed by the config, the code and the library versions): which entries
+its last start used, with their argument signatures. `prefetch`, called as soon as the run's config is final,
+reads it and loads those executables in background threads (the load runs in XLA, outside the GIL) while the
+process builds its data pipeline and its state and restores a checkpoint. `compiled` takes a loaded one only
+when it is the very entry that this start's key names, for arguments of the recorded signature (else it loads
+or compiles as without a manifest): the manifest is a hint, never trusted. The init's executable also gives
+the state's shardings (its output shardings), so a warm start does not trace the model's init for them
+(`Compiler.kept`; on the H200 that trace cost 4-7 s for fp8_delayed,
+benchmarks/results/2026-12-04-startup_h200_fp8_warm_profile.txt).
+
 Only an executable XLA compiled in this process is kept, never one that JAX's persistent cache handed back: on
 XLA:CPU (jax 0.10.2) an executable loaded from that cache serializes without its kernels, and the entry then
 fails when run ("NOT_FOUND: Function broadcast_multiply_fusion not found"; tests/test_warm_start.py). So a
@@ -35,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 import importlib.metadata
 import json
 import os
@@ -59,12 +72,14 @@ LIBRARIES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda1
 ENV_PREFIXES = ("XLA_", "JAX_", "NVTE_", "CUDA_VISIBLE_DEVICES", "TF_XLA")
 
 _dir: Path | None = None
+_ahead: dict[str, "_Ahead"] = {}  # kind -> an executable being loaded ahead (`prefetch`)
 
 
 def configure(cache_dir: Path | None, enabled: bool) -> str | None:
   """Set where entries live (None or not enabled: off); returns the line for the log, if any."""
   global _dir
   _dir = Path(cache_dir) / SUBDIR if cache_dir is not None and enabled else None
+  _ahead.clear()
   return None if _dir is None else f"warm start: plans and executables in {_dir} (compile.warm_start)"
 
 
@@ -131,7 +146,7 @@ def key(kind: str, parts: Any) -> str:
 def signature(args: Any) -> list:
   """Arguments as the key sees them: the tree and each leaf's shape, dtype and sharding."""
   leaves, tree = jax.tree_util.tree_flatten(args)
-  return [str(tree)] + [(tuple(x.shape), str(x.dtype), repr(getattr(x, "sharding", None))) for x in leaves]
+  return [str(tree)] + [[list(x.shape), str(x.dtype), repr(getattr(x, "sharding", None))] for x in leaves]
 
 
 class Entry:
@@ -158,23 +173,97 @@ class Entry:
     compile_cache.write_atomic(self.path, pickle.dumps(value))
 
 
+class _Ahead:
+  """An entry's executable loading in a background thread, with the signature it was kept for."""
+
+  def __init__(self, path: Path, sig: list):
+    self.name, self.sig, self.exe, self.error, self.load_s = path.name, sig, None, None, None
+    # not a daemon: the interpreter's exit waits for a load in flight rather than tearing XLA down under it
+    self.thread = threading.Thread(target=self._load, args=(path,), name=f"maxlm-warm-{path.stem}")
+    self.thread.start()
+
+  def _load(self, path: Path) -> None:
+    t0 = time.perf_counter()
+    try:
+      self.exe = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+    except Exception as e:  # noqa: BLE001 - missing, truncated, another JAX: the caller compiles instead
+      self.error = e
+    self.load_s = time.perf_counter() - t0
+
+  def result(self):
+    """The executable, or None when it could not be loaded (waits for the load)."""
+    self.thread.join()
+    return self.exe
+
+
+def _manifest(cfg_parts: dict) -> Path | None:
+  """The run's manifest file. Its key leaves out JAX's settings and the environment, which scopes change (the
+  init is traced under the threefry kernel's flag): the entries it names carry their own full keys."""
+  if not active():
+    return None
+  text = json.dumps(["run", _code(), _versions(), cfg_parts], sort_keys=True, default=str)
+  return _dir / f"run-{hashlib.sha256(text.encode()).hexdigest()[:32]}.pkl"
+
+
+def _read(path: Path | None) -> dict:
+  try:
+    return pickle.loads(path.read_bytes()) if path is not None else {}
+  except Exception:  # noqa: BLE001 - missing or truncated: no hint
+    return {}
+
+
+def prefetch(cfg_parts: dict) -> list[str]:
+  """Start loading, in background threads, the executables the last start of this run used (its manifest);
+  returns their kinds. Nothing when off or when the run has no manifest."""
+  _ahead.clear()
+  for kind, (name, sig) in _read(_manifest(cfg_parts)).items():
+    if _dir is not None and (_dir / name).is_file():
+      _ahead[kind] = _Ahead(_dir / name, sig)
+  return sorted(_ahead)
+
+
+def _note(cfg_parts: dict, kind: str, entry: Entry, sig: list) -> None:
+  """Record in the run's manifest that `kind` uses `entry` for arguments of signature `sig`."""
+  path = _manifest(cfg_parts)
+  kept = _read(path)
+  if path is not None and entry.path is not None and kept.get(kind) != (entry.path.name, sig):
+    compile_cache.write_atomic(path, pickle.dumps({**kept, kind: (entry.path.name, sig)}))
+
+
 class Timed:
   """An executable with how it came: `loaded` from this store, else traced + lowered (`lower_s`) and compiled
-  (`compile_s`, which JAX's own cache may have shortened); `compile_s` is the load's time when loaded."""
+  (`compile_s`, which JAX's own cache may have shortened); `compile_s` is the load's time when loaded, or the
+  wait for it when it was loaded ahead (`background_s`: the load's own time, in the background)."""
 
-  def __init__(self, executable, loaded: bool, lower_s: float, compile_s: float):
+  def __init__(self, executable, loaded: bool, lower_s: float, compile_s: float, background_s: float | None = None):
     self.executable, self.loaded, self.lower_s, self.compile_s = executable, loaded, lower_s, compile_s
+    self.background_s = background_s
+
+
+def _taken_ahead(kind: str, entry: Entry, sig: list):
+  """(executable, seconds its load took in the background) that `prefetch` loaded for `kind`, when it is
+  `entry`'s file, kept for arguments of signature `sig`; (None, None) otherwise."""
+  ahead = _ahead.pop(kind, None)
+  if ahead is None or entry.path is None or ahead.name != entry.path.name or ahead.sig != sig:
+    return None, None
+  return ahead.result(), ahead.load_s
 
 
 def compiled(kind: str, jitted: Callable, args: tuple, cfg_parts: dict) -> Timed:
-  """The executable of `jitted` for `args` (arrays or ShapeDtypeStructs with shardings): loaded from the store
-  when this run's key has one, else traced, lowered, compiled and stored."""
+  """The executable of `jitted` for `args` (arrays or ShapeDtypeStructs with shardings): the one `prefetch`
+  loaded, or loaded from the store when this run's key has one, else traced, lowered, compiled and stored."""
   t0 = time.perf_counter()
-  entry = Entry(kind, [cfg_parts, signature(args)])
+  sig = signature(args)
+  entry = Entry(kind, [cfg_parts, sig])
+  exe, background_s = _taken_ahead(kind, entry, sig)
+  if exe is not None:
+    _note(cfg_parts, kind, entry, sig)
+    return Timed(exe, True, 0.0, time.perf_counter() - t0, background_s)
   kept = entry.load()
   if kept is not None:
     try:
       exe = serialize_executable.deserialize_and_load(*kept)
+      _note(cfg_parts, kind, entry, sig)
       return Timed(exe, True, 0.0, time.perf_counter() - t0)
     except Exception:  # noqa: BLE001 - an entry this JAX cannot load: compile as if there were none
       pass
@@ -187,6 +276,31 @@ def compiled(kind: str, jitted: Callable, args: tuple, cfg_parts: dict) -> Timed
   if entry.path is not None and compile_cache.COUNTER.snapshot()[0] == hits:  # compiled here, not by JAX's cache
     try:
       entry.save(serialize_executable.serialize(exe))
+      _note(cfg_parts, kind, entry, sig)
     except (ValueError, NotImplementedError):  # a program JAX cannot serialize (constants): not kept
       pass
   return Timed(exe, False, t1 - t0, t2 - t1)
+
+
+class Compiler:
+  """`compiled` for one run (its config less `KEEP_OUT`), as maxlm/step.py's and maxlm/train_state.py's
+  `compiler` argument; `kept` gives an executable only when one is already kept for the arguments."""
+
+  def __init__(self, cfg_parts: dict):
+    self.cfg_parts = cfg_parts
+
+  def __call__(self, kind: str, jitted: Callable, args: tuple) -> Timed:
+    return compiled(kind, jitted, args, self.cfg_parts)
+
+  def kept(self, kind: str, args: tuple):
+    """The executable kept for `kind` and `args` (loaded ahead, else from the store), or None: nothing traced."""
+    sig = signature(args)
+    entry = Entry(kind, [self.cfg_parts, sig])
+    exe, _ = _taken_ahead(kind, entry, sig)
+    if exe is None:
+      stored = entry.load()
+      try:
+        exe = None if stored is None else serialize_executable.deserialize_and_load(*stored)
+      except Exception:  # noqa: BLE001 - an entry this JAX cannot load: the caller compiles
+        exe = None
+    return exe

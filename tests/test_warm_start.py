@@ -207,3 +207,69 @@ def test_the_planners_compile_is_the_runs_train_step(tmp_path):
     assert trainer.jitted_train_step.loaded and trainer.jitted_train_step.lower_s == 0.0
   finally:
     warm_start.configure(None, False)
+
+
+def _warm_pair(tmp_path, monkeypatch, ffn_dim, edit_manifest=None):
+  """A first start (compiles and keeps), then a restart in this process after `configure` (as a new process
+  would start); the restart may not trace the model's init. Returns (cold, warm) trainers and each one's
+  first-step metrics on one batch. `ffn_dim`: a model no other test of this process compiles (XLA:CPU, jax
+  0.10.2: an executable this process compiled already comes from JAX's in-memory cache, and serializes
+  without its kernels, "NOT_FOUND: Function ... not found", as one from the persistent cache does)."""
+  import numpy as np
+
+  from maxlm import train_state
+  from maxlm.trainer import Trainer
+
+  cfg = load_config([*TINY, "plan.mode=off", f"output_dir={tmp_path}", "data.global_batch_size=8",  # 8 devices
+                     f"model.ffn_dim={ffn_dim}"])
+  warm_start.configure(tmp_path, True)
+  try:
+    cold = Trainer(cfg)
+    cold.build()
+    cold.compile_train_step()
+    built = jax.tree.map(lambda x: np.array(x, copy=True), cold.state)  # a copy: the step donates the state
+    batch = next(iter(cold.train_data))
+    cold.state, cold_metrics = cold.train_step(cold.state, cold.to_device(batch))
+    if edit_manifest is not None:
+      (manifest,) = (tmp_path / warm_start.SUBDIR).glob("run-*.pkl")
+      edit_manifest(manifest)
+    warm_start.configure(tmp_path, True)  # a new start: nothing loaded ahead yet
+    monkeypatch.setattr(train_state, "abstract_state", lambda *a, **k: pytest.fail("the init was traced"))
+    warm = Trainer(cfg)
+    warm.build()
+    monkeypatch.undo()
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a == b, cold.state_shardings, warm.state_shardings)))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(built), jax.tree.leaves(warm.state),
+                                                     strict=True))
+    warm.compile_train_step()
+    warm.state, warm_metrics = warm.train_step(warm.state, warm.to_device(batch))
+    return cold, warm, jax.device_get(cold_metrics), jax.device_get(warm_metrics)
+  finally:
+    warm_start.configure(None, False)
+
+
+def test_a_restart_loads_its_executables_ahead_and_traces_nothing(tmp_path, monkeypatch):
+  """The run's manifest names the entries its last start used: a restart loads them in background threads
+  from the moment its config is final. The init's executable gives the state and its shardings (the model's
+  init is not traced for them); the train step is the one loaded ahead; both equal the first start's."""
+  cold, warm, cold_m, warm_m = _warm_pair(tmp_path, monkeypatch, ffn_dim=80)
+  assert not cold.jitted_train_step.loaded and cold.jitted_train_step.background_s is None
+  step = warm.jitted_train_step
+  assert step.loaded and step.lower_s == 0.0 and step.background_s is not None and step.background_s > 0
+  assert {k: float(v) for k, v in warm_m.items()} == {k: float(v) for k, v in cold_m.items()}
+
+
+def test_a_manifest_that_names_another_entry_is_not_trusted(tmp_path, monkeypatch):
+  """The manifest is a hint: an executable loaded ahead is taken only when it is the file this start's own key
+  names (here the manifest points the train step at the init's file). The step is then loaded the usual way."""
+  import pickle
+
+  def swap(path):
+    kept = pickle.loads(path.read_bytes())
+    kept["train_step"] = (kept["init"][0], kept["train_step"][1])
+    path.write_bytes(pickle.dumps(kept))
+
+  _, warm, cold_m, warm_m = _warm_pair(tmp_path, monkeypatch, ffn_dim=96, edit_manifest=swap)
+  step = warm.jitted_train_step
+  assert step.loaded and step.background_s is None  # from the store, not from the (wrong) file loaded ahead
+  assert {k: float(v) for k, v in warm_m.items()} == {k: float(v) for k, v in cold_m.items()}

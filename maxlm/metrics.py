@@ -13,7 +13,25 @@ import os
 import sys
 from pathlib import Path
 
-from tensorboardX import SummaryWriter
+
+def _summary_writer_class():
+  """tensorboardX's SummaryWriter, imported without PyTorch. tensorboardX's writer module runs `import torch` when
+  it is imported, only to accept torch tensors (maxlm passes floats): 3.4 s of every start on the H200 image, which
+  has torch installed (benchmarks/results/2026-12-04-importtime_h200.txt). A `None` in sys.modules makes that
+  import fail for the moment of this import (the documented way to block one); torch is importable again after
+  it, and a process that imported torch already keeps it."""
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None
+  try:
+    from tensorboardX import SummaryWriter  # noqa: PLC0415 - imported here, under the block above, on purpose
+  finally:
+    if blocked:
+      del sys.modules["torch"]
+  return SummaryWriter
+
+
+SummaryWriter = _summary_writer_class()
 
 # Dense BF16 peak per device (FLOP/s), by `jax.Device.device_kind` substring.
 PEAK_BF16_FLOPS = (

@@ -4,11 +4,16 @@ import io
 import json
 import logging
 import math
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from maxlm.metrics import MetricsWriter, device_peak_flops, duration, echo, progress_line, throughput
+
+ROOT = Path(__file__).resolve().parent.parent
 
 F64 = 2.0 ** -53  # float64 unit roundoff
 
@@ -167,3 +172,23 @@ def test_echo_reaches_a_piped_stdout_at_once(monkeypatch):
   monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BufferedWriter(raw, 1 << 16), encoding="utf-8"))
   echo("step 1/2 | loss 3.0000")
   assert raw.getvalue() == b"step 1/2 | loss 3.0000\n"
+
+
+def test_tensorboardx_is_imported_without_torch(tmp_path):
+  """tensorboardX tries `import torch` when imported (3.4 s on a machine with torch installed): maxlm.metrics
+  imports it with torch blocked, and leaves torch importable afterwards. A stand-in `torch` package on the path
+  records whether it was imported; tensorboard events are still written."""
+  fake = tmp_path / "fake" / "torch"
+  fake.mkdir(parents=True)
+  (fake / "__init__.py").write_text("import os\nopen(os.environ['TORCH_MARK'], 'a').write('imported\\n')\n")
+  mark = tmp_path / "mark"
+  (tmp_path / "run").mkdir()
+  code = ("import sys; import maxlm.metrics as m; assert 'torch' not in sys.modules, 'torch imported'; "
+          f"w = m.MetricsWriter({str(tmp_path / 'run')!r}, enabled=True); w.write(1, {{'loss': 1.0}}); w.close(); "
+          "import torch; print('after', 'torch' in sys.modules)")
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), str(ROOT)]), "TORCH_MARK": str(mark)}
+  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.strip().endswith("after True")
+  assert mark.read_text() == "imported\n"  # once: by the explicit import after maxlm.metrics, never by tensorboardX
+  assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))

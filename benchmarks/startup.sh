@@ -9,8 +9,13 @@
 # config's, scan = true; STEPS, default 3: train.steps of both runs, so that tokens_per_s, the mean over the steps
 # after the second, measures the step time; both runs must have the same steps, or the warm one is another
 # program). CONFIG (default llama3.2-3b) picks the shipped config. PROFILE="CASE ..." adds a third run to each case
-# named, a warm start under cProfile: its 45 costliest calls by cumulative time go to $OUT/prof-<case>.txt (the timed warm run
-# stays unprofiled). Default order: bf16:unrolled fp8_delayed:unrolled bf16:scan fp8_delayed:scan. Each case runs
+# named, a warm start under cProfile: its 45 costliest calls by cumulative time go to $OUT/prof-<case>.txt (the
+# timed warm run stays unprofiled). AUTOTUNE="CASE ..." adds three runs to each case named, with compile.warm_start=false and
+# plan.mode=off on a cache directory of their own, to measure what XLA's autotune cache buys alone: `nocache` (the
+# directory empty: XLA compiles and autotunes, JAX writes its entry and the autotune files), `autotune` (JAX's
+# entries deleted, the autotune subdirectory kept: XLA compiles again, autotuning replaced by the kept results),
+# `jaxcache` (everything kept: JAX's cache hands the executable back). Their compile_s are the three costs.
+# Default order: bf16:unrolled fp8_delayed:unrolled bf16:scan fp8_delayed:scan. Each case runs
 # `python -m maxlm.train config=llama3.2-3b.yml train.steps=3` twice on its own cache directory: first emptied
 # (cold), then again (warm). The first row of each run's metrics.jsonl gives the parts of the time from process
 # start to the first step's end (startup_s = backend_s + plan_s + init_s + lower_s + compile_s + first_run_s,
@@ -96,6 +101,14 @@ for case in $CASES; do
   rm -rf "$cache"
   run "$case" cold "$cache" "$precision" "$scan" "$steps" && run "$case" warm "$cache" "$precision" "$scan" "$steps" &&
     { [[ " ${PROFILE:-} " != *" $case "* ]] || run "$case" prof "$cache" "$precision" "$scan" "$steps"; }
+  if [[ " ${AUTOTUNE:-} " == *" $case "* ]]; then  # what XLA's autotune cache buys alone (see the top)
+    cache=$WORK/cache/${case//:/-}-autotune
+    rm -rf "$cache"
+    EXTRA="${EXTRA:-} compile.warm_start=false" PLAN_MODE=off run "$case" nocache "$cache" "$precision" "$scan" "$steps" &&
+      find "$cache" -maxdepth 1 -type f -delete &&
+      EXTRA="${EXTRA:-} compile.warm_start=false" PLAN_MODE=off run "$case" autotune "$cache" "$precision" "$scan" "$steps" &&
+      EXTRA="${EXTRA:-} compile.warm_start=false" PLAN_MODE=off run "$case" jaxcache "$cache" "$precision" "$scan" "$steps"
+  fi
 done
 
 python3 - "$JSON" > "$OUT/startup.md" <<'PY'

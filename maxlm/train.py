@@ -99,7 +99,7 @@ def compile_step_only(cfg: Config, t_start: float) -> int:
          f"{jax.devices()[0].device_kind}, mesh {dict(trainer.mesh.shape)}: traced and lowered in "
          f"{step.lower_s:.1f} s, compiled in {step.compile_s:.1f} s; XLA's memory per device "
          f"{human_bytes(m['device'])} ({parts}){host}; {time.perf_counter() - t_start:.1f} s in all")
-    echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s, step.loaded)}")
+    echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s, step.loaded, step.background_s)}")
   return 0
 
 

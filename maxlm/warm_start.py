@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import threading
 import importlib.metadata
 import json
 import os
 import pickle
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -146,7 +146,15 @@ def key(kind: str, parts: Any) -> str:
 def signature(args: Any) -> list:
   """Arguments as the key sees them: the tree and each leaf's shape, dtype and sharding."""
   leaves, tree = jax.tree_util.tree_flatten(args)
-  return [str(tree)] + [[list(x.shape), str(x.dtype), repr(getattr(x, "sharding", None))] for x in leaves]
+  return [str(tree)] + [(tuple(x.shape), str(x.dtype), repr(getattr(x, "sharding", None))) for x in leaves]
+
+
+def _unpickle(path: Path) -> Any:
+  """The value pickled in `path`, None when there is none or it cannot be read."""
+  try:
+    return pickle.loads(path.read_bytes())
+  except Exception:  # noqa: BLE001 - missing, truncated or from another library version: a miss
+    return None
 
 
 class Entry:
@@ -158,12 +166,7 @@ class Entry:
 
   def load(self) -> Any:
     """The value stored, None when off, when there is none or when it cannot be read."""
-    if self.path is None:
-      return None
-    try:
-      return pickle.loads(self.path.read_bytes())
-    except Exception:  # noqa: BLE001 - missing, truncated or from another library version: a miss
-      return None
+    return None if self.path is None else _unpickle(self.path)
 
   def save(self, value: Any) -> None:
     """Store `value` (picklable), atomically; nothing when off."""
@@ -177,17 +180,14 @@ class _Ahead:
   """An entry's executable loading in a background thread, with the signature it was kept for."""
 
   def __init__(self, path: Path, sig: list):
-    self.name, self.sig, self.exe, self.error, self.load_s = path.name, sig, None, None, None
+    self.name, self.sig, self.exe, self.load_s = path.name, sig, None, None
     # not a daemon: the interpreter's exit waits for a load in flight rather than tearing XLA down under it
     self.thread = threading.Thread(target=self._load, args=(path,), name=f"maxlm-warm-{path.stem}")
     self.thread.start()
 
   def _load(self, path: Path) -> None:
     t0 = time.perf_counter()
-    try:
-      self.exe = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
-    except Exception as e:  # noqa: BLE001 - missing, truncated, another JAX: the caller compiles instead
-      self.error = e
+    self.exe = _load(_unpickle(path))
     self.load_s = time.perf_counter() - t0
 
   def result(self):
@@ -206,20 +206,17 @@ def _manifest(cfg_parts: dict) -> Path | None:
 
 
 def _read(path: Path | None) -> dict:
-  try:
-    return pickle.loads(path.read_bytes()) if path is not None else {}
-  except Exception:  # noqa: BLE001 - missing or truncated: no hint
-    return {}
+  """A manifest's {kind: (entry file name, signature)}; empty when there is none or it cannot be read."""
+  return (_unpickle(path) if path is not None else None) or {}
 
 
-def prefetch(cfg_parts: dict) -> list[str]:
-  """Start loading, in background threads, the executables the last start of this run used (its manifest);
-  returns their kinds. Nothing when off or when the run has no manifest."""
+def prefetch(cfg_parts: dict) -> None:
+  """Start loading, in background threads, the executables the last start of this run used (its manifest).
+  Nothing when off or when the run has no manifest."""
   _ahead.clear()
   for kind, (name, sig) in _read(_manifest(cfg_parts)).items():
     if _dir is not None and (_dir / name).is_file():
       _ahead[kind] = _Ahead(_dir / name, sig)
-  return sorted(_ahead)
 
 
 def _note(cfg_parts: dict, kind: str, entry: Entry, sig: list) -> None:
@@ -240,13 +237,25 @@ class Timed:
     self.background_s = background_s
 
 
-def _taken_ahead(kind: str, entry: Entry, sig: list):
-  """(executable, seconds its load took in the background) that `prefetch` loaded for `kind`, when it is
-  `entry`'s file, kept for arguments of signature `sig`; (None, None) otherwise."""
+def _load(serialized) -> Any:
+  """A stored executable loaded, or None (nothing stored, or an entry this JAX cannot load: compile instead)."""
+  try:
+    return None if serialized is None else serialize_executable.deserialize_and_load(*serialized)
+  except Exception:  # noqa: BLE001 - truncated, another JAX: a miss
+    return None
+
+
+def _kept(kind: str, entry: Entry, sig: list):
+  """(executable, seconds its load took in the background or None) kept for `entry`: the one `prefetch` loaded
+  when it is `entry`'s file, kept for arguments of signature `sig`, else loaded from the store now; (None, None)
+  when there is none."""
   ahead = _ahead.pop(kind, None)
-  if ahead is None or entry.path is None or ahead.name != entry.path.name or ahead.sig != sig:
-    return None, None
-  return ahead.result(), ahead.load_s
+  if ahead is not None and entry.path is not None and ahead.name == entry.path.name and ahead.sig == sig:
+    exe = ahead.result()
+    if exe is not None:
+      return exe, ahead.load_s
+  exe = _load(entry.load())
+  return exe, None
 
 
 def compiled(kind: str, jitted: Callable, args: tuple, cfg_parts: dict) -> Timed:
@@ -255,18 +264,11 @@ def compiled(kind: str, jitted: Callable, args: tuple, cfg_parts: dict) -> Timed
   t0 = time.perf_counter()
   sig = signature(args)
   entry = Entry(kind, [cfg_parts, sig])
-  exe, background_s = _taken_ahead(kind, entry, sig)
+  exe, background_s = _kept(kind, entry, sig)
   if exe is not None:
-    _note(cfg_parts, kind, entry, sig)
-    return Timed(exe, True, 0.0, time.perf_counter() - t0, background_s)
-  kept = entry.load()
-  if kept is not None:
-    try:
-      exe = serialize_executable.deserialize_and_load(*kept)
+    if background_s is None:  # loaded from the store: the manifest may not name it yet
       _note(cfg_parts, kind, entry, sig)
-      return Timed(exe, True, 0.0, time.perf_counter() - t0)
-    except Exception:  # noqa: BLE001 - an entry this JAX cannot load: compile as if there were none
-      pass
+    return Timed(exe, True, 0.0, time.perf_counter() - t0, background_s)
   t0 = time.perf_counter()
   lowered = jitted.lower(*args)
   t1 = time.perf_counter()
@@ -295,12 +297,4 @@ class Compiler:
   def kept(self, kind: str, args: tuple):
     """The executable kept for `kind` and `args` (loaded ahead, else from the store), or None: nothing traced."""
     sig = signature(args)
-    entry = Entry(kind, [self.cfg_parts, sig])
-    exe, _ = _taken_ahead(kind, entry, sig)
-    if exe is None:
-      stored = entry.load()
-      try:
-        exe = None if stored is None else serialize_executable.deserialize_and_load(*stored)
-      except Exception:  # noqa: BLE001 - an entry this JAX cannot load: the caller compiles
-        exe = None
-    return exe
+    return _kept(kind, Entry(kind, [self.cfg_parts, sig]), sig)[0]

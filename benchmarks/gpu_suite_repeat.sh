@@ -11,6 +11,12 @@
 # run's output tail goes to $OUT/gpu_suite_failure.txt. A run starts only when the previous run's time (else
 # EST_S, 450) fits in what is left of BUDGET_S; one stopped by the budget is recorded as "timeout". Keep the lines
 # of every call (and session) in benchmarks/results/: consecutive passes can span calls.
+# COMMIT=<rev> labels the lines (default: git's HEAD, which in a device call's copy of the tree can be an older
+# commit than the one sent: pass it from the checkout).
+# Disk: the GPU tests write checkpoints of tens of GB. Each run gets its own --basetemp under $WORK, removed after
+# the run (pyproject.toml keeps only a failed test's tmp_path anyway), and its line records the free disk before
+# it (disk_free_gb): on 2026-12-04 a second run on the same machine found its 64 GB disk full of the first's
+# pytest-of-root directories and five tests failed on "No space left on device".
 set -uo pipefail
 OUT=${OUT:-/tmp/maxlm-gpu-suite}
 WORK=${WORK:-/tmp/maxlm-gpu-suite-work}
@@ -22,20 +28,30 @@ t0=$(date +%s)
 for i in $(seq 1 "$RUNS"); do
   left=$(( BUDGET_S - ($(date +%s) - t0) ))
   if [ "$left" -lt "$est" ]; then echo "run $i: not started, ~${est} s expected, ${left} s left"; break; fi
-  xml=$WORK/run$i.xml log=$WORK/run$i.log
+  xml=$WORK/run$i.xml log=$WORK/run$i.log base=$WORK/pytest-tmp
+  rm -rf "$base"
+  free_gb=$(df -P -k "$WORK" | awk 'NR == 2 {printf "%.1f", $4 / 1048576}')
   start=$(date +%s)
   MAXLM_TEST_GPU=1 timeout -k 10 "$(( left - 5 ))" python3 -m pytest -m gpu -q -rfEs --durations=10 \
-    -p no:cacheprovider --junitxml="$xml" > "$log" 2>&1
+    -p no:cacheprovider --basetemp="$base" --junitxml="$xml" > "$log" 2>&1
   rc=$? secs=$(( $(date +%s) - start ))
+  rm -rf "$base"
   est=$secs
-  python3 - "$xml" "$log" "$rc" "$secs" "$i" >> "$OUT/gpu_suite_runs.jsonl" <<'PY'
-import json, os, re, sys, time
+  python3 - "$xml" "$log" "$rc" "$secs" "$i" "$free_gb" >> "$OUT/gpu_suite_runs.jsonl" <<'PY'
+import json, os, re, subprocess, sys, time
 import xml.etree.ElementTree as ET
-xml, log, rc, secs, i = sys.argv[1:]
-row = {"run": int(i), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "exit": int(rc), "seconds": int(secs),
+xml, log, rc, secs, i, free_gb = sys.argv[1:]
+commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                    text=True).stdout.strip()
+row = {"run": int(i), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": commit or None,
+       "disk_free_gb": float(free_gb), "exit": int(rc), "seconds": int(secs),
        "status": "timeout" if rc in ("124", "137") else ("passed" if rc == "0" else "failed")}
-if os.path.exists(xml):
+try:
   suite = ET.parse(xml).getroot()
+except (OSError, ET.ParseError) as e:  # no report, or a truncated one (a run killed mid-write)
+  row["report_error"] = str(e)
+  suite = None
+if suite is not None:
   suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
   cases = suite.findall("testcase")
   row.update(tests=len(cases), failures=int(suite.get("failures", 0)), errors=int(suite.get("errors", 0)),

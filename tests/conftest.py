@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices (set before JAX is imported), TE helpers and markers."""
 
 import atexit
+import faulthandler
 import os
 import shutil
 import tempfile
@@ -81,6 +82,67 @@ def _check_groups_applied(items) -> None:
           f"pytest-xdist did not apply the xdist_group mark of {item.nodeid} under --dist loadgroup (pytest "
           "9.2 with pytest-xdist 3.8: pytest-dev/pytest-xdist#1386); install pytest<9.2 (make setup)"))
       return
+
+
+# Where an xdist worker dies or hangs. pytest's faulthandler writes a crashed worker's thread stacks to its
+# stderr, which the controller cuts off at "node down" (a fresh clone once lost the main thread's stack that
+# way), and a test stuck in C++ prints nothing until pytest-timeout ends it. So each worker writes, to its own
+# file in a directory the controller made: the test it starts (one line each), the stacks of every thread on a
+# fatal signal (abort, segfault), and the stacks at 80% of the suite's timeout (pyproject.toml) ends a
+# stuck test. The controller prints the files that hold a crash or a timeout in its summary.
+_FAULTS = "MAXLM_TEST_FAULT_DIR"
+_FAULT_MARKS = ("Fatal Python error", "Timeout (")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin, whose stderr handler this one replaces
+def pytest_configure(config):
+  worker = os.environ.get("PYTEST_XDIST_WORKER")
+  if worker is None:
+    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", None):
+      os.environ[_FAULTS] = tempfile.mkdtemp(prefix="maxlm-test-faults-")  # the workers inherit it
+    return
+  if _FAULTS in os.environ:
+    config._maxlm_faults = open(os.path.join(os.environ[_FAULTS], f"{worker}-{os.getpid()}.log"), "w")
+    faulthandler.enable(file=config._maxlm_faults, all_threads=True)
+
+
+def _timeout_s(request) -> float:
+  """The test's pytest-timeout limit in seconds (0: none, or pytest-timeout not installed)."""
+  marker = request.node.get_closest_marker("timeout")
+  if marker and marker.args:
+    return float(marker.args[0])
+  try:
+    return float(request.config.getini("timeout") or 0)
+  except ValueError:  # no such ini key: pytest-timeout is not installed
+    return 0.0
+
+
+@pytest.fixture(autouse=True)
+def _fault_record(request):
+  out = getattr(request.config, "_maxlm_faults", None)
+  if out is None:
+    yield
+    return
+  out.write(f"test: {request.node.nodeid}\n")
+  out.flush()
+  limit = _timeout_s(request)
+  if limit:
+    faulthandler.dump_traceback_later(0.8 * limit, file=out)  # before pytest-timeout ends the worker
+  yield
+  faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_terminal_summary(terminalreporter):
+  folder = os.environ.get(_FAULTS)
+  if not folder or os.environ.get("PYTEST_XDIST_WORKER") or not os.path.isdir(folder):
+    return
+  for name in sorted(os.listdir(folder)):
+    text = open(os.path.join(folder, name), errors="replace").read()
+    if any(m in text for m in _FAULT_MARKS):
+      at = text.rfind("test: ", 0, min(text.find(m) for m in _FAULT_MARKS if m in text))
+      terminalreporter.write_sep("=", f"worker {name}: crashed or stuck")
+      terminalreporter.write_line(text[max(at, 0):][:20000])
+  shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -20,7 +20,9 @@ from maxlm.train_state import abstract_state, create_train_state
 
 MODEL = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
                     dtype="float32", remat="none", backend="flax")
-MESH = make_mesh(MeshConfig(fsdp=2), jax.devices()[:2])  # the moments sharded over two devices
+# The moments sharded over two devices (the simulated CPU devices); on one GPU (`-m gpu` collects this module too)
+# one device, so that collection does not fail there.
+MESH = make_mesh(MeshConfig(fsdp=min(2, jax.device_count())), jax.devices()[:2])
 KEYS = ("inputs", "targets", "segment_ids", "positions")
 
 

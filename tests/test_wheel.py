@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.wheel
+# Building the wheel and a fresh venv with its dependencies can pass the suite's 15-minute limit on a cold pip cache.
+pytestmark = [pytest.mark.wheel, pytest.mark.timeout(2400)]
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -11,6 +11,9 @@
 # run's output tail goes to $OUT/gpu_suite_failure.txt. A run starts only when the previous run's time (else
 # EST_S, 450) fits in what is left of BUDGET_S; one stopped by the budget is recorded as "timeout". Keep the lines
 # of every call (and session) in benchmarks/results/: consecutive passes can span calls.
+# The suite's per-test limit (pyproject.toml: timeout) needs pytest-timeout there; the H200 image lacks it, so put its
+# wheel beside maxlm's once: `python3 -m pip download --no-deps -d .whl pytest-timeout` (without it pytest warns of
+# an unknown option and no test is ever stopped).
 # COMMIT=<rev> labels the lines (default: git's HEAD, which in a device call's copy of the tree can be an older
 # commit than the one sent: pass it from the checkout).
 # Disk: the GPU tests write checkpoints of tens of GB. Each run gets its own --basetemp under $WORK, removed after

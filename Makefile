@@ -32,8 +32,10 @@ lint: setup
 
 # --dist loadgroup: tests marked xdist_group(name) run on one worker (tests/test_launch.py shares its runs);
 # -rs: the summary lists every skipped test with its reason
+# --max-worker-restart=0: a worker that dies ends the run with its report (tests/conftest.py prints the test and the
+# stacks) instead of a replacement worker; once (2026-12-04) the replacement never started a test and the run hung.
 test: setup lint
-	$(PY) -m pytest -q -rs -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -n 2 --dist loadgroup --max-worker-restart=0 $(PYTEST_ARGS)
 
 # The image on a Debian + Python base made here (scripts/build_image.sh), then `maxlm doctor` and a 5-step train
 # inside it (tests/test_container.py; times in docker/README.md). CI runs it after the main suite.

@@ -88,8 +88,8 @@ def _check_groups_applied(items) -> None:
 # stderr, which the controller cuts off at "node down" (a fresh clone once lost the main thread's stack that
 # way), and a test stuck in C++ prints nothing until pytest-timeout ends it. So each worker writes, to its own
 # file in a directory the controller made: the test it starts (one line each), the stacks of every thread on a
-# fatal signal (abort, segfault), and the stacks at 80% of the suite's timeout (pyproject.toml) ends a
-# stuck test. The controller prints the files that hold a crash or a timeout in its summary.
+# fatal signal (abort, segfault), and the stacks again at 80% of a test's timeout (pyproject.toml), before
+# pytest-timeout ends the stuck test. The controller prints the files that hold a crash or a timeout in its summary.
 _FAULTS = "MAXLM_TEST_FAULT_DIR"
 _FAULT_MARKS = ("Fatal Python error", "Timeout (")
 

@@ -227,8 +227,8 @@ class OrbaxNoise:
       self._hook(args)
 
   def remove(self, failed: bool) -> None:
-    """Wait for Orbax's leftover save threads, then restore logging (after a failure the filters
-    stay: that save's futures and callbacks may still report until the process exits)."""
+    """Wait for Orbax's leftover save threads, then restore logging (after a failure, `_quiet_after_failure`
+    keeps the same filters: that save's futures and callbacks may still report until the process exits)."""
     deadline = time.monotonic() + 30  # one bound for all of them (they are done after a wait)
     for th in threading.enumerate():
       if th is not threading.current_thread() and type(th).__module__.startswith("orbax"):
@@ -237,16 +237,14 @@ class OrbaxNoise:
         except Exception:  # noqa: BLE001 - Orbax's threads re-raise the failure already reported
           pass
     gc.collect()
-    if self._hook is None:
-      return
-    if failed:  # the failed write's futures and coroutines are collected later, until exit
-      warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
-      return
-    for name in ("absl", "asyncio"):
-      logging.getLogger(name).removeFilter(self._filter)
-    if sys.unraisablehook == self._unraisable:
-      sys.unraisablehook = self._hook
-    self._hook = None
+    if self._hook is not None:
+      for name in ("absl", "asyncio"):
+        logging.getLogger(name).removeFilter(self._filter)
+      if sys.unraisablehook == self._unraisable:
+        sys.unraisablehook = self._hook
+      self._hook = None
+    if failed:
+      _quiet_after_failure()
 
 
 @contextlib.contextmanager
@@ -286,7 +284,7 @@ def _quiet_after_failure() -> None:
   asyncio_utils.py: run_until_complete, then close). The other reads finish later in TensorStore's threads, call
   back into the closed loop ("Event loop is closed"), and their coroutines, held by the failure's traceback, are
   closed only when it is collected, where Orbax raises again: at interpreter exit, after the one-line error,
-  `maxlm generate` on a truncated array file printed 12 to 322 lines of tracebacks (5 runs of 5). The filters
+  `maxlm generate` on a truncated array file printed 12 to 260 lines of tracebacks (4 runs of 4). The filters
   (OrbaxNoise) drop only those: Orbax's coroutines, closed-loop callbacks, asyncio's "never retrieved"; anything
   else still reaches the previous hook."""
   global _after_failure

@@ -3,6 +3,18 @@
 `configure(deterministic=...)` is called by every entry point that trains, before anything asks JAX
 about devices: XLA reads `XLA_FLAGS` once, when the backend starts, and Transformer Engine reads
 `NVTE_ALLOW_NONDETERMINISTIC_ALGO` whenever it traces fused attention.
+
+`size_cpu_pool()` (every command, before JAX starts) sizes XLA:CPU's thread pool when the CPU is split into
+simulated devices (`--xla_force_host_platform_device_count=N`, the tests' 8-device meshes, `plan --simulate`'s
+children). XLA runs each device's share of a program as one task of a pool of max(cores, N) threads, and a
+collective holds its thread until all N shares arrive. With async dispatch the next program's launches take
+threads too, and block while a device has its maximum of programs in flight. Seen on a 2-core machine (pool of 8
+for 8 devices, two trainings at once): 7 threads in an all-gather, the 8th in such a launch, the missing share
+queued behind them, and XLA aborting the process 40 s later ("Termination timeout for `all gather ...`. Expected
+8 threads to join the rendezvous, but only 7 of them arrived on time"). One dispatching thread can block at most
+2N - 1 threads that way (N - 1 shares in the collective, N launches), so CPU_POOL_PER_DEVICE * N threads, twice
+that, leave the missing share a thread. XLA reads the pool size from `PJRT_NPROC` (else `NPROC`, else the
+cores); a value you set wins. Measured in benchmarks/results/2026-12-04-cpu_collectives_stress.jsonl.
 """
 
 from __future__ import annotations
@@ -21,6 +33,37 @@ def backend_started() -> bool:
   """True once JAX has created a backend (XLA flags can no longer change)."""
   from jax._src import xla_bridge  # noqa: PLC0415 - private, read only here; jax is imported lazily
   return bool(getattr(xla_bridge, "_backends", None))
+
+
+CPU_POOL_PER_DEVICE = 4  # threads per simulated CPU device: twice the 2N that one dispatching thread can block
+POOL_ENV = ("PJRT_NPROC", "NPROC")  # what XLA reads for its CPU pool's size, in its order
+
+
+def simulated_cpu_devices(environ=None) -> int:
+  """The CPU devices XLA will simulate (`--xla_force_host_platform_device_count`, JAX_NUM_CPU_DEVICES); 1 if
+  neither is set."""
+  environ = os.environ if environ is None else environ
+  n = 1
+  for flag in environ.get("XLA_FLAGS", "").split():
+    name, _, value = flag.partition("=")
+    if name == "--xla_force_host_platform_device_count" and value.isdigit():
+      n = int(value)  # the last one wins, as in XLA
+  count = environ.get("JAX_NUM_CPU_DEVICES", "")
+  return max(n, int(count)) if count.isdigit() else n
+
+
+def size_cpu_pool(environ=None) -> str | None:
+  """Give XLA:CPU's pool CPU_POOL_PER_DEVICE threads per simulated device (module doc), before the backend
+  starts; returns the line for the log, or None when nothing was set (one device, a size you set, or a backend
+  already started)."""
+  environ = os.environ if environ is None else environ
+  n = simulated_cpu_devices(environ)
+  if n < 2 or any(k in environ for k in POOL_ENV) or backend_started():
+    return None
+  threads = max(os.cpu_count() or 1, CPU_POOL_PER_DEVICE * n)
+  environ["PJRT_NPROC"] = str(threads)
+  return (f"PJRT_NPROC={threads}: XLA:CPU's thread pool sized for {n} simulated devices, so that collectives "
+          "cannot take all its threads (maxlm/runtime.py)")
 
 
 def _flag_name(flag: str) -> str:

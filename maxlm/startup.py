@@ -2,9 +2,9 @@
 process start to the end of the first step, in parts (the first-step line, metrics.jsonl).
 
 `begin(cfg)` is the one start sequence of every command that starts JAX for a config (train, --compile-only,
-plan, doctor): the XLA flag preset, train.deterministic's flags, the share of device memory XLA
-takes, and the persistent compilation cache. XLA reads its flags and the memory share once, when the backend
-starts; the cache must be set before the first compile.
+plan, doctor): XLA:CPU's thread pool for simulated devices, the XLA flag preset, train.deterministic's flags,
+the share of device memory XLA takes, and the persistent compilation cache. XLA reads its flags and the memory
+share once, when the backend starts; the cache must be set before the first compile.
 
 Parts, in order: `backend_s` process start (Linux: the kernel's start time of the process, so Python's
 imports count; for `maxlm.train.run` called as a library, the call's start) to the JAX backend up; `plan_s`
@@ -40,7 +40,7 @@ DETERMINISTIC_NO_CACHE = ("compile.cache=false: a restart compiles again, and tw
 def begin(cfg: Config, compile_cache: bool = True) -> list[str]:
   """Apply the process settings of `cfg` before the backend starts; returns the lines for the log (the cache's
   own line comes at the first step). ConfigError for settings that conflict or a cache directory that fails."""
-  lines = []
+  lines = [line for line in [runtime.size_cpu_pool()] if line]  # simulated CPU devices: XLA's pool, sized
   preset = xla_presets.apply(cfg.xla.preset)  # the preset first: deterministic flags add to it
   if preset:
     lines.append(preset)

@@ -88,8 +88,11 @@ def compile_step_only(cfg: Config, t_start: float) -> int:
   """`--compile-only`: the run's checks and its train step, compiled on abstract shapes (see the module doc)."""
   cfg = dataclasses.replace(cfg, data=data_lib.resolve_type(cfg.data))  # as train() resolves it
   trainer = Trainer(cfg)  # every check of a run that needs no run directory; plan.mode=auto chooses here
-  trainer.build(abstract=True)
-  hit = trainer.compile_train_step()
+  try:
+    trainer.build(abstract=True)
+    hit = trainer.compile_train_step()
+  finally:
+    trainer.close()
   step = trainer.jitted_train_step
   if jax.process_index() == 0:
     m = memory_stats(step.executable)

@@ -143,6 +143,10 @@ class Trainer:
   def to_device(self, batch):
     return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
 
+  def close(self) -> None:
+    """Stop the training data's prefetch threads (a process that goes on after the run keeps none reading)."""
+    self.train_data.close()
+
   def evaluate(self) -> dict:
     """Loss over the held-out data, weighted by tokens (sum of token losses / number of tokens)."""
     it = self.eval_data_factory()
@@ -176,6 +180,13 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
   startup.mark("backend")
   cfg = dataclasses.replace(cfg, data=data_lib.resolve_type(cfg.data))  # data.type=auto made concrete
   trainer = Trainer(cfg)
+  try:
+    return _claim_and_train(cfg, trainer, preemption, startup)
+  finally:
+    trainer.close()  # its data's prefetch threads: a process that goes on after the run keeps none reading
+
+
+def _claim_and_train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Startup) -> RunEnd:
   run_dir = cfg.run_dir
   is_main = jax.process_index() == 0
   if cfg.checkpoint.load_params and not Path(cfg.checkpoint.load_params).exists():

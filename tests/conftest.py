@@ -15,6 +15,12 @@ import warnings
 _FAST_CPU = "" if os.environ.get("MAXLM_TEST_GPU") == "1" else " --xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8" + _FAST_CPU)
 os.environ.setdefault("JAX_PLATFORMS", "cpu" if os.environ.get("MAXLM_TEST_GPU") != "1" else "")
+# XLA:CPU's thread pool sized for those devices as maxlm's commands size it (maxlm/runtime.py), for the workers
+# and every subprocess: with XLA's own pool (one thread per device on this 2-core machine), the README test
+# aborted its worker in 4 of 7 runs with a second run beside it, deadlocked in an 8-device all-gather.
+from maxlm import runtime  # noqa: E402 - imports no JAX; the pool must be sized before JAX starts
+
+runtime.size_cpu_pool()
 
 # One XLA compilation cache for the whole run, made empty here and removed when the run ends: the suite trains
 # the same tiny models many times, in-process and in subprocesses (CLI, SLURM, mpirun), and a subprocess run

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from maxlm import runtime
 from maxlm.errors import BadInput, MaxlmError, report
 
 
@@ -66,6 +67,9 @@ def command_main(doc: str, run, argv: list[str] | None) -> int:
   if any(a in ("-h", "--help") for a in argv):
     print(doc.strip(), flush=True)
     return 0
+  line = runtime.size_cpu_pool()  # before the command starts JAX: simulated CPU devices (maxlm/runtime.py)
+  if line:
+    print(f"maxlm: {line}", file=sys.stderr, flush=True)
   try:
     return run(argv)
   except MaxlmError as e:

@@ -11,10 +11,11 @@ collective holds its thread until all N shares arrive. With async dispatch the n
 threads too, and block while a device has its maximum of programs in flight. Seen on a 2-core machine (pool of 8
 for 8 devices, two trainings at once): 7 threads in an all-gather, the 8th in such a launch, the missing share
 queued behind them, and XLA aborting the process 40 s later ("Termination timeout for `all gather ...`. Expected
-8 threads to join the rendezvous, but only 7 of them arrived on time"). One dispatching thread can block at most
-2N - 1 threads that way (N - 1 shares in the collective, N launches), so CPU_POOL_PER_DEVICE * N threads, twice
-that, leave the missing share a thread. XLA reads the pool size from `PJRT_NPROC` (else `NPROC`, else the
-cores); a value you set wins. Measured in benchmarks/results/2026-12-04-cpu_collectives_stress.jsonl.
+8 threads to join the rendezvous, but only 7 of them arrived on time"). JAX waits for one program's launches
+before it dispatches the next (the dispatching thread sat in that wait), so one dispatching thread can block N - 1
+shares in a collective and N launches: 2N - 1 threads. CPU_POOL_PER_DEVICE * N threads, twice that, leave the
+missing share a thread. XLA reads the pool size from `PJRT_NPROC` (else `NPROC`, else the cores); a value you
+set wins. Measured: benchmarks/cpu_collectives_stress.py (benchmarks/README.md).
 """
 
 from __future__ import annotations

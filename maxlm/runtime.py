@@ -5,17 +5,18 @@ about devices: XLA reads `XLA_FLAGS` once, when the backend starts, and Transfor
 `NVTE_ALLOW_NONDETERMINISTIC_ALGO` whenever it traces fused attention.
 
 `size_cpu_pool()` (every command, before JAX starts) sizes XLA:CPU's thread pool when the CPU is split into
-simulated devices (`--xla_force_host_platform_device_count=N`, the tests' 8-device meshes, `plan --simulate`'s
-children). XLA runs each device's share of a program as one task of a pool of max(cores, N) threads, and a
-collective holds its thread until all N shares arrive. With async dispatch the next program's launches take
-threads too, and block while a device has its maximum of programs in flight. Seen on a 2-core machine (pool of 8
-for 8 devices, two trainings at once): 7 threads in an all-gather, the 8th in such a launch, the missing share
-queued behind them, and XLA aborting the process 40 s later ("Termination timeout for `all gather ...`. Expected
-8 threads to join the rendezvous, but only 7 of them arrived on time"). JAX waits for one program's launches
-before it dispatches the next (the dispatching thread sat in that wait), so one dispatching thread can block N - 1
-shares in a collective and N launches: 2N - 1 threads. CPU_POOL_PER_DEVICE * N threads, twice that, leave the
-missing share a thread. XLA reads the pool size from `PJRT_NPROC` (else `NPROC`, else the cores); a value you
-set wins. Measured: benchmarks/cpu_collectives_stress.py (benchmarks/README.md).
+simulated devices (`--xla_force_host_platform_device_count=N`: the tests' 8-device meshes, a sharding tried on a
+laptop; `plan --simulate`'s children only compile, and run nothing). XLA runs each device's share of a program as
+one task of a pool of max(cores, N) threads, and a collective holds its thread until all N shares arrive. With
+async dispatch the next program's launches take threads too, and block while a device has its maximum of programs
+in flight. Seen on a 2-core machine (pool of 8 for 8 devices, two trainings at once): 7 threads in an all-gather,
+the 8th in such a launch, the missing share queued behind them, and XLA aborting the process 40 s later
+("Termination timeout for `all gather ...`. Expected 8 threads to join the rendezvous, but only 7 of them arrived
+on time"). JAX waits for one program's launches before it dispatches the next (the dispatching thread sat in that
+wait), so one dispatching thread can block N - 1 shares in a collective and N launches: 2N - 1 threads.
+CPU_POOL_PER_DEVICE * N threads, twice that, leave the missing share a thread. XLA reads the pool size from
+`PJRT_NPROC` (else `NPROC`, else the cores); a value you set wins. Measured: benchmarks/cpu_collectives_stress.py
+(benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -183,6 +183,13 @@ def configure(c: CompileConfig) -> str:
   return f"compilation cache {path} ({how}; programs compiled in {_active['min_compile_s']:g} s or more)"
 
 
+def size_limit() -> int | None:
+  """Bytes JAX's cache may hold before it evicts its least recently used entries; None while the cache is off
+  or unlimited (JAX's default)."""
+  limit = jax.config.jax_compilation_cache_max_size
+  return limit if _active and limit != -1 else None
+
+
 def directory() -> Path | None:
   """The cache directory configure() set; None while the cache is off."""
   return _active.get("dir")

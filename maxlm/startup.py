@@ -22,6 +22,7 @@ import os
 import time
 from pathlib import Path
 
+from maxlm import compile_cache as cache_lib
 from maxlm import runtime, xla_presets
 from maxlm.config import Config
 from maxlm.plan_measure import apply_mem_fraction
@@ -33,6 +34,8 @@ from maxlm.plan_measure import apply_mem_fraction
 # processes (openxla/xla#49047). A restart that loads the first start's binaries from the cache runs exactly them.
 DETERMINISTIC_CACHE = ("every compiled program is kept in the compilation cache (compile.min_compile_s=0), so a "
                        "restart runs the binaries of the first start: two compiles of one program can differ")
+DETERMINISTIC_EVICTION = ("the compilation cache holds at most {limit} (JAX_COMPILATION_CACHE_MAX_SIZE): a program "
+                          "evicted before a restart is compiled again, and two compiles of one program can differ")
 DETERMINISTIC_NO_CACHE = ("compile.cache=false: a restart compiles again, and two compiles of one program can "
                           "differ (XLA's autotuning), so a resume may not repeat the first run's bits")
 
@@ -57,6 +60,9 @@ def begin(cfg: Config, compile_cache: bool = True) -> list[str]:
     elif det and not c.cache:
       lines.append(f"train.deterministic=true with {DETERMINISTIC_NO_CACHE}")
     runtime.configure_compile_cache(c)
+    if det and cache_lib.size_limit() is not None:
+      lines.append("train.deterministic=true with "
+                   + DETERMINISTIC_EVICTION.format(limit=cache_lib.human(cache_lib.size_limit())))
   return lines
 
 PARTS = (("backend_s", "imports and backend"), ("plan_s", "plan"), ("init_s", "init"), ("lower_s", "trace and lower"),

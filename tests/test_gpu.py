@@ -183,13 +183,18 @@ def test_deterministic_resume_is_bit_identical(tmp_path, precision):
   import sys
 
   def run(name, steps):
+    # The three starts share a cache of their own, unlimited as JAX's default is: in the suite's shared cache
+    # (4 GiB, conftest) the GPU tests before this one could evict the first start's entry, and a start that
+    # compiles the step again may run another binary (maxlm/startup.py: DETERMINISTIC_EVICTION).
     args = [*DETERMINISTIC_RUN, f"model.precision={precision}", f"output_dir={tmp_path}", f"run_name={name}",
-            f"train.steps={steps}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NVTE_ALLOW_NONDETERMINISTIC_ALGO")}
+            f"train.steps={steps}", f"compile.cache_dir={tmp_path / 'xla-cache'}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+           and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     r = subprocess.run([sys.executable, "-m", "maxlm.train", *args], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train.deterministic=true: XLA_FLAGS += --xla_gpu_deterministic_ops=true" in r.stdout
+    assert "JAX_COMPILATION_CACHE_MAX_SIZE" not in r.stdout  # nothing evicts the first start's programs
     return r
 
   starts = {name: run(name.split()[0], steps) for name, steps in (("whole", 20), ("split", 10), ("split resumed", 20))}

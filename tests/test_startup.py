@@ -20,10 +20,10 @@ TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head
         "train.eval_every=0", "checkpoint.enabled=false"]
 
 
-def _train(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+def _train(tmp: Path, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
-             JAX_PLATFORMS="cpu")
+             JAX_PLATFORMS="cpu", **env_extra)
   return subprocess.run([sys.executable, "-m", "maxlm.train", f"output_dir={tmp}",
                          f"compile.cache_dir={tmp / 'cache'}", "compile.warm_start=false", *TINY, *args],
                         cwd=ROOT, env=env,
@@ -41,6 +41,7 @@ def test_deterministic_runs_keep_every_program_so_a_second_start_compiles_nothin
   first = _train(tmp_path, "run_name=a", "train.deterministic=true")
   assert first.returncode == 0, first.stderr
   assert f"maxlm: train.deterministic=true: {startup.DETERMINISTIC_CACHE}" in first.stdout, first.stdout
+  assert "JAX_COMPILATION_CACHE_MAX_SIZE" not in first.stdout  # JAX's default cache: nothing is evicted
   second = _train(tmp_path, "run_name=b", "train.deterministic=true")
   assert second.returncode == 0, second.stderr
   cold, warm = _first_row(tmp_path / "a"), _first_row(tmp_path / "b")
@@ -53,3 +54,14 @@ def test_deterministic_without_the_cache_says_what_a_restart_risks(tmp_path):
   r = _train(tmp_path, "run_name=a", "train.deterministic=true", "compile.cache=false")
   assert r.returncode == 0, r.stderr
   assert f"maxlm: train.deterministic=true with {startup.DETERMINISTIC_NO_CACHE}" in r.stdout, r.stdout
+
+
+def test_deterministic_with_a_size_limited_cache_says_what_a_restart_risks(tmp_path):
+  """A size-limited cache (JAX_COMPILATION_CACHE_MAX_SIZE, as the test suite's own) evicts entries: a restart
+  may compile the first start's program again, so the run says so."""
+  r = _train(tmp_path, "run_name=a", "train.deterministic=true", JAX_COMPILATION_CACHE_MAX_SIZE=str(3 * 10 ** 9))
+  assert r.returncode == 0, r.stderr
+  line = "maxlm: train.deterministic=true with " + startup.DETERMINISTIC_EVICTION.format(limit="3.0 GB")
+  assert line in r.stdout, r.stdout
+  r = _train(tmp_path, "run_name=b", "train.steps=1", JAX_COMPILATION_CACHE_MAX_SIZE=str(3 * 10 ** 9))
+  assert r.returncode == 0 and "JAX_COMPILATION_CACHE_MAX_SIZE" not in r.stdout  # only deterministic runs care

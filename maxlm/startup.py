@@ -43,7 +43,10 @@ DETERMINISTIC_NO_CACHE = ("compile.cache=false: a restart compiles again, and tw
 def begin(cfg: Config, compile_cache: bool = True) -> list[str]:
   """Apply the process settings of `cfg` before the backend starts; returns the lines for the log (the cache's
   own line comes at the first step). ConfigError for settings that conflict or a cache directory that fails."""
-  lines = [line for line in [runtime.size_cpu_pool()] if line]  # simulated CPU devices: XLA's pool, sized
+  lines = []
+  pool = runtime.size_cpu_pool()  # simulated CPU devices: XLA's pool, sized (a no-op where a command did it)
+  if pool:
+    lines.append(pool)
   preset = xla_presets.apply(cfg.xla.preset)  # the preset first: deterministic flags add to it
   if preset:
     lines.append(preset)
@@ -60,9 +63,9 @@ def begin(cfg: Config, compile_cache: bool = True) -> list[str]:
     elif det and not c.cache:
       lines.append(f"train.deterministic=true with {DETERMINISTIC_NO_CACHE}")
     runtime.configure_compile_cache(c)
-    if det and cache_lib.size_limit() is not None:
-      lines.append("train.deterministic=true with "
-                   + DETERMINISTIC_EVICTION.format(limit=cache_lib.human(cache_lib.size_limit())))
+    limit = cache_lib.size_limit()
+    if det and limit is not None:
+      lines.append(f"train.deterministic=true with {DETERMINISTIC_EVICTION.format(limit=cache_lib.human(limit))}")
   return lines
 
 PARTS = (("backend_s", "imports and backend"), ("plan_s", "plan"), ("init_s", "init"), ("lower_s", "trace and lower"),

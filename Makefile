@@ -3,12 +3,13 @@
 #   make train [ARGS="key=value ..."]   train the default model (configs/default.yml, ~2 min on 2 cores) on the embedded corpus
 #   make test                           run the test suite (CPU)
 #   make mutation                       mutation testing of the core (slow, not in `make test`; docs/mutation.md)
+#   make test-hf                        the live comparison with transformers (adds CPU torch to the venv; not in `make test`)
 #   make test-container                 build the image (docker/) with podman and test it (root; not in `make test`)
 #   make convergence / test-convergence the cpu convergence tier / its own training tests (not in `make test`)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test lint mutation test-container test-wheel convergence test-convergence
+.PHONY: setup train test lint mutation test-container test-wheel test-hf convergence test-convergence
 setup:
 	@bash scripts/setup.sh $(VENV)
 
@@ -42,6 +43,14 @@ test: setup lint
 # MAXLM_TEST_IMAGE=<tag> tests an image built before instead of building one.
 test-container: setup
 	$(PY) -m pytest -q -m container tests/test_container.py $(PYTEST_ARGS)
+
+# The live comparison with transformers (tests/test_hf.py, marker `hf`): scripts/setup_hf.sh adds CPU torch and
+# transformers (the versions tests/golden/hf/versions.json records) to the venv, then a fresh random Llama and
+# Mistral made by transformers must give maxlm's logits and greedy tokens. `make test` runs these two tests too once
+# torch is there, and skips them with the reason where it is not.
+test-hf: setup
+	@bash scripts/setup_hf.sh $(VENV)
+	$(PY) -m pytest -q -rs -m hf tests/test_hf.py $(PYTEST_ARGS)
 
 # The installed package outside the source tree: `pip wheel .`, a fresh venv, then `maxlm train config=default.yml`,
 # a llama8b dry run, `maxlm doctor` and `from maxlm import Model` from an empty directory (tests/test_wheel.py).

@@ -1,7 +1,9 @@
-"""Make the Hugging Face parity goldens in tests/golden/hf/ (needs torch + transformers; CI does not).
+"""Make the Hugging Face parity goldens in tests/golden/hf/ (needs torch + transformers).
 
-    python3 -m venv /work/hfenv && /work/hfenv/bin/pip install torch transformers safetensors numpy
-    /work/hfenv/bin/python tests/golden/make_hf_goldens.py
+    bash scripts/setup_hf.sh && .venv/bin/python tests/golden/make_hf_goldens.py && git diff --stat tests/golden/hf
+
+scripts/setup_hf.sh installs the versions versions.json records; with them the script rewrites every file
+byte for byte (checked 2026-12-05: no diff), so a diff means the libraries or this script changed.
 
 Three tiny random-init models, each in its own directory: `config.json`, the weights as transformers'
 `save_pretrained` writes them (bfloat16 safetensors; the Mistral one sharded, with its index), and

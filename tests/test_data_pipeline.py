@@ -447,9 +447,13 @@ def test_train_info_thread_options_segment_cap_and_sources_without_training_docu
   two.write_text("one doc\nanother doc\n")
   one.write_text("one doc\n")
   assert make_train_iterator(_cfg(two, eval_fraction=0.5), 8192).info["documents"] == 1  # document 1 trains
-  with pytest.raises(DataError, match=re.escape(
-      f"data source '{one}' has no training documents (1 documents, eval_fraction 0.5)")):
+  with pytest.raises(DataError, match="^" + re.escape(
+      f"data source '{one}' has no training documents: data.eval_fraction 0.5 holds out one document in 2, "
+      f"starting with the first, which leaves none of its 1 document; set data.eval_fraction=0, evaluate on "
+      f"separate files (data.eval_paths), or give it more documents (text files: data.text_split=line makes one "
+      f"per line)") + "$"):
     make_train_iterator(_cfg(one, eval_fraction=0.5), 8192)
+  assert make_train_iterator(_cfg(one, eval_fraction=0), 8192).info["documents"] == 1  # the first lever works
 
 
 def test_close_stops_the_pipelines_threads(corpus):

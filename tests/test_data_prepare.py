@@ -289,3 +289,27 @@ def test_summary_gives_a_rate_only_for_a_measurable_time():
           "tokenizer": {"kind": "sentencepiece", "path": "t.model", "vocab_size": 8192, "bos_id": 1, "eos_id": 2}}
   assert "tokens/s" not in summary({**meta, "seconds": 0.0}, "out").splitlines()[0]
   assert summary({**meta, "seconds": 2.0}, "out").splitlines()[0].endswith("in 2.0 s (1,205 tokens/s)")
+
+
+def test_summary_notes_too_few_documents_for_the_default_split(tmp_path, capsys):
+  """A file with no blank lines prepared with text_split=paragraph is one document, which the default eval
+  split takes whole: the summary says so and names the levers; training then agrees with the count it gave."""
+  (tmp_path / "prose.txt").write_text("".join(f"line {i} of prose with no blank line\n" for i in range(60)))
+  assert main([str(tmp_path / "prose.txt"), f"out={tmp_path / 'one'}", "text_split=paragraph", "--no-progress"]) == 0
+  text = capsys.readouterr().out
+  assert text.splitlines()[0].startswith("prepared 1 document, ")
+  assert ("note: only 1 document: by default training holds out the first for eval and trains on the other 0 "
+          "(data.eval_fraction=0 trains on all); text_split=paragraph found few in the text files, text_split=line "
+          "makes a document per line") in text.splitlines()
+  with pytest.raises(DataError, match="has no training documents"):
+    make_train_iterator(DataConfig(type="arrayrecord", paths=str(tmp_path / "one"), seq_len=16, global_batch_size=2),
+                        8192)
+  # 50 lines, one document each: still noted (one held out, 49 to train on, as training counts them); 60: not
+  (tmp_path / "fifty.txt").write_text("".join(f"doc {i}\n" for i in range(50)))
+  assert main([str(tmp_path / "fifty.txt"), f"out={tmp_path / 'fifty'}", "--no-progress"]) == 0
+  assert "note: only 50 documents: by default training holds out the first for eval and trains on the other 49 " \
+         "(data.eval_fraction=0 trains on all)" in capsys.readouterr().out.splitlines()
+  cfg = DataConfig(type="arrayrecord", paths=str(tmp_path / "fifty"), seq_len=16, global_batch_size=2, num_epochs=1)
+  assert make_train_iterator(cfg, 8192).info["documents"] == 49
+  assert main([str(tmp_path / "prose.txt"), f"out={tmp_path / 'sixty'}", "--no-progress"]) == 0
+  assert "note:" not in capsys.readouterr().out

@@ -236,8 +236,14 @@ def _train_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataItera
   views = [sources.DocIndex(c.source, k, "train") for c in comps]
   for comp, view in zip(comps, views):
     if len(view) == 0:
-      raise DataError(f"data source '{comp.name}' has no training documents ({len(comp.source)} documents, "
-                      f"eval_fraction {cfg.eval_fraction})")
+      n = len(comp.source)
+      # (n >= 1: sources.load_components refuses a source without documents)
+      more = {"text": " (text files: data.text_split=line makes one per line)",
+              "arrayrecord": " (maxlm prepare text_split=line makes one per line of text)"}.get(comp.fmt, "")
+      raise DataError(f"data source '{comp.name}' has no training documents: data.eval_fraction "
+                      f"{cfg.eval_fraction} holds out one document in {k}, starting with the first, which leaves "
+                      f"none of its {n} document{'s' if n != 1 else ''}; set data.eval_fraction=0, evaluate on "
+                      f"separate files (data.eval_paths), or give it more documents{more}")
   rows = _rows(cfg, pi, pc)
   info = _report("train", comps, skips, vocab, sum(len(v) for v in views), weights=weights,
                  process=f"{pi}/{pc}", rows=f"{rows.start}..{rows.stop - 1} of {cfg.global_batch_size}")

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from maxlm.config import DataConfig
 from maxlm.data.errors import DataError, Skips, first_line
 from maxlm.data.readers import (META_NAME, TEXT_SPLITS, file_format, has_data_format,
                                 read_documents, resolve_files)
@@ -30,6 +31,7 @@ SHARD_PATTERN = "shard-{:05d}.array_record"
 SHARD_GLOB = "shard-*.array_record"
 WRITER_OPTIONS = "group_size:1"  # random access per record, as Grain's reader expects
 BATCH_DOCS = 512
+EVAL_EVERY = round(1 / DataConfig().eval_fraction)  # training's default held-out split: one document in 50
 FORMATS = ("auto", "text", "jsonl", "parquet")
 
 
@@ -221,7 +223,8 @@ def _batched(it, n: int):
 def summary(meta: dict, output: str) -> str:
   """What was prepared and how to train (and evaluate) on it."""
   tok = meta["tokenizer"]
-  lines = [f"prepared {meta['documents']:,} documents, {meta['tokens']:,} tokens "
+  docs = meta["documents"]
+  lines = [f"prepared {docs:,} document{'s' if docs != 1 else ''}, {meta['tokens']:,} tokens "
            f"({meta['dtype']}) into {len(meta['shards'])} shard(s) in {output} "
            f"in {meta['seconds']:.1f} s" + (f" ({meta['tokens'] / meta['seconds']:,.0f} tokens/s)"
                                              if meta["seconds"] >= 0.1 else ""),  # a rate of 0.0 s means nothing
@@ -241,9 +244,16 @@ def summary(meta: dict, output: str) -> str:
       lines.append(f"  this tokenizer has no {n.upper()} token: also set data.add_{n}=false "
                    f"or data.{n}_id=<id>")
   lines.append("eval: without data.eval_paths, every k-th document is held out "
-               "(k = round(1/data.eval_fraction): every 50th by default);")
+               f"(k = round(1/data.eval_fraction): every {EVAL_EVERY}th by default);")
   lines.append("  to evaluate on separate data, prepare it into another directory with the same "
                "tokenizer= and add data.eval_paths=EVAL_DIR (training then uses every document)")
+  if docs <= EVAL_EVERY:  # the default split holds out one document, the first: too few to split well
+    note = (f"note: only {docs} document{'s' if docs != 1 else ''}: by default training holds out the first for "
+            f"eval and trains on the other {docs - 1} (data.eval_fraction=0 trains on all)")
+    split = meta.get("text_split", "line")
+    if split != "line" and any(i.get("format") == "text" for i in meta.get("inputs", ())):
+      note += f"; text_split={split} found few in the text files, text_split=line makes a document per line"
+    lines.append(note)
   return "\n".join(lines)
 
 

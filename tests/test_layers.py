@@ -345,6 +345,38 @@ def test_te_is_found_as_a_pip_wheel_or_as_one_container_build(monkeypatch, dist,
   assert te_env.te_installed() is want
 
 
+
+@pytest.mark.te
+def test_te_is_imported_without_its_pytorch_half(tmp_path):
+  """TE's package imports its PyTorch half when torch is installed: `import torch` at every start, and without
+  TE's PyTorch extension (maxlm installs the JAX one) a 2-line RuntimeWarning. import_te blocks only that import:
+  a stand-in `torch` package on the path records whether it was imported, stderr has no warning, TE's JAX half
+  works, and `transformer_engine.pytorch` is importable again afterwards (no `None` left in sys.modules)."""
+  import os
+  import subprocess
+  import sys
+  from pathlib import Path
+  from maxlm.layers import te_env
+  if not te_env.te_installed():
+    pytest.skip("Transformer Engine is not installed")
+  fake = tmp_path / "fake" / "torch"
+  fake.mkdir(parents=True)
+  (fake / "__init__.py").write_text("import os\nopen(os.environ['TORCH_MARK'], 'a').write('imported\\n')\n")
+  mark = tmp_path / "mark"
+  code = ("import sys; from maxlm.layers.te_env import import_te; te = import_te(); "
+          "assert 'torch' not in sys.modules, 'torch imported'; "
+          "assert sys.modules.get('transformer_engine.pytorch', 'absent') == 'absent'; "
+          "print('te', te.__name__, callable(te.autocast))")
+  root = Path(__file__).resolve().parents[1]
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), str(root)]),
+         "TORCH_MARK": str(mark), "PYTHONWARNINGS": "default"}
+  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=root)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.strip() == "te transformer_engine.jax True"
+  assert not mark.exists()
+  assert "PyTorch" not in r.stderr, r.stderr[-2000:]
+
+
 # ---- backend and precision plumbing (surviving mutants of docs/mutation.md) --------------------------
 
 @pytest.mark.te

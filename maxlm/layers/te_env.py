@@ -8,6 +8,7 @@ treated as "no fused backend" so `DotProductAttention` takes its pure-JAX path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import glob
@@ -42,6 +43,25 @@ def _preload_nccl() -> None:
       return
 
 
+@contextlib.contextmanager
+def _without_te_pytorch():
+  """TE's package `__init__` also imports its PyTorch half when torch is installed: `import torch` (3.4 s on the
+  H200 image), and where TE's PyTorch extension is absent (maxlm installs only the JAX one) a 2-line
+  RuntimeWarning at every start. maxlm uses only `transformer_engine.jax`. A `None` in sys.modules makes that
+  import fail for the moment of this import, which TE's `__init__` takes as "no PyTorch" (`except ImportError:
+  pass`); `transformer_engine.pytorch` is importable again afterwards, and a process that imported it already
+  keeps it."""
+  name = "transformer_engine.pytorch"
+  blocked = name not in sys.modules
+  if blocked:
+    sys.modules[name] = None
+  try:
+    yield
+  finally:
+    if blocked and sys.modules.get(name, 0) is None:
+      del sys.modules[name]
+
+
 @functools.lru_cache(maxsize=None)
 def import_te():
   """Return the `transformer_engine.jax` module, set up for this host (GPU or CPU fallback)."""
@@ -55,7 +75,8 @@ def import_te():
     # With the custom calls off (above, on purpose) TE's softmax always takes its JAX path and says so at
     # every trace; on a CPU that is the expected path, not news. Only this message, only on a CPU.
     warnings.filterwarnings("ignore", message="Using unfused JAX softmax", category=UserWarning)
-  import transformer_engine.jax as te  # noqa: PLC0415 - only after the host set-up
+  with _without_te_pytorch():
+    import transformer_engine.jax as te  # noqa: PLC0415 - only after the host set-up
   if cpu:
     from transformer_engine.jax.cpp_extensions import attention as te_attn  # noqa: PLC0415 - only after the host set-up
     from transformer_engine_jax import NVTE_Fused_Attn_Backend  # noqa: PLC0415 - only after the host set-up

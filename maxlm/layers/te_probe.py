@@ -33,6 +33,7 @@ def te_import_error() -> str | None:
 
 
 def te_version() -> str:
+  import_te()  # the host set-up, and TE's package imported without its PyTorch half
   import transformer_engine  # noqa: PLC0415 - lazy on purpose: TE is optional
   return getattr(transformer_engine, "__version__", "unknown")
 

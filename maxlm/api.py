@@ -60,6 +60,22 @@ def _scope(cfg: Config, mesh):
   return model_scope(cfg.model, resolve_backend(cfg.model.backend), mesh, quantized=False)
 
 
+def _token_prompts(prompts) -> list[list[int]]:
+  """generate's prompts as lists of ints; TypeError for text (that is `complete`'s) or anything not a list of
+  integer-id sequences (a string would otherwise become a list of characters)."""
+  if isinstance(prompts, (str, bytes)) or any(isinstance(p, (str, bytes)) for p in prompts):
+    raise TypeError("generate takes token ids, a list of prompts each a list of ints (e.g. [[1, 791]]); "
+                    "for text use Model.complete(['...'])")
+  out = []
+  for i, p in enumerate(prompts):
+    a = np.asarray(p)
+    if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+      raise TypeError(f"generate takes a list of prompts, each a list of int token ids (e.g. [[1, 791]]); "
+                      f"prompt {i} is {type(p).__name__} {a.dtype} of shape {a.shape}")
+    out.append(a.astype(np.int64).tolist())
+  return out
+
+
 class Model:
   """A Llama/Mistral model: its full `config` (a maxlm Config), `params` (on `mesh`) and inference."""
 
@@ -183,7 +199,7 @@ class Model:
     """Continue each prompt (token ids) by up to max_new_tokens with a KV cache (`maxlm.generation`);
     returns the new token ids per prompt. stop_tokens / stop_sequences end a row; max_length caps prompt +
     new tokens."""
-    out = generation.generate(self.config.model, self.params, [list(p) for p in prompts], max_new_tokens,
+    out = generation.generate(self.config.model, self.params, _token_prompts(prompts), max_new_tokens,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                               stop_tokens=stop_tokens, stop_sequences=stop_sequences, max_length=max_length,
                               mesh=self.mesh)
@@ -195,6 +211,9 @@ class Model:
     """Continue each text (one batch) with the model's tokenizer: BOS first as the run trained (add_bos=True or
     False overrides), EOS (`stop_ids`) and the `stop` texts end a row (the returned text leaves the stop out,
     the tokens keep it), prompt + new tokens at most max_length (default `self.max_length`)."""
+    if isinstance(texts, (str, bytes)):
+      raise TypeError(f"complete takes a list of texts, one batch (e.g. complete([{texts[:20]!r}])), not one "
+                      f"{type(texts).__name__}")
     tok = self.tokenizer
     prompts = inference.encode_prompts(tok, texts, self.bos_id, add_bos)
     stop_seqs = inference.encode_stops(tok, stop)

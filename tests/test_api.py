@@ -60,6 +60,28 @@ def test_logits_match_the_reference(model):
   assert logits.dtype == np.float32 and np.abs(logits - ref).max() <= tol
 
 
+
+def test_generate_is_greedy_argmax_over_the_logits_and_takes_only_token_ids(model):
+  """Greedy generate (KV cache) equals extending the prompt by argmax of model.logits' last position, one token at
+  a time (no cache); a [B, T] integer array is a batch of prompts. Text or a flat list of ids is a TypeError
+  that names the right call (a string used to become a list of characters and fail deep inside)."""
+  prompt = [3, 17, 42, 7]
+  seq = list(prompt)
+  for _ in range(4):
+    seq.append(int(np.argmax(model.logits([seq])[0, -1])))
+  assert model.generate([prompt], 4) == [seq[len(prompt):]]
+  assert model.generate(np.array([prompt, prompt], np.int32), 4) == [seq[len(prompt):]] * 2
+  with pytest.raises(TypeError, match=r"generate takes token ids.*for text use Model\.complete"):
+    model.generate(["It is a truth"], 4)
+  with pytest.raises(TypeError, match=r"generate takes token ids"):
+    model.generate("It is a truth", 4)
+  with pytest.raises(TypeError, match=r"prompt 0 is int int64 of shape \(\)"):
+    model.generate([3, 17, 42], 4)
+  with pytest.raises(TypeError, match=r"prompt 1 is list float64 of shape \(2,\)"):
+    model.generate([[3, 17], [1.5, 2.0]], 4)
+  with pytest.raises(TypeError, match=r"complete takes a list of texts, one batch \(e\.g\. complete\(\['It is'\]\)\)"):
+    model.complete("It is", 4)
+
 def test_packed_rows_equal_documents_alone(model):
   rng = np.random.default_rng(1)
   a, b = rng.integers(0, 8192, size=5), rng.integers(0, 8192, size=7)

@@ -51,7 +51,9 @@ def abstract_state(model: nn.Module, optimizer: optax.GradientTransformation, me
                    seq_len: int, offload: str = "none"):
   """(ShapeDtypeStructs with shardings, shardings) of the state, without allocating it; `offload` as in
   `place`."""
-  abstract = jax.eval_shape(lambda r: init_boxed(model, optimizer, r, batch, seq_len), jax.random.PRNGKey(0))
+  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))  # its shape only: no key made on a device (compile-only
+  # devices, e.g. a GPU topology compiled for without a GPU, cannot hold one)
+  abstract = jax.eval_shape(lambda r: init_boxed(model, optimizer, r, batch, seq_len), key)
   shardings = place(shardings_from_logical(abstract, mesh), offload)
   structs = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                    strip_boxes(abstract), shardings)

@@ -155,6 +155,26 @@ def test_a_run_naming_a_shipped_tokenizer_exports_that_file(tmp_path, monkeypatc
   assert run_tokenizer_files(DataConfig(tokenizer="austen_sp512.model")) == [(SMALL_TOKENIZER, "tokenizer.model")]
 
 
+
+def test_a_run_exports_the_tokenizer_it_trained_with(tmp_path, monkeypatch):
+  """Without data.tokenizer, a run on prepared shards trained with the tokenizer the shards record, and one on raw
+  text with the shipped 8k model: the HF export carries that file (it carried none: generation found the tokenizer,
+  `convert maxlm-to-hf` and save_pretrained did not). Synthetic tokens, or data not on this machine: none."""
+  from maxlm.data.prepare import prepare
+  from maxlm.data.tokenizer import DEFAULT_TOKENIZER
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "a.txt").write_text("".join(f"line {i} of some prose\n" for i in range(60)))
+  prepare([str(tmp_path / "a.txt")], str(tmp_path / "shards"), tokenizer=str(SMALL_TOKENIZER), progress=False)
+  recorded = Path(json.loads((tmp_path / "shards" / "maxlm_data.json").read_text())["tokenizer"]["path"])
+  assert recorded.samefile(SMALL_TOKENIZER)
+  for data in (DataConfig(type="arrayrecord", paths="shards"), DataConfig(paths="shards")):
+    assert run_tokenizer_files(data) == [(recorded, "tokenizer.model")]
+  assert run_tokenizer_files(DataConfig(paths="a.txt")) == [(DEFAULT_TOKENIZER, "tokenizer.model")]
+  assert run_tokenizer_files(DataConfig(type="synthetic")) == []
+  assert run_tokenizer_files(DataConfig(paths="gone/")) == []
+  assert run_tokenizer_files(DataConfig(paths="a.txt", tokenizer="austen_sp512.model")) == [
+      (SMALL_TOKENIZER, "tokenizer.model")]  # data.tokenizer first
+
 def test_bad_paths_raise_one_line_checkpoint_errors(tmp_path, run_dir):
   with pytest.raises(CheckpointError, match="no such file or directory"):
     Model.from_pretrained(tmp_path / "nope")

@@ -107,7 +107,7 @@ def test_hf_round_trip_keeps_the_source_dtype_and_prints_human_sizes(source, tmp
     assert have[k][0] == want[k][0] == source and np.array_equal(have[k][1], want[k][1]), k
 
 
-def test_float32_run_exports_its_exact_weights_by_default(finetuned, tmp_path):
+def test_float32_run_exports_its_exact_weights_by_default(finetuned, tmp_path, capsys):
   """maxlm-to-hf of a float32 run (model.param_dtype float32) is lossless: every HF tensor is float32
   and holds the run's parameter bits (restored with plain Orbax, laid out by the documented formulas of
   test_hf's weight-table test). test_hf_round_trip's float32 case streams values bf16 cannot hold through
@@ -115,6 +115,9 @@ def test_float32_run_exports_its_exact_weights_by_default(finetuned, tmp_path):
   no longer changes."""
   run = finetuned / "ft"
   assert convert(["maxlm-to-hf", f"src={run}", f"out={tmp_path / 'hf'}"]) == 0
+  # the run trained on synthetic tokens: no tokenizer file, and the line says so
+  assert not list((tmp_path / "hf").glob("tokenizer*"))
+  assert "; no tokenizer file (synthetic tokens, " in capsys.readouterr().out
   p = jax.tree_util.tree_map(np.asarray, ocp.StandardCheckpointer().restore(run / "checkpoints" / "1" / "params"))
   d, kv, g, dh = 32, 2, 2, 8  # the llama3 golden's d_model, KV heads, queries per KV head, head_dim
   want = {"model.embed_tokens.weight": p["embed"]["embedding"], "model.norm.weight": p["lm_head"]["scale"],

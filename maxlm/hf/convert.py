@@ -80,5 +80,8 @@ def maxlm_to_hf(src: Path, out: Path, dtype: str | None, max_shard_bytes: int) -
   def write(tmp: Path) -> None:
     written["bytes"] = export_hf(orbax_reader(step_dir / "params", m, arrays), m, tmp, dtype, max_shard_bytes)
     write_config_json(tmp, cfg)
-  atomic_dir(out, write, run_tokenizer_files(run.data))
-  return f"{cfg['architectures'][0]} from {step_dir}, {human_bytes(written['bytes'])} in {dtype}"
+  side = run_tokenizer_files(run.data)
+  atomic_dir(out, write, side)
+  tok = (f"; tokenizer {', '.join(name for _, name in side)} from {side[0][0].parent if len(side) > 1 else side[0][0]}"
+         if side else "; no tokenizer file (synthetic tokens, or the run's tokenizer or data is not on this machine)")
+  return f"{cfg['architectures'][0]} from {step_dir}, {human_bytes(written['bytes'])} in {dtype}{tok}"

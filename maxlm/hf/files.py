@@ -14,6 +14,8 @@ from typing import Any, Sequence
 from maxlm.checkpoint import CheckpointError
 from maxlm.checkpoint import paths as checkpoint_paths
 from maxlm.config import Config, ConfigError, DataConfig
+from maxlm.data import DataError
+from maxlm.data.sources import train_shards_tokenizer
 from maxlm.data.tokenizer import DEFAULT_TOKENIZER, tokenizer_path
 from maxlm.hf.safetensors_io import INDEX
 
@@ -72,13 +74,21 @@ def hf_data_config(path: Path, hf: dict, vocab: int) -> DataConfig:
 
 
 def run_tokenizer_files(data: DataConfig) -> list[tuple[Path, str]]:
-  """(source, HF file name) of a run's tokenizer: data.tokenizer (a tokenizer.json, a SentencePiece or
-  tiktoken file, which HF names tokenizer.model, or a directory's tokenizer files), or the shipped
-  SentencePiece model of the embedded corpus."""
-  embedded = data.type == "embedded" or (data.type == "auto" and not data.paths)
-  p = tokenizer_path(data.tokenizer) if data.tokenizer else DEFAULT_TOKENIZER if embedded else None
-  if p is None:
+  """(source, HF file name) of the tokenizer a run trained with, found as generation finds it
+  (maxlm/inference.py): data.tokenizer (a tokenizer.json, a SentencePiece or tiktoken file, which HF names
+  tokenizer.model, or a directory's tokenizer files), else the one its prepared shards record, else the shipped
+  SentencePiece model (raw text, or the embedded corpus, without data.tokenizer). None for synthetic tokens, or
+  when that file is not here (shards prepared on another machine) or the data cannot be read."""
+  if data.tokenizer:
+    p = tokenizer_path(data.tokenizer)
+  elif data.type == "synthetic":
     return []
+  else:
+    try:
+      rec = train_shards_tokenizer(data)
+    except DataError:  # the run's data is not readable here: its shards' record cannot be read either
+      return []
+    p = Path(rec["path"]) if rec else DEFAULT_TOKENIZER
   if p.is_dir():
     return [(p / n, n) for n in HF_SIDE_FILES if (p / n).is_file()]
   if not p.is_file():

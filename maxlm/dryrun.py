@@ -279,7 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   if chosen is not None:
     p["plan"] = chosen
-  print(json.dumps(p, indent=1) if opts["json"] else render(p) + (f"\n{chosen}" if chosen else ""), flush=True)
+  note = ""
+  if local and kind is None and not p["memory"].get("fits", True):  # sized against this machine's CPU memory
+    note = ("\nnote    no GPU here: the verdict is for this machine's memory. For GPUs: `maxlm plan "
+            "config=... --devices N --simulate` (what the planner would choose on N H200s), or this dry run with "
+            "--devices N --device-memory-gb G")
+  print(json.dumps(p, indent=1) if opts["json"] else render(p) + note + (f"\n{chosen}" if chosen else ""), flush=True)
   return 0
 
 

@@ -67,6 +67,21 @@ def test_text_report_and_tensor_parallel(capsys):
   assert "does NOT fit" in out  # lower bound 20.8 GiB > 18.6 GiB
 
 
+
+def test_no_gpu_verdict_points_to_sizing_for_gpus(capsys, monkeypatch):
+  """On a machine without a GPU the dry run sizes against its own memory: a config too big for it says where to
+  size it for GPUs instead (a laptop user checking the 8B for an H200 got only 'does NOT fit'). Not with --devices,
+  and not when it fits."""
+  code, out, _ = dry(capsys, "config=llama8b")
+  assert code == 0 and "does NOT fit" in out
+  assert out.rstrip().splitlines()[-1] == (
+      "note    no GPU here: the verdict is for this machine's memory. For GPUs: `maxlm plan config=... --devices N "
+      "--simulate` (what the planner would choose on N H200s), or this dry run with --devices N --device-memory-gb G")
+  _, out, _ = dry(capsys, "config=llama8b", "--devices=1", "--device-memory-gb=20")
+  assert "does NOT fit" in out and "no GPU here" not in out
+  _, out, _ = dry(capsys, "config=default.yml")
+  assert "   fits" in out and "no GPU here" not in out
+
 @pytest.mark.te
 def test_fp8_metadata_from_the_state_and_from_the_formula(fake_fp8_gpu):
   # Tiny (2 layers): 4 GEMMs per layer x (input, kernel, grad) x (amax history 1024 + scale) x 4 B.

@@ -329,7 +329,13 @@ def for_run(cfg: Config, say=None) -> Config:
   nothing was planned, the bytes the step certainly needs are checked against a device (sizing.check_fits)."""
   out, line = resolve_kept(cfg)
   if line is None and (mem := device_memory_bytes()):
-    sizing.check_fits(cfg, jax.device_count(), mem, n_nodes=jax.process_count())
+    try:
+      sizing.check_fits(cfg, jax.device_count(), mem, n_nodes=jax.process_count())
+    except ConfigError as e:
+      if jax.default_backend() != "cpu":
+        raise
+      raise ConfigError(f"{e}; no GPU here: `maxlm plan config=... --devices N --simulate` sizes it for N "
+                        "H200s") from None
   global _LAST_HOW
   _LAST_HOW = (("as written, measured to fit by plan.mode=fit" if out is cfg else
                 f"chosen by plan.mode={cfg.plan.mode}") if line else f"plan.mode={cfg.plan.mode}")

@@ -164,6 +164,17 @@ def test_llama70b_on_one_gpu_names_the_smallest_device_count(tmp_path, monkeypat
   assert seen == [8, 16] and not any(tmp_path.iterdir())  # nothing written
 
 
+
+def test_a_config_too_big_for_this_cpu_says_how_to_size_it_for_gpus(tmp_path, capsys):
+  """The trainer on CPU devices (the planner acts on GPUs only) stops a config whose certain bytes exceed a
+  device with sizing's line, now ending with how to size it for GPUs; one line, nothing written."""
+  assert train_main(["config=llama8b.yml", f"output_dir={tmp_path}", "model.backend=flax"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("maxlm: error: model needs at least ")  # per simulated device
+  assert err.endswith("or use more devices; no GPU here: `maxlm plan config=... --devices N --simulate` sizes it "
+                      "for N H200s\n")
+  assert not any(tmp_path.iterdir())
+
 def fake_target(usable: int) -> Target:
   return Target(8, 1, "NVIDIA H200", int(usable / 0.95 / (1 - plan_measure.MARGIN)) + 1, 0.95, True)
 

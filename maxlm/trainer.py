@@ -217,6 +217,7 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Start
   flops_known = jax.devices()[0].platform != "cpu"
   if is_main:  # progress and run lines come from process 0 only; warnings and errors from any process
     echo(_start_line(cfg, trainer, n["total"], kind))
+    echo(f"maxlm: {data_lib.start_line(trainer.train_data.info, d)}")
     if jax.process_count() > 1:
       echo(f"maxlm: {mesh_placement(trainer.mesh)}")
 

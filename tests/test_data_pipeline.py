@@ -15,7 +15,7 @@ import pytest
 from maxlm.config import DataConfig
 from maxlm.data import (BATCH_KEYS, DataError, load_tokenizer, make_eval_iterator, make_train_iterator,
                         merge_states)
-from maxlm.data.pipeline import DataIterator
+from maxlm.data.pipeline import DataIterator, start_line
 from maxlm.data.sources import EMBEDDED_CORPUS
 from maxlm.data.tokenizer import DEFAULT_TOKENIZER
 
@@ -455,6 +455,29 @@ def test_train_info_thread_options_segment_cap_and_sources_without_training_docu
     make_train_iterator(_cfg(one, eval_fraction=0.5), 8192)
   assert make_train_iterator(_cfg(one, eval_fraction=0), 8192).info["documents"] == 1  # the first lever works
 
+
+
+def test_start_line_says_what_the_batches_are_made_of(tmp_path):
+  """The run's data line: sources (with weights for a mixture), training documents, tokenizer, and the eval
+  data; synthetic tokens say so."""
+  a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+  a.write_text("".join(f"a {i}\n" for i in range(100)))
+  b.write_text("".join(f"b {i}\n" for i in range(10)))
+  cfg = _cfg(f"{a},{b}", weights="3,1", type="auto", eval_fraction=0.02)
+  it = make_train_iterator(cfg, 8192)
+  line = start_line(it.info, cfg)
+  it.close()
+  assert line.startswith(f"data: {a} (weight 0.75), {b} (weight 0.25): 107 training documents; sentencepiece ")
+  assert line.endswith("; eval on one document in 50 held out")  # 100 - 2 held out of a, 10 - 1 of b
+  one = _cfg(str(a), eval_paths=str(b))
+  it = make_train_iterator(one, 8192)
+  assert start_line(it.info, one).startswith(f"data: {a}: 100 training documents; ")
+  assert start_line(it.info, one).endswith(f"; eval on {b}")
+  assert start_line(it.info, _cfg(str(a), eval_fraction=0)).endswith("; no eval data (data.eval_fraction=0)")
+  it.close()
+  synthetic = DataConfig(type="synthetic", seq_len=8, global_batch_size=2)
+  assert start_line(make_train_iterator(synthetic, 64).info, synthetic) == (
+      "data: synthetic random tokens (Zipf-distributed), no tokenizer; no eval data")
 
 def test_close_stops_the_pipelines_threads(corpus):
   path, _ = corpus

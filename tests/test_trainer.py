@@ -166,6 +166,9 @@ def test_finite_data_ends_the_run_with_a_last_save_and_log(tmp_path, capsys):
   assert len(rows) == 1 and 1 < last < 1000  # logged once: at the step that took the last batch
   assert f"the training data ended after step {last} (data.num_epochs=1)" in out
   assert "precision=fp32) on" in out  # the start line: SMALL computes in float32 (precision bf16 quantizes nothing)
+  # the data line names the file, its 40 documents, the tokenizer, and that nothing is held out for eval
+  assert (f"maxlm: data: {docs}: 40 training documents; sentencepiece tokenizer " in out
+          and "; no eval data (data.eval_fraction=0)\n" in out)
   assert sorted(int(p.name) for p in (tmp_path / "r" / "checkpoints").iterdir()) == [last]
   # About one epoch of tokens went through: ~40 docs x 22 tokens (+BOS/EOS) in rows of 8 x 32.
   assert last == pytest.approx(40 * 22 / (8 * 32), abs=3)

@@ -9,7 +9,7 @@ from maxlm.data.errors import DataError
 from maxlm.data.tokenizer import Tokenizer, load_tokenizer
 
 _PIPELINE = ("BATCH_KEYS", "DataIterator", "check_inputs", "make_eval_iterator", "make_train_iterator",
-             "merge_states", "resolve_type")
+             "merge_states", "resolve_type", "start_line")
 
 __all__ = ["DataError", "Tokenizer", "load_tokenizer", *_PIPELINE]
 

@@ -217,7 +217,6 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Start
   flops_known = jax.devices()[0].platform != "cpu"
   if is_main:  # progress and run lines come from process 0 only; warnings and errors from any process
     echo(_start_line(cfg, trainer, n["total"], kind))
-    echo(f"maxlm: {data_lib.start_line(trainer.train_data.info, d)}")
     if jax.process_count() > 1:
       echo(f"maxlm: {mesh_placement(trainer.mesh)}")
 
@@ -334,7 +333,8 @@ def _start_line(cfg: Config, trainer: Trainer, n_params: int, kind: str) -> str:
   # precision bf16 quantizes nothing: with model.dtype=float32 everything computes in fp32
   precision = "fp32" if (m.precision, m.dtype) == ("bf16", "float32") else m.precision
   return (f"maxlm: {m.name} ({n_params / 1e6:.1f}M params, backend={trainer.backend}, precision={precision}) on "
-          f"{jax.device_count()} x {kind}, mesh {dict(trainer.mesh.shape)}, run dir {cfg.run_dir}")
+          f"{jax.device_count()} x {kind}, mesh {dict(trainer.mesh.shape)}, run dir {cfg.run_dir}\n"
+          f"maxlm: {data_lib.start_line(trainer.train_data.info, cfg.data)}")  # what the batches are made of
 
 
 def _compile(trainer: Trainer, wd, start_step: int) -> bool:

@@ -63,11 +63,14 @@ def _scope(cfg: Config, mesh):
 def _token_prompts(prompts) -> list[list[int]]:
   """generate's prompts as lists of ints; TypeError for text (that is `complete`'s) or anything not a list of
   integer-id sequences (a string would otherwise become a list of characters)."""
-  if isinstance(prompts, (str, bytes)) or any(isinstance(p, (str, bytes)) for p in prompts):
-    raise TypeError("generate takes token ids, a list of prompts each a list of ints (e.g. [[1, 791]]); "
-                    "for text use Model.complete(['...'])")
+  text = TypeError("generate takes token ids, a list of prompts each a list of ints (e.g. [[1, 791]]); "
+                   "for text use Model.complete(['...'])")
+  if isinstance(prompts, (str, bytes)):
+    raise text
   out = []
   for i, p in enumerate(prompts):
+    if isinstance(p, (str, bytes)):
+      raise text
     a = np.asarray(p)
     if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
       raise TypeError(f"generate takes a list of prompts, each a list of int token ids (e.g. [[1, 791]]); "

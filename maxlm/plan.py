@@ -324,6 +324,9 @@ def resolve_kept(cfg: Config) -> tuple[Config, str | None]:
   return out, line
 
 
+NO_GPU_HINT = "no GPU here: `maxlm plan config=... --devices N --simulate` sizes it for N H200s"
+
+
 def for_run(cfg: Config, say=None) -> Config:
   """The trainer's config by plan.mode (`resolve_kept` on the devices at hand), its line printed by `say`; where
   nothing was planned, the bytes the step certainly needs are checked against a device (sizing.check_fits)."""
@@ -334,8 +337,7 @@ def for_run(cfg: Config, say=None) -> Config:
     except ConfigError as e:
       if jax.default_backend() != "cpu":
         raise
-      raise ConfigError(f"{e}; no GPU here: `maxlm plan config=... --devices N --simulate` sizes it for N "
-                        "H200s") from None
+      raise ConfigError(f"{e}; {NO_GPU_HINT}") from None
   global _LAST_HOW
   _LAST_HOW = (("as written, measured to fit by plan.mode=fit" if out is cfg else
                 f"chosen by plan.mode={cfg.plan.mode}") if line else f"plan.mode={cfg.plan.mode}")

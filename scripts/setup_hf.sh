@@ -13,11 +13,11 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 V=${1:-$ROOT/.venv}
-TORCH=2.13.0+cpu
-TRANSFORMERS=5.24.0
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 PY=$V/bin/python
 [ -x "$PY" ] || { echo "setup-hf: error: no virtualenv in $V; run scripts/setup.sh first" >&2; exit 1; }
+read -r TORCH TRANSFORMERS < <("$PY" -c 'import json, sys; v = json.load(open(sys.argv[1]))
+print(v["torch"], v["transformers"])' "$ROOT/tests/golden/hf/versions.json")
 have=$("$PY" -c 'import importlib.metadata as m
 def v(d):
   try: return m.version(d)

@@ -286,7 +286,6 @@ def _eval_text(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataIterat
 # --- public entry points ---------------------------------------------------------------------------
 
 
-
 def start_line(info: dict, cfg: DataConfig) -> str:
   """One line for a run's start: what its batches are made of (`info` of the train iterator) and what it
   evaluates on, so that data that is not what was meant shows at once."""
@@ -300,6 +299,7 @@ def start_line(info: dict, cfg: DataConfig) -> str:
   ev = (f"eval on {cfg.eval_paths}" if cfg.eval_paths else
         f"eval on one document in {k} held out" if k else "no eval data (data.eval_fraction=0)")
   return f"data: {', '.join(names)}: {info['documents']:,} training documents; {info['tokenizer']}; {ev}"
+
 
 def make_train_iterator(cfg: DataConfig, vocab_size: int, process_index: int = 0,
                         process_count: int = 1) -> DataIterator:

@@ -281,9 +281,9 @@ def apply_mem_fraction(value: float, gpu: bool) -> str | None:
     return None
   if not value and not gpu:
     return None
-  why = "set" if value else ("auto on an NVIDIA GPU: XLA's default 0.75 leaves a quarter unused, 35 GiB of an "
-                             "H200; the 5% left outside XLA's pool holds the CUDA context, cuBLAS/cuDNN "
-                             "workspaces and NCCL buffers")
+  why = "set" if value else ("auto on an NVIDIA GPU: XLA's default 0.75 leaves a quarter of the GPU unused "
+                             "(35 GiB of an H200, 20 GiB of an H100); the 5% left outside XLA's pool "
+                             "holds the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers")
   value = value or GPU_FRACTION
   os.environ[FRACTION_VARS[0]] = f"{value:g}"
   return f"xla.mem_fraction={value:g} ({why}): {FRACTION_VARS[0]}={value:g}"

@@ -97,13 +97,19 @@ class Model:
   def load(cls, path: str | Path, overrides: Sequence[str] = ()) -> "Model":
     """Load a run / checkpoints / step directory or an HF directory as its run was configured (the way
     `maxlm generate` and `maxlm eval` do), with its tokenizer: the checkpoint's config (an HF directory's mapped
-    config.json) with dotted config `overrides` over it (`data.eval_paths=new.txt`, `model.dtype=float32`, ...).
+    config.json) with dotted config `overrides` over it (`data.eval_paths=new.txt`, `model.dtype=float32`, ...);
+    `data.paths` without `data.type` takes the format from the new files' names (data.type=auto).
     Of the model only MODEL_OVERRIDES may change. Unknown keys and bad values raise ConfigError before any
     weights are read; weights CheckpointError; the tokenizer DataError."""
     path = Path(path)
     if not path.exists():
       raise CheckpointError(f"{path}: no such file or directory")
     overrides = list(overrides)
+    keys = {o.split("=", 1)[0] for o in overrides}
+    if "data.paths" in keys and "data.type" not in keys:
+      # The checkpoint's data.type is the one its run resolved for its own files (or none); new paths get
+      # theirs from their names again (data.type=auto), as a training command line would.
+      overrides.insert(0, "data.type=auto")
     fixed = [o.split("=", 1)[0] for o in overrides if o.startswith("model.") and o.split("=", 1)[0] not in MODEL_OVERRIDES]
     load_config(overrides)  # unknown keys and bad values stop here, before any weights are read
     if fixed:

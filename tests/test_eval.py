@@ -140,6 +140,26 @@ def test_cli_on_files(run, capsys, tmp_path):
   assert got["step"] == 0
 
 
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_data_paths_alone_evaluates_the_held_out_split_of_those_files(run, capsys, tmp_path, suffix):
+  """`data.paths=FILE` without data.type over a run trained on synthetic tokens: the format comes from the
+  file's name (the run's own data.type is not kept), and the eval is the held-out split of FILE, here with
+  eval_fraction 0.5 every second document starting with the first: DOCS[0] and DOCS[2] of four."""
+  run_dir = run[0]
+  docs = DOCS + ["Pride and prejudice."]
+  f = tmp_path / f"corpus{suffix}"
+  lines = docs if suffix == ".txt" else [json.dumps({"text": d}) for d in docs]
+  f.write_text("\n".join(lines) + "\n")
+  code, out, err = _cli(capsys, f"checkpoint={run_dir}", f"data.paths={f}", "data.eval_fraction=0.5",
+                        "data.global_batch_size=2", "data.seq_len=16")
+  assert code == 0, err
+  got = json.loads(out)
+  tok = load_tokenizer("")
+  held = [docs[0], docs[2]]
+  assert got["tokens"] == sum(len(tok.encode(d)) + 1 for d in held)  # each document's tokens and its EOS
+  assert got["bytes"] == sum(len(d.encode("utf-8")) for d in held)
+
+
 def test_bad_input_one_line_and_exit_code(run, capsys, tmp_path):
   run_dir = run[0]
   cases = [

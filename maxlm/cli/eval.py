@@ -2,9 +2,10 @@
 
 checkpoint: a run directory, its checkpoints/ directory or one step directory (newest complete step), or
 a Hugging Face directory. The data is the run's configured data (its held-out split: every
-round(1/data.eval_fraction)-th document) unless overridden, e.g. `data.type=text
-data.eval_paths=new.txt` (then every document of those files; the format comes from the extension,
-and a run trained on synthetic tokens reads them as text). Any config key may be overridden
+round(1/data.eval_fraction)-th document) unless overridden: `data.eval_paths=new.txt` evaluates every
+document of those files (the format comes from the extension, and a run trained on synthetic tokens reads
+them as text); `data.paths=other.jsonl` the held-out split of other files (their format from their names, as
+in training, unless data.type is given). Any config key may be overridden
 (`train.eval_steps=N` limits the batches, `data.seq_len`, `data.global_batch_size`, `model.dtype`, ...).
 
 Prints one JSON line: loss (mean next-token NLL in nats over every target token: the sum over all

@@ -16,6 +16,7 @@ from safetensors.numpy import save_file
 
 from maxlm import Model
 from maxlm.cli.convert import main as convert
+from maxlm.config import load_config
 from maxlm.hf.config import from_hf
 from maxlm.train import main as train_main
 
@@ -51,6 +52,13 @@ def finetuned(tmp_path_factory):
           "run_name=ft"]
   assert train_main(args) == 0
   return tmp
+
+
+def test_fine_tunes_of_converted_models_get_their_own_run_names(finetuned):
+  """model.yml names the run after the converted directory: two converted models fine-tuned with their
+  printed commands do not share runs/model (a resume of the other's run, or a refusal)."""
+  cfg = load_config([f"config={finetuned / 'conv' / 'model.yml'}"])
+  assert cfg.run_name == "conv-finetune"
 
 
 def test_converted_weights_fine_tune_and_match_transformers(finetuned, capsys):

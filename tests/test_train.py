@@ -227,6 +227,32 @@ def test_a_run_keeps_its_weights_and_a_second_run_never_destroys_the_first(tmp_p
   assert _snapshot(run) == before
 
 
+def test_a_resume_that_would_ignore_other_starting_weights_is_refused(tmp_path):
+  """A run started from checkpoint.load_params=A. The same run_name with load_params=B (say a fine-tune of
+  another converted model) would resume A's run and ignore B: refused in one line, exit 2, nothing changed.
+  With A again (a requeue of the same command) or without load_params, it resumes."""
+  src = [*TINY, "model.backend=flax", "run_name=src", "train.steps=2", "checkpoint.every=1", "checkpoint.keep=0"]
+  assert cli(src, tmp_path).returncode == 0
+  a, b = tmp_path / "src" / "checkpoints" / "1", tmp_path / "src" / "checkpoints" / "2"
+  ft = [*TINY, "model.backend=flax", "run_name=ft", "train.log_every=1"]
+  r = cli([*ft, "train.steps=2", f"checkpoint.load_params={a}"], tmp_path)
+  assert r.returncode == 0 and f"loaded parameters from {a}" in r.stdout, r.stderr[-2000:]
+  before = _snapshot(tmp_path / "ft")
+  r = cli([*ft, "train.steps=3", f"checkpoint.load_params={b}"], tmp_path)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+  assert f"holds a run that started from checkpoint.load_params={a} (" in lines[0]
+  assert f"resuming it would ignore checkpoint.load_params={b}; give this run its own run_name=..." in lines[0]
+  assert _snapshot(tmp_path / "ft") == before
+  r = cli([*ft, "train.steps=3", f"checkpoint.load_params={a}"], tmp_path)
+  assert r.returncode == 0 and "resumed from checkpoint step 2" in r.stdout, r.stderr[-2000:]
+  r = cli([*ft, "train.steps=4"], tmp_path)
+  assert r.returncode == 0 and "resumed from checkpoint step 3" in r.stdout, r.stderr[-2000:]
+  # a run that started fresh is not resumed under the name of other starting weights either
+  r = cli([*ft, "run_name=src", "train.steps=3", f"checkpoint.load_params={a}"], tmp_path)
+  assert r.returncode == 2 and "holds a run that started from a fresh initialization" in r.stderr, r.stderr[-2000:]
+
+
 def test_a_directory_holding_a_run_without_checkpoints_is_refused(tmp_path):
   args = [*TINY, "model.backend=flax", "run_name=r", "train.steps=2", "train.log_every=1", "checkpoint.enabled=false"]
   assert cli(args, tmp_path).returncode == 0

@@ -4,7 +4,8 @@ A run directory belongs to one run. A run starts in it when it is absent or hold
 step and no checkpoint: at most what a start that failed before its first step left). A directory that
 holds a run is used again only by that run: to resume it (checkpoints on and a checkpoint there; the restore
 then checks that the checkpoint fits this model), or, when there is no checkpoint to resume (an attempt
-killed before its first save), to start it over with exactly the config it recorded. Anything else is
+killed before its first save), to start it over with exactly the config it recorded. A command that names
+other starting weights (`checkpoint.load_params`) than the run started from is another run. Anything else is
 refused in one line before anything is written, so a second run never cuts the metrics of the first or
 replaces its config.yml.
 """
@@ -68,11 +69,32 @@ def previous(run_dir: Path) -> Previous:
   return Previous(rows, last, tuple(complete_steps(run_dir / "checkpoints")), _recorded_config(run_dir / "config.yml"))
 
 
+def _load_params(config) -> str:
+  c = config.get("checkpoint") if isinstance(config, dict) else None
+  return str(c.get("load_params") or "") if isinstance(c, dict) else ""
+
+
+def _check_same_start(run_dir: Path, prev: Previous, config: dict) -> None:
+  """A resume keeps the run's own weights, so a command naming other starting weights
+  (checkpoint.load_params) is another run: e.g. fine-tunes of two converted models whose runs would share a
+  name. Leaving load_params out, or naming the run's own, resumes."""
+  new, old = _load_params(config), _load_params(prev.config)
+  if prev.config is None or not new or new == old or (old and Path(new).resolve() == Path(old).resolve()):
+    return  # nothing recorded to compare with, no starting weights named, or the run's own
+  started = f"started from checkpoint.load_params={old}" if old else "started from a fresh initialization"
+  raise ConfigError(f"run directory {run_dir} holds a run that {started} ({prev.describe()}), and resuming it "
+                    f"would ignore checkpoint.load_params={new}; give this run its own run_name=..., or leave "
+                    f"checkpoint.load_params out to resume that run")
+
+
 def claim(run_dir: Path, config: dict, checkpoint_enabled: bool) -> Previous:
   """What the run directory holds, after checking that this run (resolved `config`, as config.yml records
   it) may use it (ConfigError if not)."""
   prev = previous(run_dir)
-  if not prev.holds_run or (checkpoint_enabled and prev.checkpoints):
+  if not prev.holds_run:
+    return prev
+  if checkpoint_enabled and prev.checkpoints:
+    _check_same_start(run_dir, prev, config)
     return prev
   if prev.config == config:  # the same run again, with nothing to resume: it starts over
     return prev

@@ -475,6 +475,12 @@ def test_start_line_says_what_the_batches_are_made_of(tmp_path):
   assert start_line(it.info, one).endswith(f"; eval on {b}")
   assert start_line(it.info, _cfg(str(a), eval_fraction=0)).endswith("; no eval data (data.eval_fraction=0)")
   it.close()
+  for paths, label in ((f"{tmp_path}/*.txt", f"{tmp_path}/*.txt (2 files)"), (str(tmp_path), f"{tmp_path} (2 files)"),
+                       (f"{a},{b}", f"{a},{b} (2 files)")):  # what a glob, a directory or a list matched
+    many = _cfg(paths, type="text", eval_fraction=0)
+    it = make_train_iterator(many, 8192)
+    assert start_line(it.info, many).startswith(f"data: {label}: 110 training documents; ")
+    it.close()
   synthetic = DataConfig(type="synthetic", seq_len=8, global_batch_size=2)
   assert start_line(make_train_iterator(synthetic, 64).info, synthetic) == (
       "data: synthetic random tokens (Zipf-distributed), no tokenizer; no eval data")

@@ -220,7 +220,7 @@ def _synthetic(cfg: DataConfig, vocab_size: int, pi: int, pc: int) -> DataIterat
 
 
 def _report(kind: str, comps, skips: Skips, vocab: sources.Vocab, docs: int, **extra) -> dict:
-  info = {"type": kind, "sources": [c.name for c in comps], "documents": docs,
+  info = {"type": kind, "sources": [c.label for c in comps], "documents": docs,
           "skipped": skips.total, "skipped_summary": skips.summary(), "tokenizer": vocab.desc, **extra}
   log.info("data (%s): %d documents from %s; %s; %s", kind, docs, ", ".join(info["sources"]),
            vocab.desc, skips.summary())

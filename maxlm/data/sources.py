@@ -110,6 +110,13 @@ class Component:
   fmt: str  # text | jsonl | parquet | arrayrecord
   source: object  # random access: a list of str, or a ShardSource of token bytes
   meta: dict | None = None  # prepared shards' maxlm_data.json
+  files: int = 1  # how many files `name` (a file, glob, directory or list) names
+
+  @property
+  def label(self) -> str:
+    """The name for a run's data line: a glob, directory or list with the count of files it matched."""
+    single = self.files == 1 and not any(c in self.name for c in "*?[,") and not Path(self.name).is_dir()
+    return self.name if single else f"{self.name} ({self.files} file{'s' if self.files != 1 else ''})"
 
 
 @functools.lru_cache(maxsize=8)
@@ -144,12 +151,12 @@ def load_component(entry: str, fmt: str, cfg: DataConfig, skips: Skips) -> Compo
       raise DataError(f"'{entry}' mixes ArrayRecord shards (.array_record) with other files")
     meta, expected = load_meta(files)
     source = ShardSource(files, meta["dtype"], meta["tokenizer"]["vocab_size"], expected)
-    return Component(entry, fmt, source, meta)
+    return Component(entry, fmt, source, meta, files=len(files))
   split = cfg.text_split if cfg.type != "embedded" else "line"
   stamp = tuple((str(f), f.stat().st_mtime) for f in files)
   docs, file_skips = _read_texts(stamp, fmt, cfg.field, split, cfg.skip_bad_records)
   skips.merge(file_skips)
-  return Component(entry, fmt, docs)
+  return Component(entry, fmt, docs, files=len(files))
 
 
 def load_components(cfg: DataConfig, part: str) -> tuple[list[Component], list[float], Skips]:

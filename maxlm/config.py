@@ -11,13 +11,13 @@ anything is written.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from maxlm import config_names
 from maxlm import config_schema as schema
 from maxlm.config_files import (  # noqa: F401 (CONFIG_DIR, load_yaml, parse_overrides: re-exported)
     CONFIG_DIR, load_yaml, parse_overrides, resolve_config_path, yaml_layers)
@@ -272,8 +272,7 @@ def help_text(section: str | None = None) -> str:
 
 
 def _unknown(key: str) -> ConfigError:
-  close = difflib.get_close_matches(key, [k for k, _, _ in schema.leaf_fields(Config)], n=1, cutoff=0.5)
-  hint = f" (did you mean '{close[0]}'?)" if close else ""
+  hint = config_names.hint(key, [k for k, _, _ in schema.leaf_fields(Config)])
   return ConfigError(f"unknown config key {schema.show(key)}{hint}")
 
 

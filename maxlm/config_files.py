@@ -3,6 +3,7 @@ and the `key=value` words of the command line. `maxlm.config` applies them to th
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,10 @@ def resolve_config_path(name: str) -> Path:
         return cand
     except (OSError, ValueError):  # a name too long for the file system, a NUL byte
       pass
-  raise ConfigError(f"config file {schema.show(name)} not found (looked in . and {CONFIG_DIR})")
+  shipped = sorted(f.name for f in CONFIG_DIR.glob("*.yml"))
+  close = difflib.get_close_matches(p.name if p.name.endswith(".yml") else f"{p.name}.yml", shipped, n=1, cutoff=0.8)
+  hint = f"; did you mean config={close[0]}?" if close else f"; shipped: {', '.join(shipped)}"
+  raise ConfigError(f"config file {schema.show(name)} not found (looked in . and {CONFIG_DIR}){hint}")
 
 
 def yaml_layers(path: Path, chain: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
@@ -55,12 +59,21 @@ def load_yaml(path: Path) -> dict[str, Any]:
   return out
 
 
+def _meant(word: str, rest: list[str]) -> str:
+  """How to write a word that is not key=value: a config file, `--key value` or `key value`."""
+  if word.endswith((".yml", ".yaml")):
+    return f"a config file is given as config={word}"
+  if rest and "=" not in rest[0] and word.lstrip("-"):
+    return f"write {word.lstrip('-')}={rest[0]}"
+  return "e.g. train.steps=100"
+
+
 def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
   """Split CLI words into the `config=` file and a nested dict of `key=value` overrides."""
   config_file, updates = None, {}
-  for arg in args:
+  for i, arg in enumerate(args):
     if "=" not in arg:
-      raise ConfigError(f"argument {schema.show(arg)} is not key=value (e.g. train.steps=100)")
+      raise ConfigError(f"argument {schema.show(arg)} is not key=value; {_meant(arg, args[i + 1:])}")
     key, raw = arg.split("=", 1)
     key = key.strip().lstrip("-")
     if key == "config":

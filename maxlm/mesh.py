@@ -14,23 +14,29 @@ from maxlm.config import ConfigError, MeshConfig
 AXES = ("data", "fsdp", "tensor")
 
 
+def _named(degrees: list[int], what: str) -> str:
+  prefix = "mesh.dcn_" if what == "node" else "mesh."
+  return " x ".join(f"{prefix}{a}={d}" for a, d in zip(AXES, degrees))
+
+
 def _fill(degrees: list[int], total: int, what: str) -> list[int]:
   auto = [i for i, d in enumerate(degrees) if d == -1]
+  where = "nodes" if what == "node" else "devices per node"
   if len(auto) > 1:
-    keys = "mesh.dcn_data/dcn_fsdp/dcn_tensor" if what == "node" else "mesh.data/fsdp/tensor"
-    raise ConfigError(f"mesh: at most one {what} degree ({keys}) may be -1, got {degrees}"
+    raise ConfigError(f"mesh: at most one {what} degree may be -1, got {_named(degrees, what)}"
                       + (" (mesh.dcn_data is -1 by default: set it to 1)" if what == "node" else ""))
   if any(d == 0 or d < -1 for d in degrees):
-    raise ConfigError(f"mesh: {what} degrees must be positive or -1, got {degrees}")
+    raise ConfigError(f"mesh: {what} degrees must be positive or -1, got {_named(degrees, what)}")
   known = math.prod(d for d in degrees if d != -1)
   if auto:
     if total % known:
-      raise ConfigError(f"mesh: {total} {what} devices are not divisible by the fixed degrees {degrees}")
+      raise ConfigError(f"mesh: the {total} {where} are not divisible by the fixed degrees of "
+                        f"{_named(degrees, what)} (product {known}); the -1 takes what they leave")
     degrees = list(degrees)
     degrees[auto[0]] = total // known
   if math.prod(degrees) != total:
-    raise ConfigError(f"mesh: {what} degrees {degrees} multiply to {math.prod(degrees)}, "
-                      f"but there are {total} {what} devices")
+    raise ConfigError(f"mesh: {_named(degrees, what)} multiply to {math.prod(degrees)}, but there are {total} "
+                      f"{where}; set one of them to -1 to take the rest")
   return degrees
 
 

@@ -86,6 +86,21 @@ def test_nonfinite_stop_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, ca
   assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["2"]
 
 
+def test_a_resume_with_another_batch_size_stops_and_says_how_to_go_on(tmp_path, capsys):
+  """The data position is kept per row of the global batch, so a resume with another batch size cannot carry
+  it: one line, exit 3, naming the checkpoint as the new run's starting weights; that run then starts."""
+  assert main(_args(tmp_path, "train.steps=2")) == 0
+  capsys.readouterr()
+  step2 = tmp_path / "r" / "checkpoints" / "2"
+  assert main(_args(tmp_path, "train.steps=3", "data.global_batch_size=16")) == 3
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "checkpoint step 2: the data-iterator state does not fit this data config" in err[0], err
+  assert err[0].endswith(f"start a new run from its weights: run_name=... checkpoint.load_params={step2}")
+  assert main(_args(tmp_path, "train.steps=1", "data.global_batch_size=16", "run_name=r2",
+                    f"checkpoint.load_params={step2}")) == 0
+  assert f"loaded parameters from {step2}" in capsys.readouterr().out
+
+
 @pytest.mark.te
 def test_fp8_delayed_scaling_state_survives_a_checkpoint(tmp_path, fake_fp8_gpu):
   """Save after 3 steps, train 3 more; restore the checkpoint and train the same 3 batches again:

@@ -99,7 +99,8 @@ def _start(state, shardings, data, cfg, ckpt: Checkpointer | None):
       data.set_state(restored.data)
     except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types; each becomes one line
       raise CheckpointError(f"checkpoint step {restored.step}: the data-iterator state does not fit "
-                            f"this data config: {reason(e)}") from None
+                            f"this data config: {reason(e)}; to go on with other data settings, start a new run "
+                            f"from its weights: run_name=... checkpoint.load_params={restored.path}") from None
     changes = config_changes(restored.config or {}, to_dict(cfg))
     echo(f"maxlm: resumed from checkpoint step {restored.step} ({restored.path}, "
          f"{time.perf_counter() - t0:.1f} s)"

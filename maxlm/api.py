@@ -105,7 +105,7 @@ class Model:
     if not path.exists():
       raise CheckpointError(f"{path}: no such file or directory")
     overrides = list(overrides)
-    keys = {o.split("=", 1)[0] for o in overrides}
+    keys = {o.split("=", 1)[0].strip().lstrip("-") for o in overrides}  # as parse_overrides reads them
     if "data.paths" in keys and "data.type" not in keys:
       # The checkpoint's data.type is the one its run resolved for its own files (or none); new paths get
       # theirs from their names again (data.type=auto), as a training command line would.

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from maxlm.config import load_config
 from maxlm.tools.convergence import bands, golden, plot, report
 from maxlm.tools.convergence.baseline import bigram_baselines
 from maxlm.tools.convergence.cli import main
@@ -125,6 +126,9 @@ def test_shipped_suites_load():
   for case in cpu.cases:  # every cpu case has its golden, for this definition
     g = golden.load_golden(cpu, case)
     assert g["seeds"] == list(range(cpu.seeds))
+    # and resolves as recorded (data.type=auto as the trainer records it: no spurious 'resolves differently')
+    cfg = load_config(case.args(cpu.run_seed, ()))
+    assert golden.config_changes(g, golden.flat_config(cfg)) == []
 
 
 @pytest.mark.parametrize("edit,message", [

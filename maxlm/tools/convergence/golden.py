@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from maxlm.data import resolve_type
 from maxlm.tools.convergence.bands import band, verdict
 from maxlm.tools.convergence.suite import Case, Suite, SuiteError
 
@@ -144,7 +145,9 @@ def read_existing(path: Path) -> dict[str, Any] | None:
 
 
 def flat_config(cfg) -> dict[str, str]:
-  """A resolved Config as {dotted key: value text}, without what differs between seeds and output places."""
+  """A Config as the trainer records it (data.type=auto made concrete) as {dotted key: value text}, without
+  what differs between seeds and output places."""
+  cfg = dataclasses.replace(cfg, data=resolve_type(cfg.data))
   out = {}
 
   def walk(prefix: str, obj) -> None:

@@ -92,6 +92,9 @@ def test_bad_input_one_line_and_exit_code(run, capsys, tmp_path):
   cases = [
       ([f"checkpoint={tmp_path}/missing", "prompt=a"], 3, "no such file or directory"),
       ([f"checkpoint={not_ckpt}", "prompt=a"], 3, f"checkpoint={not_ckpt}: no checkpoint"),
+      ([f"checkpoint={not_ckpt}", "prompt=a"], 3, "a checkpoints directory or a step directory)\n"),  # no runs in it
+      ([f"checkpoint={run_dir.parent}", "prompt=a"], 3,  # an output directory: the runs it holds
+       f"step directory); it holds run(s) {run_dir.name}: name one, e.g. checkpoint={run_dir}\n"),
       ([f"checkpoint={run_dir}", "prompt=a", "max_new_token=3"], 2, "unknown argument 'max_new_token'"),
       ([f"checkpoint={run_dir}", "prompt=a", "model.n_layer=3"], 2, "unknown config key 'model.n_layer'"),
       ([f"checkpoint={run_dir}", "prompt=a", "temperature=-1"], 2, "temperature must be"),

@@ -39,8 +39,13 @@ def find_step_dir(path: Path) -> Path:
   found = checkpoint_paths.step_dir(path)
   if found is not None:
     return found
+  inside = []  # an output directory (runs/) names the runs it holds
+  if path.is_dir():
+    inside = sorted(d.name for d in path.iterdir() if d.is_dir() and checkpoint_paths.step_dir(d) is not None)
+  hint = (f"; it holds run(s) {', '.join(inside[:5])}{' ...' if len(inside) > 5 else ''}: name one, e.g. "
+          f"checkpoint={path / inside[0]}") if inside else ""
   raise CheckpointError(f"{path}: no checkpoint (expected an HF directory with config.json and safetensors, "
-                        f"a run directory with checkpoints/, a checkpoints directory or a step directory)")
+                        f"a run directory with checkpoints/, a checkpoints directory or a step directory){hint}")
 
 
 read_step_config = checkpoint_paths.step_config  # the run config a step (or a converted tree) carries

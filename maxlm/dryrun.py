@@ -37,7 +37,7 @@ from maxlm.layers import (PRECISIONS, RECIPES, PrecisionError, check_remat, prec
 from maxlm.mesh import AXES, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import Transformer, count_params, flops_per_step
-from maxlm.optim import make_optimizer
+from maxlm.optim import make_optimizer, warmup_warning
 from maxlm.plan_measure import apply_mem_fraction
 from maxlm.sharding import axis_rules
 from maxlm.train_state import abstract_state
@@ -279,9 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   if chosen is not None:
     p["plan"] = chosen
-  note = ""
+  p["warnings"] = [w for w in (warmup_warning(cfg.optim, cfg.train.steps),) if w]
+  note = "".join(f"\nwarning {w}" for w in p["warnings"])
   if local and kind is None and not p["memory"].get("fits", True):  # sized against this machine's CPU memory
-    note = ("\nnote    no GPU here: the verdict is for this machine's memory. For GPUs: `maxlm plan "
+    note += ("\nnote    no GPU here: the verdict is for this machine's memory. For GPUs: `maxlm plan "
             "config=... --devices N --simulate` (what the planner would choose on N H200s), or this dry run with "
             "--devices N --device-memory-gb G")
   print(json.dumps(p, indent=1) if opts["json"] else render(p) + note + (f"\n{chosen}" if chosen else ""), flush=True)

@@ -32,6 +32,17 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
   return optax.join_schedules([warmup, after], [cfg.warmup_steps])
 
 
+def warmup_warning(cfg: OptimConfig, total_steps: int) -> str | None:
+  """A warning when the run ends inside its warmup (a short trial of a shipped config, whose warmup is 2000
+  steps): the learning rate never reaches optim.learning_rate. None when the warmup ends within the run."""
+  if cfg.warmup_steps < total_steps or cfg.learning_rate <= 0:
+    return None
+  last = float(learning_rate_schedule(cfg, total_steps)(total_steps - 1))  # step N applies the rate of count N-1
+  return (f"optim.warmup_steps={cfg.warmup_steps} is not below train.steps={total_steps}: the learning "
+          f"rate ends at {last:.3g}, {last / cfg.learning_rate:.1%} of optim.learning_rate={cfg.learning_rate:g} "
+          f"(a shorter warmup: optim.warmup_steps=N)")
+
+
 def decay_mask(params, decay_norms_and_embeddings: bool):
   """True where weight decay applies: matmul kernels; norms and embeddings only if asked."""
   def keep(path, leaf):

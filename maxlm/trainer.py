@@ -33,7 +33,7 @@ from maxlm.layers import PrecisionError, check_precision, check_remat, resolve_b
 from maxlm.mesh import make_mesh
 from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line, throughput
 from maxlm.model import Transformer, count_params, flops_per_step
-from maxlm.optim import make_optimizer
+from maxlm.optim import make_optimizer, warmup_warning
 from maxlm.profiling import Profiler
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
@@ -332,9 +332,11 @@ def _start_line(cfg: Config, trainer: Trainer, n_params: int, kind: str) -> str:
   m = cfg.model
   # precision bf16 quantizes nothing: with model.dtype=float32 everything computes in fp32
   precision = "fp32" if (m.precision, m.dtype) == ("bf16", "float32") else m.precision
+  warmup = warmup_warning(cfg.optim, cfg.train.steps)
   return (f"maxlm: {m.name} ({n_params / 1e6:.1f}M params, backend={trainer.backend}, precision={precision}) on "
           f"{jax.device_count()} x {kind}, mesh {dict(trainer.mesh.shape)}, run dir {cfg.run_dir}\n"
-          f"maxlm: {data_lib.start_line(trainer.train_data.info, cfg.data)}")  # what the batches are made of
+          f"maxlm: {data_lib.start_line(trainer.train_data.info, cfg.data)}"  # what the batches are made of
+          + (f"\nmaxlm: warning: {warmup}" if warmup else ""))
 
 
 def _compile(trainer: Trainer, wd, start_step: int) -> bool:

@@ -80,7 +80,14 @@ def test_no_gpu_verdict_points_to_sizing_for_gpus(capsys, monkeypatch):
   _, out, _ = dry(capsys, "config=llama8b", "--devices=1", "--device-memory-gb=20")
   assert "does NOT fit" in out and "no GPU here" not in out
   _, out, _ = dry(capsys, "config=default.yml")
-  assert "   fits" in out and "no GPU here" not in out
+  assert "   fits" in out and "no GPU here" not in out and "warning" not in out
+
+
+def test_a_trial_shorter_than_the_warmup_is_warned(capsys):
+  _, out, _ = dry(capsys, "config=llama8b", "train.steps=30", "--devices=8")
+  assert "\nwarning optim.warmup_steps=2000 is not below train.steps=30: the learning rate ends at 4.35e-06" in out
+  _, out, _ = dry(capsys, "--json", "config=llama8b", "train.steps=30", "--devices=8")
+  assert [w[:40] for w in json.loads(out)["warnings"]] == ["optim.warmup_steps=2000 is not below tra"]
 
 @pytest.mark.te
 def test_fp8_metadata_from_the_state_and_from_the_formula(fake_fp8_gpu):

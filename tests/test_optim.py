@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from maxlm.config import OptimConfig
-from maxlm.optim import LAG, decay_mask, learning_rate_schedule, make_optimizer
+from maxlm.optim import LAG, decay_mask, learning_rate_schedule, make_optimizer, warmup_warning
 
 U32 = 2.0 ** -24  # float32 unit roundoff: optax evaluates schedules and updates in float32
 
@@ -22,6 +22,18 @@ def test_warmup_then_cosine():
   assert float(s(10)) == pytest.approx(1.0, rel=rel)
   assert float(s(60)) == pytest.approx(0.1 + 0.9 * 0.5, rel=rel)  # half-way through the cosine
   assert float(s(110)) == pytest.approx(0.1, rel=rel)
+
+
+def test_a_run_that_ends_inside_its_warmup_is_warned():
+  """llama8b.yml's 2000 warmup steps cut to a 30-step trial: step 30 applies the rate of count 29, 3e-4 * 29 /
+  2000 = 4.35e-06, 1.45% of the peak. A warmup that ends within the run (or none) gives no warning."""
+  o = OptimConfig(learning_rate=3e-4, warmup_steps=2000)
+  w = warmup_warning(o, 30)
+  assert w.startswith("optim.warmup_steps=2000 is not below train.steps=30: the learning rate ends at 4.35e-06, ")
+  assert w.endswith(" of optim.learning_rate=0.0003 (a shorter warmup: optim.warmup_steps=N)")
+  assert warmup_warning(o, 2000) is not None and warmup_warning(o, 2001) is None
+  assert warmup_warning(OptimConfig(warmup_steps=0), 1) is None
+  assert warmup_warning(OptimConfig(learning_rate=0.0, warmup_steps=10), 5) is None  # nothing to reach
 
 
 def test_wsd_is_flat_then_decays_linearly():

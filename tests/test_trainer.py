@@ -169,6 +169,7 @@ def test_finite_data_ends_the_run_with_a_last_save_and_log(tmp_path, capsys):
   # the data line names the file, its 40 documents, the tokenizer, and that nothing is held out for eval
   assert (f"maxlm: data: {docs}: 40 training documents; sentencepiece tokenizer " in out
           and "; no eval data (data.eval_fraction=0)\n" in out)
+  assert "maxlm: warning: optim.warmup_steps" not in out  # SMALL's 2 warmup steps end within the run
   assert sorted(int(p.name) for p in (tmp_path / "r" / "checkpoints").iterdir()) == [last]
   # About one epoch of tokens went through: ~40 docs x 22 tokens (+BOS/EOS) in rows of 8 x 32.
   assert last == pytest.approx(40 * 22 / (8 * 32), abs=3)
@@ -194,3 +195,13 @@ def test_a_finished_run_leaves_no_data_threads_behind(tmp_path):
     assert not left, sorted(t.name for t in left)
   finally:
     gc.enable()
+
+
+def test_a_run_that_ends_inside_its_warmup_says_so_at_start(tmp_path, capsys):
+  """SMALL warms up over 2 steps; a 1-step run applies only the rate of count 0, which is 0."""
+  cfg = load_config([*SMALL, "model.backend=flax", f"output_dir={tmp_path}", "run_name=r", "train.steps=1",
+                     "checkpoint.enabled=false"])
+  assert run(cfg) == 0
+  out = capsys.readouterr().out
+  assert ("\nmaxlm: warning: optim.warmup_steps=2 is not below train.steps=1: the learning rate ends at 0, 0.0% of "
+          "optim.learning_rate=") in out

@@ -61,6 +61,19 @@ def test_fine_tunes_of_converted_models_get_their_own_run_names(finetuned):
   assert cfg.run_name == "conv-finetune"
 
 
+def test_an_hf_directory_as_load_params_says_to_convert_it(finetuned, tmp_path, capsys):
+  args = [f"config={finetuned / 'conv' / 'model.yml'}", f"checkpoint.load_params={GOLDEN / 'llama3'}",
+          "train.steps=1", "data.type=synthetic", "data.seq_len=16", "data.global_batch_size=8",
+          "model.backend=flax", f"output_dir={tmp_path}", "run_name=hf"]
+  capsys.readouterr()
+  assert train_main(args) == 3
+  line = one_error_line(capsys)
+  assert line.endswith(f"; it is a Hugging Face model: convert it first, `maxlm convert hf-to-maxlm "
+                       f"src={GOLDEN / 'llama3'} out=DIR`, then train with config=DIR/model.yml "
+                       f"checkpoint.load_params=DIR"), line
+  assert not (tmp_path / "hf").exists()
+
+
 def test_converted_weights_fine_tune_and_match_transformers(finetuned, capsys):
   g = np.load(GOLDEN / "llama3" / "golden.npz")
   logits = Model.from_pretrained(finetuned / "ft", backend="flax").logits(g["tokens"])

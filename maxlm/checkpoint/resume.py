@@ -25,8 +25,12 @@ def _params_dirs(path: Path) -> tuple[Path, Path | None]:
     return step / "params", (step / "meta") if (step / "meta").is_dir() else None
   if (path / "_METADATA").is_file():
     return path, None
+  hf = ""
+  if (path / "config.json").is_file() and any(path.glob("*.safetensors")):  # as maxlm.hf.files.is_hf_dir
+    hf = (f"; it is a Hugging Face model: convert it first, `maxlm convert hf-to-maxlm src={path} out=DIR`, then "
+          f"train with config=DIR/model.yml checkpoint.load_params=DIR")
   raise CheckpointError(f"checkpoint.load_params={path}: not a checkpoint (expected a step directory "
-                        f"with params/, a checkpoints directory, or an Orbax parameter tree)")
+                        f"with params/, a checkpoints directory, or an Orbax parameter tree){hf}")
 
 
 def load_params(path: str, target):

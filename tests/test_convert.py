@@ -197,7 +197,8 @@ def _nothing_left(parent: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["missing", "attention_bias", "qwen", "truncated", "not_empty", "shard_size",
-                                  "direction", "truncated_into_empty", "positional", "old_option"])
+                                  "direction", "truncated_into_empty", "positional", "old_option",
+                                  "wrong_direction", "no_direction"])
 def test_bad_input_one_line_exit_code_nothing_written(case, tmp_path, capsys):
   src = tmp_path / "src"
   shutil.copytree(GOLDEN / "llama3", src)
@@ -231,6 +232,14 @@ def test_bad_input_one_line_exit_code_nothing_written(case, tmp_path, capsys):
     argv, words = ["hf-to-maxlm", str(src), str(tmp_path / "out")], f"argument '{src}' is not key=value"
   elif case == "old_option":
     argv, words = argv + ["--dtype", "bfloat16"], "--dtype is now dtype=VALUE"
+  elif case == "wrong_direction":  # an HF model given to the export
+    argv[0] = "maxlm-to-hf"
+    words = (f"convert maxlm-to-hf: src={src} is a Hugging Face model, not a maxlm run or checkpoint; the other "
+             f"direction: maxlm convert hf-to-maxlm src={src} out={tmp_path / 'out'}")
+  elif case == "no_direction":
+    argv = argv[1:]
+    words = (f"unknown subcommand 'src={src}' (subcommands: hf-to-maxlm, maxlm-to-hf; see maxlm convert --help); "
+             f"src is a Hugging Face model: maxlm convert hf-to-maxlm src={src} out={tmp_path / 'out'}")
   else:
     argv[0], words = "hf-to-orbax", "unknown subcommand 'hf-to-orbax'"
   assert convert(argv) == code
@@ -241,6 +250,15 @@ def test_bad_input_one_line_exit_code_nothing_written(case, tmp_path, capsys):
     assert list((tmp_path / "out").iterdir()) == []
   else:
     _nothing_left(tmp_path, "out")
+
+
+def test_a_maxlm_run_given_to_the_import_names_the_export(finetuned, tmp_path, capsys):
+  run = finetuned / "ft"
+  assert convert(["hf-to-maxlm", f"src={run}", f"out={tmp_path / 'out'}"]) == 2
+  assert one_error_line(capsys).endswith(
+      f"src={run} is a maxlm run or checkpoint, not a Hugging Face model; the other direction: maxlm convert "
+      f"maxlm-to-hf src={run} out={tmp_path / 'out'}")
+  _nothing_left(tmp_path, "out")
 
 
 def test_unreadable_hf_source_record_exits_3(tmp_path, capsys):

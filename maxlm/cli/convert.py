@@ -27,7 +27,8 @@ from pathlib import Path
 from maxlm.checkpoint import CheckpointError
 from maxlm.cli.grammar import UsageError, command_main, parse_args
 from maxlm.hf.convert import hf_to_maxlm, maxlm_to_hf, shard_size
-from maxlm.hf.files import EXPORT_DTYPES
+from maxlm.checkpoint.paths import step_dir
+from maxlm.hf.files import EXPORT_DTYPES, is_hf_dir
 from maxlm.hf.safetensors_io import MAX_SHARD_BYTES
 
 # subcommand -> (its key=value arguments, its --flags, the dtypes it writes)
@@ -37,11 +38,34 @@ SUBCOMMANDS = {
 }
 
 
+_KINDS = {"hf": "a Hugging Face model", "maxlm": "a maxlm run or checkpoint"}
+
+
+def _kind(src: Path) -> str | None:
+  """'hf', 'maxlm' or None: what `src` holds, for the hint when the direction does not match it."""
+  if is_hf_dir(src):
+    return "hf"
+  return "maxlm" if step_dir(src) is not None else None
+
+
+def _check_direction(direction: str, src: Path, out: Path) -> None:
+  want = {"hf-to-maxlm": "hf", "maxlm-to-hf": "maxlm"}[direction]
+  kind = _kind(src)
+  if kind is not None and kind != want:
+    other = next(d for d in SUBCOMMANDS if d != direction)
+    raise UsageError(f"convert {direction}: src={src} is {_KINDS[kind]}, not {_KINDS[want]}; the other "
+                     f"direction: maxlm convert {other} src={src} out={out}")
+
+
 def _arguments(argv: list[str]) -> tuple[str, dict, set[str]]:
   """(subcommand, its settings, its flags), or a UsageError naming the culprit."""
   if not argv or argv[0] not in SUBCOMMANDS:
     got = f"unknown subcommand {argv[0]!r}" if argv else "no subcommand given"
-    raise UsageError(f"convert: {got} (subcommands: {', '.join(SUBCOMMANDS)}; see maxlm convert --help)")
+    src = next((w.split("=", 1)[1] for w in argv if w.startswith("src=")), "")
+    kind = _kind(Path(src)) if src else None
+    guess = {"hf": "hf-to-maxlm", "maxlm": "maxlm-to-hf"}.get(kind)
+    hint = f"; src is {_KINDS[kind]}: maxlm convert {guess} {' '.join(argv)}" if guess and "=" in argv[0] else ""
+    raise UsageError(f"convert: {got} (subcommands: {', '.join(SUBCOMMANDS)}; see maxlm convert --help){hint}")
   direction, rest = argv[0], argv[1:]
   keys, known_flags, dtypes = SUBCOMMANDS[direction]
   for word in rest:
@@ -72,6 +96,7 @@ def run(argv: list[str]) -> int:
   max_shard_bytes = shard_size(own.get("max_shard_size", str(MAX_SHARD_BYTES)))
   if not src.exists():
     raise CheckpointError(f"{src}: no such file or directory")
+  _check_direction(direction, src, out)
   if direction == "hf-to-maxlm":
     what = hf_to_maxlm(src, out, own.get("dtype", "float32"), scan="--unrolled" not in flags)
   else:

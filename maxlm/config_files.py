@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from maxlm import config_schema as schema
+from maxlm.config_names import PEER_NAMES
 from maxlm.config_schema import CliText, ConfigError
 
 # The shipped configs live in the package (maxlm/configs/, package data in the wheel); the checkout's top-level
@@ -59,12 +60,21 @@ def load_yaml(path: Path) -> dict[str, Any]:
   return out
 
 
+# The options of the commands that read config words (train, --dry-run, plan): only for the hint of a misspelt one.
+COMMAND_OPTIONS = ("--dry-run", "--compile-only", "--json", "--devices", "--nodes", "--device-memory-gb", "--all",
+                   "--simulate", "--help")
+
+
 def _meant(word: str, rest: list[str]) -> str:
-  """How to write a word that is not key=value: a config file, `--key value` or `key value`."""
+  """How to write a word that is not key=value: a misspelt option, a config file, `--key value` or `key value`."""
   if word.endswith((".yml", ".yaml")):
     return f"a config file is given as config={word}"
+  option = difflib.get_close_matches(word.replace("_", "-"), COMMAND_OPTIONS, n=1, cutoff=0.8)
+  if word.startswith("-") and option:
+    return f"did you mean the option {option[0]}?"
   if rest and "=" not in rest[0] and word.lstrip("-"):
-    return f"write {word.lstrip('-')}={rest[0]}"
+    key = word.lstrip("-")
+    return f"write {PEER_NAMES.get(key.lower().replace('-', '_'), key)}={rest[0]}"  # `--steps 5`: train.steps=5
   return "e.g. train.steps=100"
 
 

@@ -103,6 +103,8 @@ def test_bad_input_one_line_and_exit_code(run, capsys, tmp_path):
       ([f"checkpoint={run_dir}"], 2, "prompt=<text> is required"),
       ([f"checkpoint={run_dir}", f"prompt={long_prompt}", "max_new_tokens=4"], 2, "exceeds the model's max length 64"),
       ([f"checkpoint={run_dir}", "prompt=a", "--jsn"], 2, "unknown option --jsn"),
+      ([str(run_dir), "prompt=a"], 2, f"argument '{run_dir}' is not key=value (see --help); write checkpoint={run_dir}"),
+      ([f"checkpoint={run_dir}", "It is a truth"], 2, "(see --help); write prompt='It is a truth'\n"),
   ]
   before = sorted(os.listdir(tmp_path))
   for args, code, msg in cases:

@@ -7,6 +7,8 @@ module's docstring, and a MaxlmError (maxlm/errors.py) becomes one `maxlm: error
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 
 from maxlm import runtime
@@ -35,7 +37,7 @@ def parse_args(argv: list[str], keys: dict[str, type], repeated=(), positional: 
       if positional and not word.startswith("-"):
         own[positional].append(word)
         continue
-      raise UsageError(f"argument {word!r} is not key=value (see --help)")
+      raise UsageError(f"argument {word!r} is not key=value (see --help){_bare_hint(word, keys)}")
     key, value = word.split("=", 1)
     if "." in key:
       overrides.append(word)
@@ -45,6 +47,15 @@ def parse_args(argv: list[str], keys: dict[str, type], repeated=(), positional: 
                        f"e.g. model.dtype=float32)")
     own[key] = _convert(key, value, keys[key]) if key not in repeated else own[key] + [value]
   return own, overrides, flags
+
+
+def _bare_hint(word: str, keys: dict[str, type]) -> str:
+  """The key a bare word was likely meant for: an existing path as checkpoint=, other text as prompt=."""
+  if "checkpoint" in keys and os.path.exists(word):
+    return f"; write checkpoint={word}"
+  if "prompt" in keys and not word.startswith("-"):
+    return f"; write prompt={shlex.quote(word)}"
+  return ""
 
 
 def _convert(key: str, value: str, typ: type):

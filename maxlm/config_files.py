@@ -17,14 +17,18 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 MAX_BASE_DEPTH = 32
 
 
+def _is_file(path: Path) -> bool:
+  try:
+    return path.is_file()
+  except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+    return False
+
+
 def resolve_config_path(name: str) -> Path:
   p = Path(name)
   for cand in (p, CONFIG_DIR / name, CONFIG_DIR / f"{name}.yml"):
-    try:
-      if cand.is_file():
-        return cand
-    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
-      pass
+    if _is_file(cand):
+      return cand
   shipped = sorted(f.name for f in CONFIG_DIR.glob("*.yml"))
   close = difflib.get_close_matches(p.name if p.name.endswith(".yml") else f"{p.name}.yml", shipped, n=1, cutoff=0.8)
   hint = f"; did you mean config={close[0]}?" if close else f"; shipped: {', '.join(shipped)}"
@@ -40,10 +44,12 @@ def yaml_layers(path: Path, chain: tuple[Path, ...] = ()) -> list[tuple[Path, di
   base = data.pop("base")
   if not isinstance(base, str) or not base.strip():
     raise ConfigError(f"config file '{path}': 'base' must name one YAML file, got {schema.show(base)}")
-  try:
-    base_path = resolve_config_path(str(path.parent / base))
-  except ConfigError:
-    raise ConfigError(f"config file '{path}': base file {schema.show(base)} not found") from None
+  # beside the file first, then among the shipped configs (a config of one's own anywhere may build on them)
+  found = [c for c in (path.parent / base, CONFIG_DIR / base, CONFIG_DIR / f"{base}.yml") if _is_file(c)]
+  if not found:
+    raise ConfigError(f"config file '{path}': base file {schema.show(base)} not found (looked in {path.parent} "
+                      f"and {CONFIG_DIR})")
+  base_path = found[0]
   if base_path.resolve() in {p.resolve() for p in chain}:
     loop = " -> ".join(str(p) for p in chain + (base_path,))
     raise ConfigError(f"config file '{path}': 'base' includes a file twice: {loop}")

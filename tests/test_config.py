@@ -58,6 +58,16 @@ def test_base_include_and_override_order():
   assert cfg.model.n_kv_heads == 8 and cfg.data.seq_len == 8192
 
 
+def test_a_config_anywhere_may_build_on_a_shipped_one(tmp_path):
+  """`base: llama8b.yml` in exp/my.yml: beside the file first, then the shipped configs."""
+  (tmp_path / "exp").mkdir()
+  (tmp_path / "exp" / "my.yml").write_text("base: llama8b.yml\ntrain.steps: 7\n")
+  cfg = load_config([f"config={tmp_path / 'exp' / 'my.yml'}"])
+  assert cfg.train.steps == 7 and cfg.model.n_layers == 32 and cfg.model.vocab_size == 128256
+  (tmp_path / "exp" / "llama8b.yml").write_text("model.n_layers: 3\n")  # one beside it wins
+  assert load_config([f"config={tmp_path / 'exp' / 'my.yml'}"]).model.n_layers == 3
+
+
 @pytest.mark.parametrize("name,billions", [("llama8b", 8.03), ("llama70b", 70.55), ("llama3.2-1b", 1.24),
                                            ("llama3.2-3b", 3.21), ("llama2-7b", 6.74), ("mistral7b", 7.24)])
 def test_model_configs_have_the_published_sizes(name, billions):
@@ -314,7 +324,7 @@ def test_bad_yaml_file(tmp_path):
     ({"a.yml": "base: [b.yml]\n"}, "a.yml", "'base' must name one YAML file, got ['b.yml']"),
     ({"a.yml": "base: 3\n"}, "a.yml", "'base' must name one YAML file, got 3"),
     ({"a.yml": "base:\n"}, "a.yml", "'base' must name one YAML file, got None"),
-    ({"a.yml": "base: nothere.yml\n"}, "a.yml", "base file 'nothere.yml' not found"),
+    ({"a.yml": "base: nothere.yml\n"}, "a.yml", "base file 'nothere.yml' not found (looked in "),
 ])
 def test_bad_base_includes(tmp_path, files, start, message):
   for name, text in files.items():

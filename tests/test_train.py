@@ -180,7 +180,8 @@ def test_nonfinite_steps_are_reported_once_per_interval(tmp_path):
                  {"MAXLM_TEST_NAN_STEPS": "2,3,4,6"})  # step 4 is logged with a NaN loss
   out, err = proc.communicate(timeout=300)
   assert proc.returncode == 0, err
-  warnings = [line for line in out.splitlines() if line.startswith("maxlm: warning:")]
+  warnings = [line for line in out.splitlines() if line.startswith("maxlm: warning:") and "skipped" in line]
+  assert "maxlm: warning: optim.warmup_steps=20 is not below train.steps=8" in out  # the other warning: TINY's warmup
   assert len(warnings) == 2, out
   assert "3 update(s) skipped" in warnings[0] and "up to step 4 (3 in all" in warnings[0]
   assert "1 update(s) skipped" in warnings[1] and "(4 in all" in warnings[1]

@@ -1,4 +1,4 @@
-"""Two CPU trainings at once on 8 simulated devices, in rounds: does XLA:CPU's pool deadlock (maxlm/runtime.py)?
+"""Two CPU trainings at once on 8 simulated devices, in rounds: does XLA:CPU's pool deadlock (maxlm/runtime/env.py)?
 
 Each round starts JOBS copies of `python -m maxlm.train train.steps=50 model.backend=flax` (the README's CPU
 try-out; compile cache off, so every copy compiles) with `--xla_force_host_platform_device_count=8`, at once, and

@@ -35,7 +35,7 @@ from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
 from maxlm.config import load_config
-from maxlm.plan_measure import compile_step
+from maxlm.plan.measure import compile_step
 
 HERE = Path(__file__).resolve().parent
 GIB = 2 ** 30

@@ -26,8 +26,8 @@ timeout 240 $PY -m maxlm.tools.doctor $shape model.precision=fp8_delayed output_
 echo "(doctor exit code $?; its stderr: $OUT/doctor.stderr)"
 
 echo "=== each preset's flags against this jaxlib"
-for p in $($PY -c "from maxlm.xla_presets import PRESETS; print(' '.join(n for n in PRESETS if PRESETS[n]))"); do
-  flags=$($PY -c "from maxlm.xla_presets import PRESETS; print(' '.join(PRESETS['$p']))")
+for p in $($PY -c "from maxlm.runtime.xla_presets import PRESETS; print(' '.join(n for n in PRESETS if PRESETS[n]))"); do
+  flags=$($PY -c "from maxlm.runtime.xla_presets import PRESETS; print(' '.join(PRESETS['$p']))")
   if XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 $PY -c "import jax; jax.devices()" \
       2>"$OUT/flags-$p.stderr"; then
     echo "$p: accepted ($flags)"

@@ -77,9 +77,10 @@ def _timeout(msg: str) -> None:
 def main(argv):
   import jax
 
-  from maxlm import distributed, runtime
   from maxlm.config import load_config
-  from maxlm.train import Trainer
+  from maxlm.runtime import distributed
+  from maxlm.runtime import env as runtime
+  from maxlm.trainer import Trainer
 
   args, ours = _split(argv)
   steps = int(ours.get("steps", 3))

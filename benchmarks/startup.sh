@@ -19,7 +19,7 @@
 # `python -m maxlm.train config=llama3.2-3b.yml train.steps=3` twice on its own cache directory: first emptied
 # (cold), then again (warm). The first row of each run's metrics.jsonl gives the parts of the time from process
 # start to the first step's end (startup_s = backend_s + plan_s + init_s + lower_s + compile_s + first_run_s,
-# maxlm/startup.py) and whether the train step came from the cache. BUDGET_S (default 540: one 10-minute
+# maxlm/runtime/startup.py) and whether the train step came from the cache. BUDGET_S (default 540: one 10-minute
 # device call less the set-up) bounds the whole script: a case starts only when its estimated cold + warm
 # time (the last measured cold and warm times, else COLD_EST_S=130 and WARM_EST_S=60) fits in what is left,
 # and each run is stopped when the budget ends. PLAN_MODE (default off) is passed as plan.mode, so that

@@ -1,4 +1,4 @@
-"""What the hang watchdog (maxlm/watchdog.py) costs per training step, two ways:
+"""What the hang watchdog (maxlm/runtime/watchdog.py) costs per training step, two ways:
 
 1. the host calls the trainer makes per step (arm the data wait, the dispatch and the metrics fetch, add a
    step time), timed over many iterations with the watchdog on and with it off (the no-op object);
@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from maxlm import watchdog  # noqa: E402
 from maxlm.config import TrainConfig  # noqa: E402
+from maxlm.runtime import watchdog  # noqa: E402
 
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
         "model.n_layers=1", "model.remat=none", "model.backend=flax", "model.vocab_size=128", "data.type=synthetic",

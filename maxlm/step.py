@@ -305,7 +305,7 @@ def jit_step(step: Callable, state_shardings, batch_shardings, scope: Callable[[
              donate: bool = True, metrics_sharding=None, compiler: Callable | None = None,
              name: str = "train_step") -> Callable:
   """Jit with explicit shardings; every call (hence every trace) runs inside `scope()`. `compiler(name, jitted,
-  args)`, when given, supplies the executable (maxlm/warm_start.py `compiled`: loaded from an earlier start,
+  args)`, when given, supplies the executable (maxlm/runtime/warm_start.py `compiled`: loaded from an earlier start,
   else compiled and kept), and the calls run that executable."""
   jitted = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, metrics_sharding) if donate else metrics_sharding,
@@ -328,7 +328,7 @@ def jit_step(step: Callable, state_shardings, batch_shardings, scope: Callable[[
 
   def compile(state, batch):
     """Trace, lower and compile for these arguments (arrays, or ShapeDtypeStructs carrying their shardings:
-    the same program); the calls reuse the executable. Keeps the seconds of each part (maxlm/startup.py)."""
+    the same program); the calls reuse the executable. Keeps the seconds of each part (maxlm/runtime/startup.py)."""
     with scope():
       return compile_in_scope(state, batch)
 

@@ -1,139 +1,14 @@
-"""Train a model: `maxlm train [config=FILE] [key=value ...]` (= `python -m maxlm.train`).
+"""Train a model: `python -m maxlm.train [config=FILE] [key=value ...]` is `maxlm train ...` (maxlm/cli/train.py).
 
-Exit codes: 0 done, 1 run-time failure (e.g. non-finite loss with train.nonfinite=stop, or out of device
-memory: one line naming the levers, XLA's sizes and the next lever to try), 2 bad
-configuration or input (one-line message, nothing written), 3 checkpoint error (none usable, or a
-save failed; earlier checkpoints stay intact), 75 preempted by SIGTERM (a checkpoint of the last
-step was saved when checkpointing is on; rerun the same command to resume), 76 hung: the watchdog
-saw a phase of the run take far longer than its steps do (train.watchdog; one line names the phase and
-the file with every thread's stack; rerun to resume from the last checkpoint), 130 interrupted (SIGINT)
-before the first step.
-
-`--help` lists every config key with its type, default and meaning; `--help SECTION` one section.
-`--dry-run` sizes the run without building it (config, mesh, parameters, FLOPs, memory per device,
-data; `--json`, `--devices N`, `--nodes M`, `--device-memory-gb G`; see maxlm/dryrun.py) and exits 0.
-`plan.mode=auto` chooses the memory levers by compiling the step ahead of time first (`maxlm plan`,
-maxlm/plan.py) and prints the choice in one line.
-`--compile-only` traces and compiles the train step for the configured mesh on the devices at hand, on
-abstract shapes (no train state is allocated), prints the trace-and-lower and compile times and XLA's memory
-analysis per device, and exits 0. Its one lasting effect is the compiled step in the persistent compilation
-cache (`compile.cache_dir`, maxlm/compile_cache.py): the real run with the same config and devices then
-loads it instead of compiling. It creates nothing in the run directory (not even the directory) and reads
-no checkpoint; it opens the data inputs to check them, as the run would.
+This entry stays for the spelling that the README, launch/'s templates and the SLURM and container jobs use;
+the command itself lives in maxlm/cli/train.py.
 """
 
-from __future__ import annotations
-
-import dataclasses
-import logging
-import os
 import sys
-import time
 
-import jax
+from maxlm.cli.train import main
 
-from maxlm import compile_cache, distributed, dryrun, startup
-from maxlm import data as data_lib
-from maxlm.checkpoint import EXIT_PREEMPTED, Preemption
-from maxlm.config import Config, ConfigError, help_text, load_config
-from maxlm.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, MaxlmError, report
-from maxlm.metrics import echo
-from maxlm.plan import oom_message
-from maxlm.plan_measure import is_oom, memory_stats
-from maxlm.sizing import human_bytes
-from maxlm.trainer import RunError, Trainer, train
-
-__all__ = ["EXIT_BAD_INPUT", "EXIT_CHECKPOINT", "RunError", "Trainer", "main", "run", "train"]
-
-
-def _fail(msg: str, code: int) -> int:
-  print(f"maxlm: error: {msg}", file=sys.stderr, flush=True)
-  return code
-
-
-def _exit_distributed_timeout(msg: str) -> None:
-  """`distributed.initialize`'s watchdog: the processes did not all meet in time; end this one now."""
-  os._exit(_fail(msg, EXIT_BAD_INPUT))
-
-
-def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -> int:
-  """Train `cfg` (or with compile_only, only compile its train step), mapping the one-line error types to
-  their exit codes."""
-  t_start = time.perf_counter() if t_start is None else t_start
-  preemption = Preemption()  # first: a signal while the model is built or compiled exits at once
-  try:
-    try:
-      for line in startup.begin(cfg):  # XLA flags, memory share, compilation cache: before the backend starts
-        echo(f"maxlm: {line}")
-      # Before anything asks JAX about devices. From here on (for the rest of the process: tracebacks
-      # too) every output line of a multi-process run carries `[process i/N host]`.
-      distributed.initialize(cfg, on_timeout=_exit_distributed_timeout)
-    except MaxlmError as e:
-      return report(e)
-    try:
-      if compile_only:
-        return compile_step_only(cfg, t_start)
-      return EXIT_PREEMPTED if train(cfg, preemption, t_start).preempted else 0
-    except MaxlmError as e:  # every error a user can cause (maxlm/errors.py): one line, its exit code
-      return report(e)
-    except Exception as e:
-      if not is_oom(e):
-        raise
-      return _fail(oom_message(cfg, e), 1)
-  finally:
-    preemption.close()
-
-
-def compile_step_only(cfg: Config, t_start: float) -> int:
-  """`--compile-only`: the run's checks and its train step, compiled on abstract shapes (see the module doc)."""
-  cfg = dataclasses.replace(cfg, data=data_lib.resolve_type(cfg.data))  # as train() resolves it
-  trainer = Trainer(cfg)  # every check of a run that needs no run directory; plan.mode=auto chooses here
-  try:
-    trainer.build(abstract=True)
-    hit = trainer.compile_train_step()
-  finally:
-    trainer.close()
-  step = trainer.jitted_train_step
-  if jax.process_index() == 0:
-    m = memory_stats(step.executable)
-    parts = ", ".join(f"{k} {human_bytes(m[k])}" for k in ("argument", "output", "temp", "alias"))
-    host = f"; in host memory {human_bytes(m['host'])}" if m["host"] else ""
-    echo(f"maxlm: --compile-only: {trainer.cfg.model.name} on {jax.device_count()} x "
-         f"{jax.devices()[0].device_kind}, mesh {dict(trainer.mesh.shape)}: traced and lowered in "
-         f"{step.lower_s:.1f} s, compiled in {step.compile_s:.1f} s; XLA's memory per device "
-         f"{human_bytes(m['device'])} ({parts}){host}; {time.perf_counter() - t_start:.1f} s in all")
-    echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s, step.loaded, step.background_s)}")
-  return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-  t_start = startup.process_start()  # the process's start: the time to the first step counts the imports
-  argv = sys.argv[1:] if argv is None else argv
-  for i, a in enumerate(argv):
-    if a in ("-h", "--help"):
-      section = argv[i + 1] if i + 1 < len(argv) and "=" not in argv[i + 1] else None
-      try:
-        keys = help_text(section)
-      except ConfigError as e:
-        return _fail(str(e), EXIT_BAD_INPUT)
-      try:
-        if section is None:
-          print(__doc__.strip() + "\n\nExample: python -m maxlm.train config=llama8b.yml train.steps=100\n")
-        print(keys, flush=True)
-      except BrokenPipeError:  # `--help | head`: the reader left; exit quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-      return 0
-  if "--dry-run" in argv:  # abstract shapes only: nothing allocated, nothing written
-    return dryrun.main(argv)
-  compile_only = "--compile-only" in argv  # no train state, nothing in the run directory
-  argv = [a for a in argv if a != "--compile-only"]
-  logging.basicConfig(level=os.environ.get("MAXLM_LOG", "WARNING"), format="%(name)s: %(message)s")
-  try:
-    cfg = load_config(argv)
-  except ConfigError as e:
-    return _fail(str(e), EXIT_BAD_INPUT)
-  return run(cfg, t_start, compile_only)
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -85,7 +85,7 @@ def create_train_state(model: nn.Module, optimizer: optax.GradientTransformation
                        batch: int, seq_len: int, offload: str = "none", compiler: Callable | None = None):
   """(state, shardings): the state initialized directly into its shards (no host copy), each leaf in
   the memory `offload` gives it (see `place`). `compiler(kind, jitted, args)`, when given, supplies the init's
-  executable (maxlm/warm_start.py `Compiler`: loaded from an earlier start, else compiled and kept); an init
+  executable (maxlm/runtime/warm_start.py `Compiler`: loaded from an earlier start, else compiled and kept); an init
   kept by an earlier start also gives the shardings (its output's), so nothing is traced."""
   key = jax.random.PRNGKey(seed)
   with threefry_kernel():  # the init's entries are keyed under the kernel's flag (one of JAX's settings)

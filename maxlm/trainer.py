@@ -20,14 +20,13 @@ import numpy as np
 import yaml
 
 from maxlm import data as data_lib
+from maxlm import evaluate
 from maxlm import plan as planner
-from maxlm import compile_cache, evaluate, warm_start, watchdog
 from maxlm.batches import Batches
 from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
 from maxlm.checkpoint import run_dir as run_dirs
 from maxlm.checkpoint import start as start_checkpoints
 from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml, to_dict
-from maxlm.devices import mesh_placement, peak_memory_gb
 from maxlm.errors import RunFailure
 from maxlm.layers import PrecisionError, check_precision, check_remat, resolve_backend
 from maxlm.mesh import make_mesh
@@ -35,9 +34,11 @@ from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line,
 from maxlm.model import Transformer, count_params, flops_per_step
 from maxlm.optim import make_optimizer, warmup_warning
 from maxlm.profiling import Profiler
+from maxlm.runtime import compile_cache, warm_start, watchdog
+from maxlm.runtime.devices import mesh_placement, peak_memory_gb
+from maxlm.runtime.startup import Startup, first_step_line
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
-from maxlm.startup import Startup, first_step_line
 from maxlm.step import jit_step, make_eval_step, make_train_step
 from maxlm.train_state import abstract_state, create_train_state
 
@@ -79,11 +80,11 @@ class Trainer:
     check_remat(cfg.model.remat, self.backend)
     self.mesh = make_mesh(cfg.mesh)
     self._check_batch_split()
-    # plan.mode (maxlm/plan.py): levers measured by XLA replace the config's where it plans; it checks the fit
+    # plan.mode (maxlm/plan/__init__.py): levers measured by XLA replace the config's where it plans; it checks the fit
     t_plan = time.perf_counter()
     cfg = self.cfg = planner.for_run(cfg, echo if jax.process_index() == 0 else None)
     self.plan_s = time.perf_counter() - t_plan  # its compiles: a part of the time to the first step
-    planner.remember(self)  # for the out-of-memory line (maxlm/train.py)
+    planner.remember(self)  # for the out-of-memory line (maxlm/cli/train.py)
     if warm_start.active():  # the config is final: load the executables kept by the last start, in the background
       warm_start.prefetch(warm_start.run_signature(cfg))
     self.packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
@@ -112,7 +113,7 @@ class Trainer:
     cfg = self.cfg
     self.optimizer, self.schedule = make_optimizer(cfg.optim, cfg.train.steps)
     micro = cfg.data.global_batch_size // cfg.train.grad_accum
-    # compile.warm_start (maxlm/warm_start.py): executables kept from an earlier start of this run, else kept now
+    # compile.warm_start (maxlm/runtime/warm_start.py): executables kept from an earlier start of this run, else kept now
     compiler = warm_start.Compiler(warm_start.run_signature(cfg)) if warm_start.active() else None
     make = (abstract_state if abstract else
             functools.partial(create_train_state, seed=cfg.train.seed, compiler=compiler))
@@ -165,7 +166,7 @@ class Trainer:
 @dataclasses.dataclass(frozen=True)
 class RunEnd:
   """How a run ended, when it did not raise: every step trained (or the data ended), or stopped by a signal
-  after saving (maxlm/train.py turns that into exit code 75, EXIT_PREEMPTED)."""
+  after saving (maxlm/cli/train.py turns that into exit code 75, EXIT_PREEMPTED)."""
   preempted: bool
 
 

@@ -15,10 +15,10 @@ import warnings
 _FAST_CPU = "" if os.environ.get("MAXLM_TEST_GPU") == "1" else " --xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8" + _FAST_CPU)
 os.environ.setdefault("JAX_PLATFORMS", "cpu" if os.environ.get("MAXLM_TEST_GPU") != "1" else "")
-# XLA:CPU's thread pool sized for those devices as maxlm's commands size it (maxlm/runtime.py), for the workers
+# XLA:CPU's thread pool sized for those devices as maxlm's commands size it (maxlm/runtime/env.py), for the workers
 # and every subprocess: with XLA's own pool (one thread per device on this 2-core machine), the README test
 # aborted its worker in 4 of 7 runs with a second run beside it, deadlocked in an 8-device all-gather.
-from maxlm import runtime  # noqa: E402 - imports no JAX; the pool must be sized before JAX starts
+from maxlm.runtime import env as runtime  # noqa: E402 - imports no JAX; the pool must be sized before JAX starts
 
 runtime.size_cpu_pool()
 
@@ -172,8 +172,8 @@ def fake_fp8_gpu(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _warm_start_off_after_each_test():
-  """compile.warm_start's store is process-wide (maxlm/warm_start.py): an in-process run configures it, and a
+  """compile.warm_start's store is process-wide (maxlm/runtime/warm_start.py): an in-process run configures it, and a
   later test in the same worker must not find that run's kept plans and executables."""
   yield
-  from maxlm import warm_start  # lazy on purpose: it imports jax, once the first test has run
+  from maxlm.runtime import warm_start  # lazy on purpose: it imports jax, once the first test has run
   warm_start.configure(None, False)

@@ -1,4 +1,4 @@
-"""Test-only entry point: `python tests/resume_launcher.py key=value ...` runs `maxlm.train.main`
+"""Test-only entry point: `python tests/resume_launcher.py key=value ...` runs `maxlm.cli.train.main`
 with hooks the checkpoint/resume tests need (never used outside tests).
 
 Environment:
@@ -112,13 +112,13 @@ class BlockingData:
 def install_hooks(argv: list[str]) -> None:
   import jax
 
-  from maxlm import train
   from maxlm.checkpoint import manager as checkpoint
+  from maxlm.trainer import Trainer
   trace = os.environ.get("MAXLM_TEST_TRACE")
   pause = float(os.environ.get("MAXLM_TEST_STEP_SLEEP", "0"))
   hang = os.environ.get("MAXLM_TEST_DATA_HANG")
   data_hang = [int(v) for v in hang.split(",")] if hang else None
-  build = train.Trainer.build
+  build = Trainer.build
 
   def traced_build(self):
     build(self)
@@ -137,7 +137,7 @@ def install_hooks(argv: list[str]) -> None:
       return out
     self.train_step = step
 
-  train.Trainer.build = traced_build
+  Trainer.build = traced_build
   slow = float(os.environ.get("MAXLM_TEST_SLOW_SAVE", "0"))
   if slow:
     finalized = checkpoint.Checkpointer._on_finalized
@@ -190,5 +190,5 @@ if __name__ == "__main__":
   if os.environ.get("MAXLM_TEST_FAKE_FP8") == "1":
     fake_fp8_gpu()
   install_hooks(args)
-  from maxlm.train import main
+  from maxlm.cli.train import main
   sys.exit(main(args))

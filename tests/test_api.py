@@ -15,10 +15,10 @@ import pytest
 import reference as R
 from maxlm import Model
 from maxlm.checkpoint import CheckpointError
+from maxlm.cli.train import main as train_main
 from maxlm.config import ConfigError, DataConfig
 from maxlm.data.tokenizer import SMALL_TOKENIZER
 from maxlm.hf.files import run_tokenizer_files
-from maxlm.train import main as train_main
 
 U32 = 2.0 ** -24  # float32 unit roundoff
 ARGS = ["model.backend=flax", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",

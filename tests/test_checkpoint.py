@@ -22,8 +22,8 @@ from maxlm.config import CheckpointConfig, DataConfig, MeshConfig, load_config, 
 from maxlm.data import make_train_iterator, merge_states
 from maxlm.mesh import make_mesh
 from maxlm.optim import make_optimizer
-from maxlm.train import Trainer
 from maxlm.train_state import abstract_state
+from maxlm.trainer import Trainer
 
 
 def _start(t, cfg):

@@ -16,8 +16,8 @@ import pytest
 from maxlm.checkpoint import Checkpointer
 from maxlm.config import CheckpointConfig, load_config, to_dict
 from maxlm.optim import make_optimizer
-from maxlm.train import Trainer
 from maxlm.train_state import abstract_state
+from maxlm.trainer import Trainer
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "checkpoint_format.md"
 # G = 2 query heads per KV head; llama3 RoPE scaling with a short original context so that it changes

@@ -18,10 +18,11 @@ from resume_launcher import compile_cache, poisoned_losses
 
 from maxlm import step as step_lib
 from maxlm.checkpoint import Checkpointer, abstract_like, complete_steps
+from maxlm.cli.train import main
 from maxlm.config import load_config, to_dict
 from maxlm.optim import make_optimizer
-from maxlm.train import Trainer, main
 from maxlm.train_state import abstract_state
+from maxlm.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",

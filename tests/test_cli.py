@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from maxlm import cli, train
+from maxlm import cli
+from maxlm.cli import train
 from maxlm.cli.grammar import UsageError, parse_args
 
 # subprocess runs compile like the suite's own (conftest): XLA's CPU backend at optimization level 0

@@ -399,8 +399,8 @@ def test_config_is_frozen_and_round_trips(tmp_path):
 def test_help_is_generated_from_the_dataclasses():
   """--help cannot drift: a section and key that exist only here appear in the text, and every section
   of Config (profile and distributed too) is listed by `python -m maxlm.train --help`."""
-  from maxlm import config_schema
-  from maxlm.train import main
+  from maxlm.cli.train import main
+  from maxlm.config import schema as config_schema
 
   @dataclasses.dataclass(frozen=True)
   class Extra:

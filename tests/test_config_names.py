@@ -1,11 +1,11 @@
-"""The hint for an unknown config key (maxlm/config_names.py): peers' names, right names in the wrong section,
+"""The hint for an unknown config key (maxlm/config/names.py): peers' names, right names in the wrong section,
 and typos, through the one-line error a user sees."""
 
 import pytest
 
 from maxlm.config import Config, ConfigError, load_config
-from maxlm.config_names import PEER_NAMES, hint, suggest
-from maxlm.config_schema import leaf_fields
+from maxlm.config.names import PEER_NAMES, hint, suggest
+from maxlm.config.schema import leaf_fields
 
 KEYS = [k for k, _, _ in leaf_fields(Config)]
 

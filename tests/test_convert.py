@@ -16,9 +16,9 @@ from safetensors.numpy import save_file
 
 from maxlm import Model
 from maxlm.cli.convert import main as convert
+from maxlm.cli.train import main as train_main
 from maxlm.config import load_config
 from maxlm.hf.config import from_hf
-from maxlm.train import main as train_main
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "hf"
 

@@ -22,7 +22,7 @@ import pytest
 
 from maxlm.checkpoint import CheckpointError
 from maxlm.config import Config, ConfigError, load_config
-from maxlm.config_schema import leaf_fields
+from maxlm.config.schema import leaf_fields
 from maxlm.data import DataError, check_inputs, make_train_iterator
 from maxlm.layers import PrecisionError
 from maxlm.trainer import Trainer

@@ -21,8 +21,8 @@ from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
 from maxlm.step import make_train_step
-from maxlm.train import Trainer
 from maxlm.train_state import create_train_state, threefry_kernel
+from maxlm.trainer import Trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te]
 
@@ -185,7 +185,7 @@ def test_deterministic_resume_is_bit_identical(tmp_path, precision):
   def run(name, steps):
     # The three starts share a cache of their own, unlimited as JAX's default is: in the suite's shared cache
     # (4 GiB, conftest) the GPU tests before this one could evict the first start's entry, and a start that
-    # compiles the step again may run another binary (maxlm/startup.py: DETERMINISTIC_EVICTION).
+    # compiles the step again may run another binary (maxlm/runtime/startup.py: DETERMINISTIC_EVICTION).
     args = [*DETERMINISTIC_RUN, f"model.precision={precision}", f"output_dir={tmp_path}", f"run_name={name}",
             f"train.steps={steps}", f"compile.cache_dir={tmp_path / 'xla-cache'}"]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NVTE_ALLOW_NONDETERMINISTIC_ALGO")
@@ -202,7 +202,7 @@ def test_deterministic_resume_is_bit_identical(tmp_path, precision):
   whole, split = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
   assert sorted(whole) == sorted(split) == list(range(1, 21))
   # How each start got its train step, for a failure's message: the guarantee rests on the later starts running the
-  # first start's binary (kept or cached); one compiled again may differ (XLA's autotuning; maxlm/startup.py).
+  # first start's binary (kept or cached); one compiled again may differ (XLA's autotuning; maxlm/runtime/startup.py).
   how = "\n".join(f"{name}: {line}" for name, r in starts.items() for line in r.stdout.splitlines()
                    if line.startswith("maxlm: compilation cache"))
   assert whole == split, f"the runs differ at steps {[s for s in whole if whole[s] != split[s]]}\n{how}"

@@ -12,7 +12,7 @@
     other process ends with the hang watchdog's line (exit 76), not JAX's abort, the template requeues, and
     the third start ends with the loss and parameters of test 1's run, bit for bit;
 6   a job that hangs at every start is requeued MAXLM_MAX_RESTARTS times, then stops with exit code 76.
-(The other fail-fast cases need no launcher: tests/test_distributed.py.)
+(The other fail-fast cases need no launcher: tests/test_runtime_distributed.py.)
 
 `scripts/ci_services.sh start` installs and starts SLURM and OpenMPI (CI runs it, see .ci/run); without
 them these tests skip saying so. All runs of one program share JAX's persistent compilation cache (it

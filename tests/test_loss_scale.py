@@ -13,7 +13,7 @@ from maxlm.checkpoint import CheckpointError, Checkpointer, start
 from maxlm.config import OptimConfig, load_config, to_dict
 from maxlm.loss_scale import MAX_SCALE, init_loss_scale, update_loss_scale
 from maxlm.metrics import progress_line
-from maxlm.train import Trainer
+from maxlm.trainer import Trainer
 import reference as R
 from test_step import MODEL, batch, setup
 

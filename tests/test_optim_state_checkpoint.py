@@ -11,8 +11,9 @@ import pytest
 from resume_launcher import compile_cache
 
 from maxlm.checkpoint import start
+from maxlm.cli.train import main
 from maxlm.config import load_config
-from maxlm.train import Trainer, main
+from maxlm.trainer import Trainer
 
 
 def _start(t, cfg):

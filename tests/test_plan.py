@@ -1,21 +1,21 @@
-"""The memory planner (maxlm/plan.py, plan_measure.py, cli/plan.py) on 8 simulated CPU devices: its per-device
+"""The memory planner (maxlm/plan/__init__.py, plan_measure.py, cli/plan.py) on 8 simulated CPU devices: its per-device
 bytes equal XLA's memory analysis of the step the trainer compiles (read here off the trainer's own executable),
 a config that fits only with a memory-saving lever gets it (CLI table, trainer, dry run), the search is
 deterministic and compiles only what it must, and an out-of-memory error ends in one line."""
 
 import json
-import os
 
 import jax
 import numpy as np
 import pytest
 
-from maxlm import plan, plan_measure
+from maxlm import plan
 from maxlm.cli import main as cli_main
+from maxlm.cli.train import main as train_main
+from maxlm.cli.train import run
 from maxlm.config import ConfigError, load_config
-from maxlm.plan_measure import Target
-from maxlm.train import main as train_main
-from maxlm.train import run
+from maxlm.plan import measure as plan_measure
+from maxlm.plan.measure import Target
 from maxlm.trainer import Trainer
 
 # Tiny model whose activations matter next to its state: at 16 rows x 256 tokens over 8 devices, two
@@ -273,30 +273,13 @@ def test_simulated_devices_in_a_child_measure_like_here():
   assert here["device"] < plan_measure.measure(cfg)["device"]
 
 
-@pytest.mark.parametrize("env, value, gpu, expect, line", [
-    ({}, 0.0, True, "0.95", "auto on an NVIDIA GPU"),
-    ({}, 0.0, False, None, None),
-    ({}, 0.9, False, "0.9", "set"),
-    ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}, 0.0, True, None, None),
-    ({"XLA_CLIENT_MEM_FRACTION": "0.8"}, 0.9, True, "0.8", "your environment sets 0.8"),
-])
-def test_mem_fraction_before_the_backend(monkeypatch, env, value, gpu, expect, line):
-  for var in plan_measure.FRACTION_VARS:
-    monkeypatch.delenv(var, raising=False)
-  for k, v in env.items():
-    monkeypatch.setenv(k, v)
-  got = plan_measure.apply_mem_fraction(value, gpu)
-  assert os.environ.get("XLA_CLIENT_MEM_FRACTION") == expect
-  assert (got is None) == (line is None) and (line is None or line in got)
-
-
 def test_out_of_memory_is_one_line_naming_levers_sizes_and_next_lever(tmp_path, monkeypatch, capsys):
   cfg = load_config([*BASE, f"output_dir={tmp_path}", "model.remat=save_attn"])
   error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 43.92GiB.\nmore")
 
   def train(cfg, preemption, t_start):
     raise error
-  monkeypatch.setattr("maxlm.train.train", train)
+  monkeypatch.setattr("maxlm.cli.train.train", train)
   monkeypatch.setattr(plan, "_TRAINER", None)
   assert run(cfg) == 1
   err = capsys.readouterr().err
@@ -304,7 +287,7 @@ def test_out_of_memory_is_one_line_naming_levers_sizes_and_next_lever(tmp_path, 
   assert "XLA could not allocate 43.92GiB" in err and "(plan.mode=fit)" in err
   assert "next lever: model.remat=full (or plan.mode=auto" in err
   other = jax.errors.JaxRuntimeError("INTERNAL: something else")
-  monkeypatch.setattr("maxlm.train.train", lambda *a: (_ for _ in ()).throw(other))
+  monkeypatch.setattr("maxlm.cli.train.train", lambda *a: (_ for _ in ()).throw(other))
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # not an OOM: the traceback stays
     run(cfg)
 

@@ -1,4 +1,4 @@
-"""The stand-ins for measuring a GPU's step on XLA:CPU (maxlm/plan_standins.py): fused attention's footprint
+"""The stand-ins for measuring a GPU's step on XLA:CPU (maxlm/plan/standins.py): fused attention's footprint
 (shapes and gradients), and bf16 kept as bf16 on simulated devices (FSDP's weight all-gathers bf16, as on
 XLA:GPU; an f32 fallback that says so; remat policies keep the rounded GEMM results)."""
 
@@ -10,16 +10,17 @@ import jax
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
-from maxlm import plan_measure, plan_standins
 from maxlm.config import load_config
+from maxlm.plan import measure as plan_measure
+from maxlm.plan import standins as plan_standins
 
 
 # In a child on 2 simulated CPU devices (the Simulator's environment): the simulated step of a tiny FSDP model
 # (as `measure(gpu_footprint=True)` compiles it) and its optimized HLO's all-gathers by element type.
 GATHERS_CHILD = r"""
 import collections, json, re, sys
-from maxlm import plan_measure
 from maxlm.config import load_config
+from maxlm.plan import measure as plan_measure
 text = plan_measure.compile_step(load_config(sys.argv[1:]), fused_attention=True)[0].as_text()
 print(json.dumps(collections.Counter(re.findall(r"= (\w+)\[[\d,]*\]\S* all-gather\(", text))))
 """

@@ -129,7 +129,7 @@ def test_train_step_traces_under_the_recipe(fake_blackwell, name, recipe_class):
 
 @pytest.mark.te
 def test_train_command_refuses_mxfp8_on_cpu_in_one_line(tmp_path, capsys):
-  from maxlm.train import main
+  from maxlm.cli.train import main
   code = main(["model.precision=nvfp4", "model.backend=te", f"output_dir={tmp_path}", "train.steps=1"])
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1

@@ -25,7 +25,7 @@ import signal, sys, time
 # children SIGINT ignored, and the "second signal takes the previous action" check needs the default.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from maxlm.checkpoint import Preemption
-from maxlm.runtime import backend_started
+from maxlm.runtime.env import backend_started
 mode = sys.argv[1]
 if mode == "foreign":  # a SIGTERM handler Python does not know about (as JAX's notifier, from C)
   import ctypes
@@ -33,7 +33,7 @@ if mode == "foreign":  # a SIGTERM handler Python does not know about (as JAX's 
 p = Preemption(process_count=2 if mode == "foreign" else None)
 assert not backend_started(), "Preemption() started the JAX backend"
 if len(sys.argv) > 3:  # a multi-process run's `[process i/N host] ` line prefix
-  from maxlm.distributed import prefix_output
+  from maxlm.runtime.distributed import prefix_output
   prefix_output(sys.argv[3])
 if mode == "ccall":  # a long C call that, unlike XLA's compile, never lets a Python handler run
   import hashlib

@@ -121,7 +121,7 @@ def test_window_outside_the_run_is_a_config_error(args, window):
 
 
 def test_bad_window_at_the_command_line(tmp_path, capsys):
-  from maxlm.train import main
+  from maxlm.cli.train import main
   assert main([f"output_dir={tmp_path}", "train.steps=5", "profile.start_step=5", "profile.num_steps=2"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("maxlm: error: profile window steps 5-6")

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import reference as R
+from maxlm.cli.train import run
 from maxlm.config import load_config
-from maxlm.train import run
 from maxlm.trainer import Trainer
 
 BACKENDS = [pytest.param("flax"), pytest.param("te", marks=pytest.mark.te)]

@@ -19,7 +19,7 @@ fail() { echo "prep.sh: $*" >&2; exit 1; }
 
 ROOT=$(git rev-parse --show-toplevel 2>/dev/null) || fail "not inside a git checkout: run it from the project root"
 cd "$ROOT"
-[ -f maxlm/train.py ] || fail "$ROOT has no maxlm/train.py: run it from the project root"
+[ -f maxlm/cli/train.py ] || fail "$ROOT has no maxlm/cli/train.py: run it from the project root"
 MTW=${MAXTEXT_WHEELS:-$ROOT/../shared/bench/maxtext}
 ls "$MTW"/*.whl >/dev/null 2>&1 || fail "no MaxText wheels in $MTW (bash ../shared/bench/build_maxtext_wheels.sh DIR, then MAXTEXT_WHEELS=DIR)"
 for f in side_by_side.sh torch_peer_full.py; do [ -f "$HERE/$f" ] || fail "$HERE/$f is missing"; done

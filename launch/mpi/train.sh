@@ -20,7 +20,7 @@ else
        "$REPO and python3 cannot import maxlm; run \`make setup\` there or set MAXLM_PYTHON" >&2
   exit 2
 fi
-# The persistent compilation cache (maxlm/compile_cache.py) beside the runs, on storage every node shares, so
+# The persistent compilation cache (maxlm/runtime/compile_cache.py) beside the runs, on storage every node shares, so
 # that a requeued start and later jobs find their programs compiled: <output_dir>/.xla-cache (output_dir as
 # given here, else runs; relative to this directory) unless JAX_COMPILATION_CACHE_DIR is set. compile.cache_dir=DIR
 # among the arguments wins over both; compile.cache=false turns the cache off. Process 0 writes, all read.

@@ -60,7 +60,7 @@ def _set_raw_action(sig: int, raw: bytes) -> bool:
 
 
 def _line_prefix() -> str:
-  """`[process i/N host] ` in a multi-process run (maxlm.distributed wraps sys.stderr), else ''. The
+  """`[process i/N host] ` in a multi-process run (maxlm.runtime.distributed wraps sys.stderr), else ''. The
   signal messages are written with os.write (no locks in a signal context), so they add it themselves."""
   return getattr(sys.stderr, "prefix", "")
 

@@ -23,7 +23,7 @@ __all__ = ["COMMANDS", "UsageError", "command_main", "main", "parse_args"]  # th
 # command -> module; each module has a docstring whose first line is its summary, and
 # `main(argv: list[str] | None = None) -> int`. A command whose module does not exist yet is not offered.
 COMMANDS = {
-  "train": "maxlm.train",
+  "train": "maxlm.cli.train",
   "prepare": "maxlm.cli.prepare",
   "doctor": "maxlm.tools.doctor",
   "eval": "maxlm.cli.eval",

@@ -11,8 +11,8 @@ import os
 import shlex
 import sys
 
-from maxlm import runtime
 from maxlm.errors import BadInput, MaxlmError, report
+from maxlm.runtime import env as runtime
 
 
 class UsageError(BadInput, ValueError):
@@ -78,7 +78,7 @@ def command_main(doc: str, run, argv: list[str] | None) -> int:
   if any(a in ("-h", "--help") for a in argv):
     print(doc.strip(), flush=True)
     return 0
-  line = runtime.size_cpu_pool()  # before the command starts JAX: simulated CPU devices (maxlm/runtime.py)
+  line = runtime.size_cpu_pool()  # before the command starts JAX: simulated CPU devices (maxlm/runtime/env.py)
   if line:
     print(f"maxlm: {line}", file=sys.stderr, flush=True)
   try:

@@ -2,14 +2,14 @@
 
 Compiles the train step ahead of time (abstract shapes: nothing is allocated) for settings of the levers in
 `plan.levers` (model.remat, train.grad_accum, optim.offload, optim.state_dtype), fastest expected first, and
-reads XLA's memory analysis of each; the first that fits is chosen (maxlm/plan.py says how they are
+reads XLA's memory analysis of each; the first that fits is chosen (maxlm/plan/__init__.py says how they are
 ordered and pruned). It prints a table of the candidates it compiled: per-device peak, the bytes the
 analytic model says are certainly needed, and an estimated step time and tokens/s; the chosen row is
 marked `*`. `plan.mode=auto` makes the trainer (and `--dry-run`) apply the same choice.
 
 Options: `--devices N` / `--nodes M` plan for N devices over M nodes (default: the devices here; more than
 are here are simulated on CPU devices in a child process: XLA:CPU's buffer assignment with fused
-attention's footprint, which differs from XLA:GPU's, see maxlm/plan_measure.py); `--device-memory-gb G`
+attention's footprint, which differs from XLA:GPU's, see maxlm/plan/measure.py); `--device-memory-gb G`
 one device's memory in GB (a GPU's total before `xla.mem_fraction`; default: this GPU's, or an H200's when
 simulating without a GPU here); `--simulate` measures on simulated CPU devices even where the devices are
 here (to compare the two); `--all` compiles every plausible candidate for the table; `--json`.
@@ -23,12 +23,13 @@ from __future__ import annotations
 import json
 import sys
 
-from maxlm import plan, startup
+from maxlm import plan
+from maxlm.cli.dryrun import parse_flags
 from maxlm.cli.grammar import command_main
 from maxlm.config import ConfigError, load_config
-from maxlm.dryrun import parse_flags
-from maxlm.plan_measure import make_target
-from maxlm.sizing import human_bytes
+from maxlm.plan.measure import make_target
+from maxlm.plan.sizing import human_bytes
+from maxlm.runtime import startup
 
 COLUMNS = ("model.remat", "train.grad_accum", "optim.offload", "optim.state_dtype")
 

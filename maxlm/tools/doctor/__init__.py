@@ -28,8 +28,9 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from maxlm import distributed, sizing, startup, xla_presets
 from maxlm.config import Config, ConfigError, MeshConfig, load_config
+from maxlm.plan import sizing
+from maxlm.runtime import distributed, startup, xla_presets
 from maxlm.tools.doctor import checks, probes
 from maxlm.tools.doctor.checks import STATUSES, Result
 
@@ -78,7 +79,7 @@ def _backend_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
   import jax  # noqa: PLC0415
 
   from maxlm.layers import supported_precisions, te_probe  # noqa: PLC0415
-  from maxlm.devices import device_memory_bytes  # noqa: PLC0415
+  from maxlm.runtime.devices import device_memory_bytes  # noqa: PLC0415
 
   launch_error = None
   try:

@@ -15,7 +15,7 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from maxlm.sizing import human_bytes
+from maxlm.plan.sizing import human_bytes
 
 STATUSES = ("pass", "warn", "fail", "skip")
 NO_GPU = "skipped: no GPU"
@@ -302,7 +302,7 @@ def check_memory_settings(gpu: bool, env: Mapping[str, str]) -> Result:
 
 
 def check_memory_fit(gpu: bool, estimate: Mapping[str, int], limit: int | None, where: str) -> Result:
-  """`estimate`: maxlm.sizing.estimate for the configured run; `limit`: the allocator's bytes per device."""
+  """`estimate`: maxlm.plan.sizing.estimate for the configured run; `limit`: the allocator's bytes per device."""
   if not gpu:
     return skip_no_gpu("memory_fit")
   if not limit:

@@ -1,4 +1,4 @@
-"""The hang watchdog (`maxlm.watchdog`): its limits (median step time x factor x steps in flight, the floor,
+"""The hang watchdog (`maxlm.runtime.watchdog`): its limits (median step time x factor x steps in flight, the floor,
 the slow limit), the one line, the stack file and the exit code (in subprocesses, for the real os._exit), and
 the trainer's phases on a real one-process run whose data read blocks. The multi-process cases (a SIGSTOPped
 peer, a stuck read in one process) with the SLURM template's requeue are in tests/test_launch.py."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from maxlm import watchdog
 from maxlm.config import ConfigError, TrainConfig, load_config
+from maxlm.runtime import watchdog
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TrainConfig(watchdog_factor=10.0, watchdog_floor_s=1.0, watchdog_first_step_s=100.0)
@@ -126,9 +126,9 @@ def test_a_stuck_run_directory_sends_the_stacks_to_stderr(tmp_path, monkeypatch,
 CHILD = r"""
 import sys, threading, time
 from pathlib import Path
-from maxlm import watchdog
 from maxlm.config import TrainConfig
-from maxlm.process_output import prefix_output
+from maxlm.runtime import watchdog
+from maxlm.runtime.process_output import prefix_output
 prefix_output("[process 1/2 hostx] ")
 wd = watchdog.Watchdog(TrainConfig(watchdog_factor=10.0, watchdog_floor_s=0.5), Path(sys.argv[1]), process_index=1)
 wd.step_time(0.02)  # limit max(0.5, 10 x 0.02 x 1) = 0.5 s

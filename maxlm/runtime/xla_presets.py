@@ -9,7 +9,7 @@ B100/B200/B300/GB200/GB300 -> blackwell); no GPU, `JAX_PLATFORMS` without cuda/g
 (Ampere, consumer Blackwell 12.x) -> none.
 
 Every flag below is accepted by jaxlib 0.10.2, CPU build included (XLA registers all its debug
-options in every build; tests/test_xla_presets.py starts a backend with each preset, so a flag that a
+options in every build; tests/test_runtime_xla_presets.py starts a backend with each preset, so a flag that a
 newer jaxlib drops fails CI). "measured" = tokens/s on one H200, 8B shape cut to 4 layers
 (benchmarks/presets.sh); one GPU has no collectives, so the collective flags' effect there is ~0 by
 construction and they stay for multi-GPU overlap (FSDP all-gathers / reduce-scatters behind compute).
@@ -23,7 +23,7 @@ import re
 import subprocess
 import sys
 
-from maxlm.runtime import backend_started
+from maxlm.runtime.env import backend_started
 
 PRESET_NAMES = ("auto", "none", "hopper", "blackwell")
 

@@ -54,7 +54,7 @@ EXIT_HUNG = 76  # after EX_TEMPFAIL (75, preempted): "try again", from the last 
 SAMPLES = 101  # the median is over the last SAMPLES step times (odd: one middle value)
 POLL_S = 1.0  # the thread wakes at least this often
 STACKS_WRITE_S = 10.0  # a stuck file system may be the hang: then the stacks go to stderr instead
-# JAX's heartbeat timeout while the watchdog is on (maxlm.distributed passes it): a stopped process is
+# JAX's heartbeat timeout while the watchdog is on (maxlm.runtime.distributed passes it): a stopped process is
 # then caught by the watchdog of the others, whose exit code the launcher acts on, not by JAX's abort
 # (with JAX's default, 100 s, the others aborted with exit 134 about 80 s after a peer was SIGSTOPped,
 # seen on CPU with tests/test_launch.py's hang test and the watchdog off).
@@ -181,7 +181,7 @@ class Watchdog:
       why = failed[0] if failed else f"no answer within {STACKS_WRITE_S:g} s"
       where = f"stderr (cannot write {path}: {why})"
       faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
-    prefix = getattr(sys.stderr, "prefix", "")  # `[process i/N host] ` (maxlm.process_output)
+    prefix = getattr(sys.stderr, "prefix", "")  # `[process i/N host] ` (maxlm.runtime.process_output)
     os.write(2, f"{prefix}{self.message(phase, taken, where)}\n".encode())
     _flush_stdout()
     self._exit(EXIT_HUNG)

@@ -22,10 +22,11 @@ import os
 import time
 from pathlib import Path
 
-from maxlm import compile_cache as cache_lib
-from maxlm import runtime, xla_presets
 from maxlm.config import Config
-from maxlm.plan_measure import apply_mem_fraction
+from maxlm.runtime import compile_cache as cache_lib
+from maxlm.runtime import env as runtime
+from maxlm.runtime import xla_presets
+from maxlm.runtime.env import apply_mem_fraction
 
 # Why train.deterministic keeps every compiled program (compile.min_compile_s=0): XLA's compiles of one program
 # are not bit-identical across processes: the autotuner times its candidate kernels and can pick another one in

@@ -1,5 +1,5 @@
-"""maxlm/runtime.py: XLA:CPU's thread pool for simulated devices (train.deterministic's settings are tested in
-tests/test_startup.py and tests/test_gpu.py)."""
+"""maxlm/runtime/env.py: XLA:CPU's thread pool for simulated devices (train.deterministic's settings are tested in
+tests/test_runtime_startup.py and tests/test_gpu.py)."""
 
 import os
 import subprocess
@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from maxlm import runtime
+from maxlm.runtime import env as runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,7 +69,7 @@ def test_nothing_is_set_once_the_backend_has_started():
 
 _THREADS_AFTER_START = """
 import os, sys
-from maxlm import runtime
+from maxlm.runtime import env as runtime
 runtime.size_cpu_pool()
 import jax, jax.numpy as jnp
 jax.jit(lambda x: x * 2)(jnp.ones(8)).block_until_ready()
@@ -92,3 +92,20 @@ def test_xla_starts_the_larger_pool():
   sized, minimal = threads(None), threads("1")
   assert sized[1] == str(max(os.cpu_count() or 1, 32))
   assert sized[0] - minimal[0] >= int(sized[1]) - 8, (sized, minimal)
+
+
+@pytest.mark.parametrize("env, value, gpu, expect, line", [
+    ({}, 0.0, True, "0.95", "auto on an NVIDIA GPU"),
+    ({}, 0.0, False, None, None),
+    ({}, 0.9, False, "0.9", "set"),
+    ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}, 0.0, True, None, None),
+    ({"XLA_CLIENT_MEM_FRACTION": "0.8"}, 0.9, True, "0.8", "your environment sets 0.8"),
+])
+def test_mem_fraction_before_the_backend(monkeypatch, env, value, gpu, expect, line):
+  for var in runtime.FRACTION_VARS:
+    monkeypatch.delenv(var, raising=False)
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  got = runtime.apply_mem_fraction(value, gpu)
+  assert os.environ.get("XLA_CLIENT_MEM_FRACTION") == expect
+  assert (got is None) == (line is None) and (line is None or line in got)

@@ -1,4 +1,4 @@
-"""maxlm.distributed: the launch found from SLURM / OpenMPI / explicit settings (environments written
+"""maxlm.runtime.distributed: the launch found from SLURM / OpenMPI / explicit settings (environments written
 here, as srun and mpirun set them), the `[process i/N host]` line prefix, the cross-process checks, and
 every fail-fast case of a multi-process start at the CLI (explicit mode on localhost: no launcher needed;
 the SLURM batch-shell case under a real SLURM is in tests/test_launch.py)."""
@@ -17,10 +17,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from maxlm import distributed
 from maxlm.config import ConfigError, DistributedConfig, load_config
-from maxlm.distributed import Launch, PrefixedStream, resolve
-from maxlm.devices import mesh_placement
+from maxlm.runtime import distributed
+from maxlm.runtime.devices import mesh_placement
+from maxlm.runtime.distributed import Launch, PrefixedStream, resolve
 
 # subprocess runs compile like the suite's own (conftest): XLA's CPU backend at optimization level 0
 FAST_CPU = "--xla_backend_optimization_level=0"

@@ -1,11 +1,11 @@
 """The config sections of the process and its tools (profiling, XLA flags, the planner, compilation and its
-cache); maxlm/config.py holds the model and run sections, the whole `Config`, and re-exports these."""
+cache); maxlm/config/__init__.py holds the model and run sections, the whole `Config`, and re-exports these."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from maxlm.config_schema import option
+from maxlm.config.schema import option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +20,7 @@ class ProfileConfig:
 
 @dataclasses.dataclass(frozen=True)
 class XlaConfig:
-  """XLA compiler flags: a preset (maxlm/xla_presets.py) merged under XLA_FLAGS before the backend starts."""
+  """XLA compiler flags: a preset (maxlm/runtime/xla_presets.py) merged under XLA_FLAGS before the backend starts."""
   preset: str = option("auto", "auto = hopper on H100/H200, blackwell on B200/B300, none on CPU and other GPUs "
                        "(from nvidia-smi); a flag you set in XLA_FLAGS wins over the preset's",
                        choices=("auto", "none", "hopper", "blackwell"))
@@ -32,7 +32,7 @@ class XlaConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-  """The memory planner (maxlm/plan.py, `maxlm plan`): it compiles the train step ahead of time for
+  """The memory planner (maxlm/plan/__init__.py, `maxlm plan`): it compiles the train step ahead of time for
   settings of the memory levers and reads XLA's memory analysis of each (nothing is allocated)."""
   mode: str = option("fit", "fit = on the GPUs at hand, keep the config when its measured peak fits, else plan as "
                      "auto; auto = before building, choose the fastest setting of plan.levers whose measured "
@@ -44,7 +44,7 @@ class PlanConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CompileConfig:
-  """JAX's persistent compilation cache (maxlm/compile_cache.py): compiled programs, and on a GPU XLA's
+  """JAX's persistent compilation cache (maxlm/runtime/compile_cache.py): compiled programs, and on a GPU XLA's
   autotuning results, kept on disk so that a restart, a resume or the next job of a sweep skips compiling."""
   cache: bool = option(True, "keep compiled programs on disk and reuse them (a restart finds its train step "
                        "compiled); false = compile everything every time")
@@ -55,5 +55,5 @@ class CompileConfig:
                                 "JAX's setting (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, else 1 s)",
                                 within="[0, 86400] or -1")
   warm_start: bool = option(True, "with the cache on, also keep the planner's decision and the serialized "
-                            "executables of the init and the train step (maxlm/warm_start.py), so that a restart "
+                            "executables of the init and the train step (maxlm/runtime/warm_start.py), so that a restart "
                             "of the same run skips planning, tracing and compiling (one process only)")

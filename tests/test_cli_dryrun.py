@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
+from maxlm.cli.dryrun import parse_flags, plan
+from maxlm.cli.train import main
 from maxlm.config import load_config
-from maxlm.dryrun import parse_flags, plan
 from maxlm.layers import PRECISIONS, RECIPES
-from maxlm.train import main
 
 # Llama 3 8B: d=4096, 32 layers, 32 heads / 8 kv heads of 128, ffn 14336, vocab 128256, untied.
 L8_LAYER = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336  # qkv, out, SwiGLU (3 matrices)
@@ -104,7 +104,7 @@ def test_fp8_sized_on_a_machine_without_fp8(capsys):
   code, out, _ = dry(capsys, "model.precision=fp8_delayed", "model.backend=te", "--json")
   p = json.loads(out)
   assert code == 0 and p["memory"]["per_device_bytes"]["fp8_meta"] == 2 * 4 * 3 * 1025 * 4
-  assert p["memory"]["fp8_meta_from"] == "the formula in maxlm/sizing.py"
+  assert p["memory"]["fp8_meta_from"] == "the formula in maxlm/plan/sizing.py"
   anywhere = [n for n in PRECISIONS if n not in RECIPES]  # bf16 (and fp16): no TE recipe, any device
   assert p["precision_here"] == {"supported": anywhere, "ok": False}
   _, out, _ = dry(capsys, "model.precision=fp8_delayed", "model.backend=te")

@@ -1,4 +1,4 @@
-"""Stand-ins for measuring a GPU's train step on XLA:CPU (maxlm/plan_measure.py, simulated devices): fused
+"""Stand-ins for measuring a GPU's train step on XLA:CPU (maxlm/plan/measure.py, simulated devices): fused
 attention's memory footprint in place of CPU attention's [B, H, T, T] scores, and bf16 kept as bf16 where
 XLA:CPU would compute it (and gather FSDP's weights) in f32. Measurements only: these programs are never run.
 """

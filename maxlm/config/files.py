@@ -7,13 +7,13 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from maxlm import config_schema as schema
-from maxlm.config_names import PEER_NAMES
-from maxlm.config_schema import CliText, ConfigError
+from maxlm.config import schema
+from maxlm.config.names import PEER_NAMES
+from maxlm.config.schema import CliText, ConfigError
 
 # The shipped configs live in the package (maxlm/configs/, package data in the wheel); the checkout's top-level
 # configs/ is a link to them. So `config=llama8b.yml` finds them from an installed package as from a checkout.
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"  # maxlm/configs
 MAX_BASE_DEPTH = 32
 
 

@@ -1,5 +1,5 @@
 """`[process i/N host]` at the start of every line a process prints (stdout, stderr and the logging
-handlers writing to them), so the merged log of N processes stays readable. `maxlm.distributed` turns it on
+handlers writing to them), so the merged log of N processes stays readable. `maxlm.runtime.distributed` turns it on
 for a multi-process run."""
 
 from __future__ import annotations

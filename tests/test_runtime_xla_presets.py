@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from maxlm import xla_presets
 from maxlm.config import ConfigError, load_config
-from maxlm.xla_presets import PRESETS, apply, detect_gpu, merge, preset_for, resolve
+from maxlm.runtime import xla_presets
+from maxlm.runtime.xla_presets import PRESETS, apply, detect_gpu, merge, preset_for, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 START_BACKEND = "import jax; print(jax.device_count())"
@@ -48,7 +48,7 @@ def test_presets_are_short_unique_xla_flags():
 def test_each_flag_has_a_comment_with_its_measured_effect():
   """Next to each flag (the comment lines right above it, or on its line) the module says what it does
   and its measured effect ("not measured yet" until measured)."""
-  lines = (ROOT / "maxlm" / "xla_presets.py").read_text().splitlines()
+  lines = (ROOT / "maxlm" / "runtime" / "xla_presets.py").read_text().splitlines()
   for flag in {f for flags in PRESETS.values() for f in flags}:
     for i, line in enumerate(lines):
       if f'"{flag}"' not in line:
@@ -163,7 +163,7 @@ def test_apply_after_the_backend_started_changes_nothing_and_says_so(monkeypatch
 def test_apply_runs_before_the_backend_reads_xla_flags(tmp_path):
   """In a fresh process: a preset's flag set by apply() is what the backend starts with (here the CPU
   device count, the one flag whose effect a CPU backend shows)."""
-  script = ("import os; from maxlm import xla_presets as x\n"
+  script = ("import os; from maxlm.runtime import xla_presets as x\n"
             "x.PRESETS['hopper'] = ('--xla_force_host_platform_device_count=3',)\n"
             "print(x.apply('hopper'))\n"
             "import jax; print(jax.device_count())\n")

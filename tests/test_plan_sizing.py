@@ -6,7 +6,7 @@ import time
 import pytest
 
 from maxlm.config import ConfigError, load_config
-from maxlm.sizing import check_fits, estimate, human_bytes
+from maxlm.plan.sizing import check_fits, estimate, human_bytes
 
 GiB = 2**30
 

@@ -21,7 +21,7 @@
   total: lower_bound + activations.
 
 `estimate(..., state=...)` takes params / optimizer / fp8_meta bytes per device measured elsewhere
-(`maxlm.dryrun` reads them off the abstract train state and its shardings) instead of the formulas.
+(`maxlm.cli.dryrun` reads them off the abstract train state and its shardings) instead of the formulas.
 
 Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x tensor
 degree (rounded up), the logits' batch by data x fsdp and their vocabulary by tensor (each rounded

@@ -38,17 +38,18 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from maxlm import warm_start
 from maxlm.config import Config, ConfigError, from_dict, to_dict
 from maxlm.data.packing import BATCH_KEYS
 from maxlm.layers import resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import LAG, make_optimizer
-from maxlm.plan_standins import GPU_DTYPE_OPTIONS, fused_attention_footprint, gpu_dot_dtypes
+from maxlm.plan.sizing import human_bytes
+from maxlm.plan.standins import GPU_DTYPE_OPTIONS, fused_attention_footprint, gpu_dot_dtypes
+from maxlm.runtime import warm_start
+from maxlm.runtime.env import GPU_FRACTION, XLA_DEFAULT_FRACTION, fraction_in_environment
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
-from maxlm.sizing import human_bytes
 from maxlm.step import make_train_step
 from maxlm.train_state import abstract_state
 
@@ -101,7 +102,7 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
     kept = True if gpu_dtypes else None
     if warm_start.active() and not fused_attention and not unrolled:
       # the trainer's own program (the same jit, shardings and arguments): kept, so that the run's start loads it
-      # instead of tracing it again (maxlm/warm_start.py)
+      # instead of tracing it again (maxlm/runtime/warm_start.py)
       compiled = warm_start.compiled("train_step", jitted, (structs, batch), warm_start.run_signature(cfg)).executable
     else:
       lowered = jitted.lower(structs, batch)
@@ -196,7 +197,7 @@ class Simulator:
 
   def _ask(self, line: str) -> dict:
     if self.proc is None:
-      self.proc = subprocess.Popen([sys.executable, "-m", "maxlm.plan_measure"], env=simulated_env(self.n),
+      self.proc = subprocess.Popen([sys.executable, "-m", "maxlm.plan.measure"], env=simulated_env(self.n),
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     self.proc.stdin.write(line + "\n")
     self.proc.stdin.flush()
@@ -215,11 +216,8 @@ class Simulator:
       self.proc = None
 
 
-MARGIN = 0.02  # of the usable memory, for fragmentation of XLA's pool (see maxlm/plan.py)
-GPU_FRACTION = 0.95  # xla.mem_fraction=auto on a GPU
-XLA_DEFAULT_FRACTION = 0.75
+MARGIN = 0.02  # of the usable memory, for fragmentation of XLA's pool (see maxlm/plan/__init__.py)
 DEFAULT_GPU = ("NVIDIA H200", int(139.87 * 2**30))  # what JAX reports of an H200: 104.9 GiB at 0.75
-FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # the new name, the old one
 
 
 @dataclasses.dataclass
@@ -259,34 +257,6 @@ class Target:
     frac = f" x xla.mem_fraction {self.fraction:g}" if self.fraction else ""
     return (f"{self.n_devices} x {self.kind}{self.assumed}: {human_bytes(self.device_bytes)}{frac} - {MARGIN:.0%} "
             f"= {human_bytes(self.usable)} usable per device; memory measured by XLA {how}")
-
-
-def fraction_in_environment() -> float | None:
-  for var in FRACTION_VARS:
-    if os.environ.get(var):
-      try:
-        return float(os.environ[var])
-      except ValueError:
-        raise ConfigError(f"{var}={os.environ[var]!r} is not a number") from None
-  return None
-
-
-def apply_mem_fraction(value: float, gpu: bool) -> str | None:
-  """xla.mem_fraction, before the backend starts: a line for the log, or None when nothing was set. A
-  fraction already in the environment wins; 0 (auto) means 0.95 on a GPU and nothing on CPU."""
-  have = fraction_in_environment()
-  if have is not None:
-    if value and value != have:
-      return f"xla.mem_fraction={value:g} not applied: your environment sets {have:g}"
-    return None
-  if not value and not gpu:
-    return None
-  why = "set" if value else ("auto on an NVIDIA GPU: XLA's default 0.75 leaves a quarter of the GPU unused "
-                             "(35 GiB of an H200, 20 GiB of an H100); the 5% left outside XLA's pool "
-                             "holds the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers")
-  value = value or GPU_FRACTION
-  os.environ[FRACTION_VARS[0]] = f"{value:g}"
-  return f"xla.mem_fraction={value:g} ({why}): {FRACTION_VARS[0]}={value:g}"
 
 
 def _local_memory(dev) -> int | None:

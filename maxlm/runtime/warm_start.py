@@ -1,7 +1,7 @@
 """What a restart reuses beyond JAX's compilation cache (`compile.warm_start`, on by default): the planner's
 decision and the serialized executables of the state's init and of the train step.
 
-Why. JAX's persistent cache (maxlm/compile_cache.py) skips XLA's compile, but its key is the lowered program,
+Why. JAX's persistent cache (maxlm/runtime/compile_cache.py) skips XLA's compile, but its key is the lowered program,
 so every start still traces and lowers: on the H200 a warm start of llama3.2-3b (28 unrolled layers) spent
 5.0 s tracing and lowering the step and 2.2 s loading it, 4.4 s tracing the init twice (benchmarks/
 init_profile.py), and with `plan.mode=fit` the planner's own trace of the step (benchmarks/results/
@@ -37,7 +37,7 @@ benchmarks/results/2026-12-04-startup_h200_fp8_warm_profile.txt).
 
 Only an executable XLA compiled in this process is kept, never one that JAX's persistent cache handed back: on
 XLA:CPU (jax 0.10.2) an executable loaded from that cache serializes without its kernels, and the entry then
-fails when run ("NOT_FOUND: Function broadcast_multiply_fusion not found"; tests/test_warm_start.py). So a
+fails when run ("NOT_FOUND: Function broadcast_multiply_fusion not found"; tests/test_runtime_warm_start.py). So a
 program that JAX's cache already holds (from a start before compile.warm_start, or after a change of maxlm's
 code that left the program the same) stays a JAX-cache hit, traced and lowered at each start, until JAX's entry
 is gone.
@@ -59,8 +59,8 @@ from typing import Any, Callable
 import jax
 from jax.experimental import serialize_executable
 
-from maxlm import compile_cache
 from maxlm.config import Config, to_dict
+from maxlm.runtime import compile_cache
 
 SUBDIR = "maxlm-warm"
 KEEP_OUT = ("output_dir", "run_name", "checkpoint", "profile", "compile", "train.log_every", "train.eval_every",
@@ -108,7 +108,7 @@ def run_signature(cfg: Config) -> dict:
 def _code() -> str:
   """A hash of every maxlm source file, in path order."""
   h = hashlib.sha256()
-  root = Path(__file__).resolve().parent
+  root = Path(__file__).resolve().parents[1]  # maxlm/
   for p in sorted(root.rglob("*.py")):
     h.update(str(p.relative_to(root)).encode())
     h.update(p.read_bytes())

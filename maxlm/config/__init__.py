@@ -2,7 +2,7 @@
 
 Every section is a frozen dataclass; a component receives only its own section. Each key declares
 its help and its allowed range or choices next to its definition (`option`, see
-`maxlm/config_schema.py`); one validation pass checks them all. Unknown keys, wrongly typed or
+`maxlm/config/schema.py`); one validation pass checks them all. Unknown keys, wrongly typed or
 out-of-range values and unreadable files raise `ConfigError` with a one-line message naming the
 key (and the closest valid key) or the file; `maxlm.train` turns that into exit code 2 before
 anything is written.
@@ -17,12 +17,12 @@ from typing import Any
 
 import yaml
 
-from maxlm import config_names
-from maxlm import config_schema as schema
-from maxlm.config_files import (  # noqa: F401 (CONFIG_DIR, load_yaml, parse_overrides: re-exported)
+from maxlm.config import names as config_names
+from maxlm.config import schema
+from maxlm.config.files import (  # noqa: F401 (CONFIG_DIR, load_yaml, parse_overrides: re-exported)
     CONFIG_DIR, load_yaml, parse_overrides, resolve_config_path, yaml_layers)
-from maxlm.config_schema import ConfigError, option
-from maxlm.config_sections import (  # the process and tool sections, re-exported
+from maxlm.config.schema import ConfigError, option
+from maxlm.config.sections import (  # the process and tool sections, re-exported
     CompileConfig, PlanConfig, ProfileConfig, XlaConfig)
 
 SEED_RANGE = "[0, 2**32-1]"  # jax.random.PRNGKey and Grain take 32-bit seeds
@@ -194,7 +194,7 @@ class TrainConfig:
                                "(costs some speed); the compilation cache keeps every program, so a restart "
                                "runs the same binaries")
   watchdog: str = option("auto", "end a process whose run stops making progress, with exit 76, which "
-                         "launch/slurm requeues (maxlm/watchdog.py); auto = for runs of several processes",
+                         "launch/slurm requeues (maxlm/runtime/watchdog.py); auto = for runs of several processes",
                          choices=("auto", "always", "never"))
   watchdog_factor: float = option(10.0, "watchdog: a phase may take this x the median step time (x the steps "
                                   "in flight)", within="[1, inf)")
@@ -223,7 +223,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-  """Several processes (jax.distributed; see maxlm/distributed.py and launch/README.md): found from
+  """Several processes (jax.distributed; see maxlm/runtime/distributed.py and launch/README.md): found from
   the launcher (SLURM srun, OpenMPI 4 mpirun) or set explicitly (any other launcher)."""
   mode: str = option("auto", "auto = initialize when launched by srun or mpirun (or when coordinator_address "
                      "is set); off = one process; slurm / mpi / explicit = insist on that source",

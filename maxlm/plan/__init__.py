@@ -4,7 +4,7 @@ Levers (each a plain config key; `plan.levers` lists those the planner may set):
 `train.grad_accum` (micro-batches at the same global batch), `optim.offload` (none | host) and
 `optim.state_dtype` (float32 | bfloat16). `candidates` lists their settings, fastest expected first;
 `search` walks that list and compiles the train step of each plausible one ahead of time on abstract
-shapes (maxlm/plan_measure.py: XLA's `memory_analysis()`, nothing allocated); the first whose measured peak
+shapes (maxlm/plan/measure.py: XLA's `memory_analysis()`, nothing allocated); the first whose measured peak
 fits the usable memory wins, so the choice is deterministic. `resolve` applies `plan.mode` for the trainer
 and the dry run: off = the config as written; auto = the search's choice; fit (the default) = on the GPUs at
 hand, the config as written when XLA measures it to fit, else the search's choice (each said in one line).
@@ -15,13 +15,13 @@ hand, the config as written when XLA measures it to fit, else the search's choic
   offloaded to the host, 4 micro-batches) measured 7.7k tokens/s against 9.6k (benchmarks/README.md).
   DeepSeek-V3 trained with bf16 moments "without observable performance degradation" (its report, sec. 3.3);
   `plan.levers` without optim.state_dtype keeps the config's dtype, and the plan line names the choice.
-* Pruning (the analytic model, maxlm/sizing.py, only prunes). A candidate is not compiled when the bytes
+* Pruning (the analytic model, maxlm/plan/sizing.py, only prunes). A candidate is not compiled when the bytes
   it certainly needs (params, gradients (twice when accumulating: the sum and a micro-batch's), logits,
   FP8 state, the moments unless offloaded) plus a share of sizing's rough activations exceed the usable
   memory. The share starts at one half, then is the least (measured - certain) / activations seen so far,
   at most 1: calibrated on XLA's own numbers, so that a big model compiles few candidates (4 for the 8B
   shape on one H200, 100 s).
-* Step time: maxlm/plan_time.py (an estimate, never measured).
+* Step time: maxlm/plan/cost.py (an estimate, never measured).
 * Usable memory: device memory x `xla.mem_fraction` (0.95 on a GPU by default; XLA's own default is 0.75),
   less a margin of 2%: XLA's estimate equalled the allocator's measured peak on the H200 (41.8 and 38.7 GB,
   benchmarks/README.md), and the margin covers fragmentation of XLA's memory pool.
@@ -37,12 +37,14 @@ import weakref
 
 import jax
 
-from maxlm import sizing, warm_start
 from maxlm.config import Config, ConfigError, load_config
-from maxlm.devices import device_memory_bytes
 from maxlm.layers import resolve_backend
-from maxlm.plan_measure import Target, fraction_in_environment, make_target
-from maxlm.plan_time import degrees, step_time
+from maxlm.plan import sizing
+from maxlm.plan.cost import degrees, step_time
+from maxlm.plan.measure import Target, make_target
+from maxlm.runtime import warm_start
+from maxlm.runtime.devices import device_memory_bytes
+from maxlm.runtime.env import fraction_in_environment
 
 # remat policies from the most kept to the least (what each keeps per layer: maxlm/layers remat_policy)
 REMAT_ORDER = ("none", "recompute_norm_act", "save_dots_attn", "save_dots", "save_qkv_attn", "save_attn", "full")
@@ -308,7 +310,7 @@ _LAST_HOW = ""  # what for_run did last (remember keeps it with the trainer), fo
 
 def resolve_kept(cfg: Config) -> tuple[Config, str | None]:
   """`resolve(cfg)` on the devices at hand, or the decision an earlier start of this run took on this machine
-  (compile.warm_start, maxlm/warm_start.py: the key holds the config, the code, the devices and the memory the
+  (compile.warm_start, maxlm/runtime/warm_start.py: the key holds the config, the code, the devices and the memory the
   planner counts as usable), which a decision taken now is kept as."""
   if cfg.plan.mode == "off" or (cfg.plan.mode != "auto" and not gpu_here()):
     return resolve(cfg)  # nothing measured: nothing to keep

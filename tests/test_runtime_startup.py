@@ -1,8 +1,8 @@
-"""maxlm/startup.py: `begin`, the one start sequence of the commands, and train.deterministic's cache rule.
+"""maxlm/runtime/startup.py: `begin`, the one start sequence of the commands, and train.deterministic's cache rule.
 
 Each run is a fresh process (the settings act before the backend starts), on CPU, with its own cache directory
 and the default compile.min_compile_s (JAX's 1 s, which most of a tiny model's programs compile under), and
-compile.warm_start=false: JAX's cache alone is under test (tests/test_warm_start.py has the warm start).
+compile.warm_start=false: JAX's cache alone is under test (tests/test_runtime_warm_start.py has the warm start).
 """
 
 import json
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from maxlm import startup
+from maxlm.runtime import startup
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",

@@ -1,4 +1,4 @@
-"""compile.warm_start (maxlm/warm_start.py): a restart of the same run loads the executables an earlier start
+"""compile.warm_start (maxlm/runtime/warm_start.py): a restart of the same run loads the executables an earlier start
 kept (and the planner's decision), runs exactly them, and misses whenever anything that decides the program
 changed.
 
@@ -17,8 +17,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from maxlm import plan, warm_start
+from maxlm import plan
 from maxlm.config import load_config
+from maxlm.runtime import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
@@ -171,7 +172,7 @@ def test_the_planners_decision_is_kept_and_reused(tmp_path, monkeypatch):
     plan.resolve_kept(load_config(TINY + ["plan.mode=auto", "data.seq_len=32"]))
     assert len(calls) == 2
     # the memory the planner counts as usable is in the key too (another xla.mem_fraction, another GPU)
-    from maxlm import plan_measure
+    from maxlm.plan import measure as plan_measure
     monkeypatch.setattr(plan_measure, "_local_memory", lambda dev: 2 ** 30)
     plan.resolve_kept(cfg)
     assert len(calls) == 3
@@ -193,7 +194,7 @@ def test_plan_mode_off_keeps_nothing(tmp_path, mode):
 def test_the_planners_compile_is_the_runs_train_step(tmp_path):
   """plan.mode=fit measures the configured step on the GPUs at hand by compiling it: that executable is kept
   under the trainer's key, so the run's start loads it instead of tracing and compiling the step again."""
-  from maxlm.plan_measure import compile_step
+  from maxlm.plan.measure import compile_step
   from maxlm.trainer import Trainer
 
   cfg = load_config([*TINY, "plan.mode=off", f"output_dir={tmp_path}", "data.global_batch_size=8"])  # 8 CPU devices

@@ -1,11 +1,11 @@
-"""The persistent compilation cache (maxlm/compile_cache.py), the startup breakdown (maxlm/startup.py) and
+"""The persistent compilation cache (maxlm/runtime/compile_cache.py), the startup breakdown (maxlm/runtime/startup.py) and
 `--compile-only`, in subprocesses on CPU: each run is a fresh process, as a restart is.
 
 The runs use their own cache directory (compile.cache_dir, which wins over the suite's JAX_COMPILATION_CACHE_DIR)
 and no JAX_COMPILATION_CACHE_MAX_SIZE, so maxlm's own file cache (atomic writes) is the one under test;
 compile.min_compile_s=0 keeps every program, however fast this machine compiles it. compile.warm_start=false:
 JAX's cache alone is under test here (a warm start would load the executables without asking it;
-tests/test_warm_start.py).
+tests/test_runtime_warm_start.py).
 """
 
 import json
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from maxlm import compile_cache
 from maxlm.config import CompileConfig, ConfigError
+from maxlm.runtime import compile_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",

@@ -1,4 +1,4 @@
-"""The planner's step-time estimate (it orders the candidates of maxlm/plan.py; never measured here).
+"""The planner's step-time estimate (it orders the candidates of maxlm/plan/__init__.py; never measured here).
 
 The step's FLOPs (maxlm.model.flops_per_step) plus what the remat policy recomputes (x RECOMPUTE_COST), at the
 device's bf16 peak x 0.57 (the MFU maxlm measured for the 8B shape on one H200: 563.5 of 989 TFLOP/s); FSDP and
@@ -9,12 +9,12 @@ bandwidth for `optim.offload=host`.
 
 from __future__ import annotations
 
-from maxlm import sizing
 from maxlm.config import Config
 from maxlm.mesh import mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
-from maxlm.plan_measure import Target
+from maxlm.plan import sizing
+from maxlm.plan.measure import Target
 
 MFU = 0.57  # measured on one H200 for the 8B shape (benchmarks/README.md)
 # What a recomputed FLOP costs against the step's average one, measured on one H200 for llama8b.yml (seq 8192,

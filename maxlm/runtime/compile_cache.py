@@ -1,6 +1,6 @@
 """JAX's persistent compilation cache, on by default (`compile:` in the config; docs/configuration.md).
 
-`configure(cfg.compile)` runs at process start, before the first compile (maxlm/runtime.py `start`). It sets
+`configure(cfg.compile)` runs at process start, before the first compile (maxlm/runtime/env.py `start`). It sets
 JAX's cache directory, and with it XLA's GPU autotuning cache (JAX's `jax_persistent_cache_enable_xla_caches`
 default puts the per-fusion autotune results, the GEMM algorithm choices among them, under
 `<dir>/xla_gpu_per_fusion_autotune_cache_dir`).
@@ -216,7 +216,7 @@ def human(n: int) -> str:
 
 def step_line(hit: bool, compile_s: float, loaded: bool = False, background_s: float | None = None) -> str:
   """The first step's cache line: whether the train step came from the cache (or, `loaded`, as an executable
-  kept by an earlier start: maxlm/warm_start.py, `background_s` when it was loaded ahead), the counts, the
+  kept by an earlier start: maxlm/runtime/warm_start.py, `background_s` when it was loaded ahead), the counts, the
   size on disk."""
   if not _active:
     return f"compilation cache off: the train step compiled in {compile_s:.1f} s"

@@ -11,7 +11,7 @@ seconds on a laptop CPU. The mesh is sized for this machine's devices, or for `-
 `--nodes M` (and `--device-memory-gb G` to compare against); the run's own checks (batch split over the
 data-parallel devices, config ranges, data files present) apply, so a bad config stops with one line and
 exit code 2. Parameters, optimizer state and FP8 metadata per device come from the abstract state's
-shards; gradients equal the parameters; logits and activations are `maxlm.sizing`'s formulas.
+shards; gradients equal the parameters; logits and activations are `maxlm.plan.sizing`'s formulas.
 """
 
 from __future__ import annotations
@@ -26,22 +26,23 @@ import jax
 from jax.sharding import AbstractMesh
 
 from maxlm import plan as planner
-from maxlm import sizing, xla_presets
 from maxlm.config import Config, ConfigError, DataConfig, load_config
 from maxlm.data import DataError
 from maxlm.data.readers import META_NAME, file_format, resolve_files, split_list
 from maxlm.data.shards import read_meta
 from maxlm.data.sources import resolve_type
+from maxlm.plan import sizing
+from maxlm.runtime import xla_presets
 from maxlm.layers import (PRECISIONS, RECIPES, PrecisionError, check_remat, precision_scope, resolve_backend,
                           supported_precisions)
 from maxlm.mesh import AXES, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import Transformer, count_params, flops_per_step
 from maxlm.optim import make_optimizer, warmup_warning
-from maxlm.plan_measure import apply_mem_fraction
+from maxlm.runtime.devices import device_memory_bytes
+from maxlm.runtime.env import apply_mem_fraction
 from maxlm.sharding import axis_rules
 from maxlm.train_state import abstract_state
-from maxlm.devices import device_memory_bytes
 from maxlm.trainer import check_batch_split
 
 FLAGS = ("--dry-run", "--json")
@@ -172,7 +173,7 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
       "flops": {"per_token": flops / tokens, "per_step": flops, "tokens_per_step": tokens,
                 "convention": "6 * matmul params * tokens + 12 * B * attended pairs * heads * head_dim * layers"},
       "memory": {"per_device_bytes": memory, "remat": m.remat,
-                 "fp8_meta_from": "the abstract state" if exact_meta else "the formula in maxlm/sizing.py"},
+                 "fp8_meta_from": "the abstract state" if exact_meta else "the formula in maxlm/plan/sizing.py"},
       "data": data_summary(d, t.steps),
       "precision_here": {"supported": here, "ok": m.precision in here},
   }
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     opts, words = parse_flags(argv)
     cfg = load_config(words)
     apply_mem_fraction(cfg.xla.mem_fraction, xla_presets.detect_gpu() is not None)  # as the trainer does
-    # the trainer's plan.mode, measured the same way (maxlm/plan.py): fit acts on the GPUs at hand only
+    # the trainer's plan.mode, measured the same way (maxlm/plan/__init__.py): fit acts on the GPUs at hand only
     cfg, chosen = planner.resolve(cfg, opts.get("devices"), opts.get("nodes"),
                                   int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None)
     local = "devices" not in opts and "nodes" not in opts

@@ -1,5 +1,12 @@
-"""AdamW with warmup + cosine / WSD / constant schedules, global-norm clipping and a decay mask; the moments
-stored in `optim.state_dtype` (the update math in float32 either way)."""
+"""AdamW with warmup + cosine / WSD / constant schedules, global-norm clipping and a decay mask; the first
+moment stored in `optim.mu_dtype`, the second in `optim.nu_dtype` (the update math in float32 either way).
+
+A bfloat16 moment is rounded from the float32 one the update computed, by `optim.moment_rounding`: nearest
+(even), which stalls a moment whose per-step change is below half a bf16 ulp (with b2 = 0.999 the second
+moment stops decaying 0.1% a step: it freezes), or stochastic (the default): up with probability equal to the
+fraction of an ulp cut off, so the stored moment is unbiased and keeps moving. Its random bits come from a
+hash of the Adam step count, the parameter's index and each element's index (`rounding_seed`,
+`random_bits16`): a resumed run draws the same bits, and nothing more is checkpointed."""
 
 from __future__ import annotations
 
@@ -53,7 +60,8 @@ def decay_mask(params, decay_norms_and_embeddings: bool):
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
-STATE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MOMENT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ROUNDING_SEED = 0x4D4C  # the stochastic rounding's fixed seed; its bits vary only with the step and the leaf
 # optim.offload=host: parameter i's moments enter device memory once those of parameter i - LAG are back in
 # host memory, so at most LAG parameters' moments are on the device at once, and a transfer in overlaps
 # the update of the parameter before it.
@@ -71,10 +79,67 @@ def _map_moments(state, fn):
   return jax.tree_util.tree_map(one, state, is_leaf=_is_adam)
 
 
-def _cast_moments(state, dtype):
-  """`state` with its Adam moments cast to `dtype` (the counts and the rest as they are)."""
-  cast = lambda tree: jax.tree_util.tree_map(lambda x: x.astype(dtype), tree)  # noqa: E731
-  return _map_moments(state, lambda mu, nu: (cast(mu), cast(nu)))
+def _cast_moments(state, mu_dtype, nu_dtype):
+  """`state` with its Adam moments cast to the dtypes (the counts and the rest as they are)."""
+  cast = lambda tree, dtype: jax.tree_util.tree_map(lambda x: x.astype(dtype), tree)  # noqa: E731
+  return _map_moments(state, lambda mu, nu: (cast(mu, mu_dtype), cast(nu, nu_dtype)))
+
+
+def _mix32(h):
+  """murmur3's 32-bit finalizer: a bijection of uint32 in which every output bit depends on every input bit."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def rounding_seed(count, leaf: int, moment: int):
+  """The stochastic rounding's seed (a uint32) for leaf `leaf` (its index among the parameters) of moment
+  `moment` (0 = mu, 1 = nu) at Adam's step `count`: a hash of the three, so from the state alone."""
+  h = _mix32(jnp.uint32(ROUNDING_SEED) ^ jnp.asarray(count).astype(jnp.uint32))
+  return _mix32(_mix32(h ^ jnp.uint32(leaf)) ^ jnp.uint32(moment))
+
+
+def random_bits16(seed, shape: tuple[int, ...]):
+  """One uniform 16-bit number (as uint32) per element of `shape`: the hash of `seed` and the element's index,
+  one dimension at a time (no index wraps at 2**32 elements; XLA partitions iota, so each shard computes its
+  own elements, the same bits on any mesh). Elementwise integer arithmetic only: it fuses with the moment
+  update and allocates nothing (jax.random's threefry runs as a loop on CPU, holding its state per element)."""
+  h = jnp.broadcast_to(jnp.asarray(seed, jnp.uint32), shape)
+  for d in range(len(shape)):  # odd multiplier: distinct indices stay distinct before each (bijective) mix
+    h = _mix32(h ^ (jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(0x9E3779B9)))
+  return h >> 16
+
+
+def stochastic_round_bf16(x, seed):
+  """float32 `x` rounded to bfloat16 stochastically with the bits of `seed` (random_bits16): up (away from
+  zero) with probability equal to the fraction of a bf16 ulp that truncation cuts off, else down, so
+  E[result] = x (for |x| up to bf16's largest finite value; beyond it the result may be inf, as round to
+  nearest gives). Uniform 16-bit numbers are added to the low 16 bits of the float32 pattern, which carry into
+  the kept bits exactly when they exceed the cut-off fraction, and the low bits are dropped. inf and nan are
+  rounded to nearest (the addition could turn a nan into inf, or carry it into the sign bit)."""
+  x = x.astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  high = ((bits + random_bits16(seed, x.shape)) >> 16).astype(jnp.uint16)  # the kept half: a bf16 pattern
+  return jnp.where(jnp.isfinite(x), jax.lax.bitcast_convert_type(high, jnp.bfloat16), x.astype(jnp.bfloat16))
+
+
+def _round(x, dtype, stochastic: bool, count, leaf: int, moment: int):
+  """Float32 moment `x` (leaf `leaf` of moment `moment`) in its storage dtype."""
+  if dtype != jnp.bfloat16 or not stochastic:
+    return x.astype(dtype)
+  return stochastic_round_bf16(x, rounding_seed(count, leaf, moment))
+
+
+def _store_moments(state, mu_dtype, nu_dtype, stochastic: bool):
+  """`state` (float32 moments, just updated) with its moments rounded to their storage dtypes."""
+  count = _adam(state).count
+
+  def store(tree, dtype, moment):
+    flat, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef.unflatten([_round(x, dtype, stochastic, count, i, moment) for i, x in enumerate(flat)])
+  return _map_moments(state, lambda mu, nu: (store(mu, mu_dtype, 0), store(nu, nu_dtype, 1)))
 
 
 def _adam(state) -> optax.ScaleByAdamState:
@@ -89,12 +154,13 @@ def _only(treedef, i: int, x):
   return treedef.unflatten([x if j == i else None for j in range(treedef.num_leaves)])
 
 
-def _streamed_update(inner, dtype, updates, state, params):
+def _streamed_update(inner, dtypes, stochastic, updates, state, params):
   """`inner.update` with its moments in host memory, one parameter at a time (see LAG): each parameter's
   moments come into device memory, are upcast, updated by `inner` on a tree holding only that parameter
-  (None elsewhere: Adam is elementwise, so its update is the whole-tree one), rounded to `dtype` and sent
-  back. The first transfers wait for every gradient, so nothing of the state is on the device before the
-  backward pass is done. The counts and the rest of the state make the round trip whole (a few scalars)."""
+  (None elsewhere: Adam is elementwise, so its update is the whole-tree one), rounded to their `dtypes` (as
+  `_store_moments` rounds them: the same leaf index, the same bits) and sent back. The first transfers wait
+  for every gradient, so nothing of the state is on the device before the backward pass is done. The counts
+  and the rest of the state make the round trip whole (a few scalars)."""
   treedef = jax.tree_util.tree_structure(updates)
   flat = treedef.flatten_up_to
   adam = _adam(state)
@@ -113,27 +179,31 @@ def _streamed_update(inner, dtype, updates, state, params):
                           _only(treedef, i, ps[i]))
     out_u.append(flat(u)[i])
     new_adam = _adam(new)
-    out_mu.append(to_host_memory(flat(new_adam.mu)[i].astype(dtype)))
-    out_nu.append(to_host_memory(flat(new_adam.nu)[i].astype(dtype)))
+    out_mu.append(to_host_memory(_round(flat(new_adam.mu)[i], dtypes[0], stochastic, new_adam.count, i, 0)))
+    out_nu.append(to_host_memory(_round(flat(new_adam.nu)[i], dtypes[1], stochastic, new_adam.count, i, 1)))
   new = to_host_memory(_map_moments(new, lambda mu, nu: (None, None)))
   moments = (treedef.unflatten(out_mu), treedef.unflatten(out_nu))
   return treedef.unflatten(out_u), _map_moments(new, lambda *_: moments)
 
 
-def with_moment_dtype(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
-  """`inner` (AdamW: one Adam state, elementwise) with its moments stored in `dtype` and updated in
-  float32: each update upcasts them (exact), runs `inner`, and rounds the new moments to `dtype` (round to
-  nearest even, as every JAX cast). The state's tree is `inner`'s: only the moments' dtype differs. With
-  float32 moments the casts are no-ops and the state and updates are `inner`'s, bit for bit. A state in
-  host memory (optim.offload=host) is streamed through the device one parameter at a time."""
+def with_moment_dtype(inner: optax.GradientTransformation, mu_dtype, nu_dtype=None,
+                      stochastic: bool = False) -> optax.GradientTransformation:
+  """`inner` (AdamW: one Adam state, elementwise) with its first moment stored in `mu_dtype`, its second in
+  `nu_dtype` (default: `mu_dtype`), and both updated in float32: each update upcasts them (exact), runs
+  `inner`, and rounds the new moments to their dtypes (to nearest even, or with `stochastic` stochastically:
+  `stochastic_round_bf16`). The state's tree is `inner`'s: only the moments' dtypes differ. With float32
+  moments the casts are no-ops and the state and updates are `inner`'s, bit for bit. A state in host
+  memory (optim.offload=host) is streamed through the device one parameter at a time, rounded the same way."""
+  nu_dtype = mu_dtype if nu_dtype is None else nu_dtype
+
   def init(params):
-    return _cast_moments(inner.init(params), dtype)
+    return _cast_moments(inner.init(params), mu_dtype, nu_dtype)
 
   def update(updates, state, params=None):
     if in_host_memory(state):
-      return _streamed_update(inner, dtype, updates, state, params)
-    new_updates, new_state = inner.update(updates, _cast_moments(state, jnp.float32), params)
-    return new_updates, _cast_moments(new_state, dtype)
+      return _streamed_update(inner, (mu_dtype, nu_dtype), stochastic, updates, state, params)
+    new_updates, new_state = inner.update(updates, _cast_moments(state, jnp.float32, jnp.float32), params)
+    return new_updates, _store_moments(new_state, mu_dtype, nu_dtype, stochastic)
   return optax.GradientTransformation(init, update)
 
 
@@ -144,5 +214,6 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTr
     parts.append(optax.clip_by_global_norm(cfg.clip_grad_norm))
   adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                       mask=lambda p: decay_mask(p, cfg.decay_norms_and_embeddings))
-  parts.append(with_moment_dtype(adamw, STATE_DTYPES[cfg.state_dtype]))
+  parts.append(with_moment_dtype(adamw, MOMENT_DTYPES[cfg.mu_dtype], MOMENT_DTYPES[cfg.nu_dtype],
+                                 stochastic=cfg.moment_rounding == "stochastic"))
   return optax.chain(*parts), schedule

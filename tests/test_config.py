@@ -9,9 +9,10 @@ import typing
 
 import pytest
 
-from maxlm.config import (CHOICES, CONFIG_DIR, Config, ConfigError, dump_yaml, help_text, load_config,
-                          load_yaml, validate)
+from maxlm.config import (CHOICES, CONFIG_DIR, Config, ConfigError, dump_yaml, from_dict, help_text, load_config,
+                          load_yaml, to_dict, validate)
 from maxlm.model import count_params
+from maxlm.train import main as train_main
 
 SECTIONS = ("model", "data", "optim", "mesh", "train", "checkpoint")
 
@@ -437,3 +438,31 @@ def test_run_name_defaults_to_the_config_file_name(tmp_path):
   assert load_config([f"config={child}"]).run_name == "kept"  # set by its base file
   (tmp_path / "plain.yaml").write_text("train.steps: 3\n")
   assert load_config([f"config={tmp_path / 'plain.yaml'}"]).run_name == "plain"
+
+
+def test_the_replaced_state_dtype_names_the_two_moment_keys(tmp_path, capsys):
+  """optim.state_dtype (one dtype for both Adam moments) became optim.mu_dtype and optim.nu_dtype: the old key,
+  on the command line or in a file, is one line naming the new ones (exit 2 from the trainer, nothing
+  written); MaxText's mu_dtype points at optim.mu_dtype."""
+  want = ("config key 'optim.state_dtype' was replaced: the two Adam moments have their own keys, optim.mu_dtype "
+          "and optim.nu_dtype (state_dtype=bfloat16 was optim.mu_dtype=bfloat16 optim.nu_dtype=bfloat16)")
+  assert expect_error(["optim.state_dtype=bfloat16"]) == want
+  f = tmp_path / "old.yml"
+  f.write_text("optim:\n  state_dtype: bfloat16\n")
+  assert expect_error([f"config={f}"]) == f"config file '{f}': {want}"
+  assert expect_error(["mu_dtype=bfloat16"]).endswith("(did you mean 'optim.mu_dtype'?)")
+  out = tmp_path / "runs"
+  assert train_main([f"output_dir={out}", "optim.state_dtype=float32"]) == 2
+  err = capsys.readouterr().err
+  assert err == f"maxlm: error: {want}\n" and not out.exists()
+
+
+def test_an_older_runs_resolved_config_reads_state_dtype_as_both_moments():
+  """A run's config.yml or a checkpoint's config item written before the split holds optim.state_dtype:
+  from_dict reads it as the same dtype for both moments, rounded to nearest as those runs were."""
+  old = to_dict(load_config([]))
+  old["optim"] = {k: v for k, v in old["optim"].items() if k not in ("mu_dtype", "nu_dtype", "moment_rounding")}
+  old["optim"]["state_dtype"] = "bfloat16"
+  o = from_dict(old).optim
+  assert (o.mu_dtype, o.nu_dtype, o.moment_rounding) == ("bfloat16", "bfloat16", "nearest")
+  assert from_dict(to_dict(load_config(["optim.mu_dtype=bfloat16"]))).optim.moment_rounding == "stochastic"

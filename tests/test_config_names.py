@@ -17,7 +17,7 @@ def test_every_peer_name_points_at_a_key():
 @pytest.mark.parametrize("typed,meant", [
     # MaxText
     ("learning_rate", "optim.learning_rate"), ("per_device_batch_size", "data.global_batch_size"),
-    ("max_target_length", "data.seq_len"), ("remat_policy", "model.remat"), ("mu_dtype", "optim.state_dtype"),
+    ("max_target_length", "data.seq_len"), ("remat_policy", "model.remat"), ("mu_dtype", "optim.mu_dtype"),
     ("ici_fsdp_parallelism", "mesh.fsdp"), ("base_num_decoder_layers", "model.n_layers"),
     # torchtitan (its sections, dotted as in its TOML)
     ("optimizer.lr", "optim.learning_rate"), ("training.max_norm", "optim.clip_grad_norm"),

@@ -216,7 +216,7 @@ OFFLOAD_RUN = ["model.backend=flax", "model.d_model=64", "model.n_heads=4", "mod
                "checkpoint.async_save=false"]
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])  # both moments' (bfloat16: stochastic rounding)
 def test_offloaded_optimizer_state_steps_bit_identical(tmp_path, state_dtype):
   """optim.offload=host on the GPU: the compiled step takes the optimizer state from host memory and
   returns it there (XLA's host argument bytes), and three steps give every array bit-identical to the
@@ -231,7 +231,8 @@ def test_offloaded_optimizer_state_steps_bit_identical(tmp_path, state_dtype):
               "positions": np.tile(np.arange(64, dtype=np.int32), (4, 1))} for t in toks]
   out = {}
   for offload in ("none", "host"):
-    cfg = load_config(OFFLOAD_RUN + [f"optim.offload={offload}", f"optim.state_dtype={state_dtype}",
+    cfg = load_config(OFFLOAD_RUN + [f"optim.offload={offload}", f"optim.mu_dtype={state_dtype}",
+                                     f"optim.nu_dtype={state_dtype}",
                                      f"output_dir={tmp_path}", f"run_name={offload}"])
     t = Trainer(cfg)
     t.build()

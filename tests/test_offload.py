@@ -5,6 +5,7 @@ non-finite step, and give the on-device run's parameters and moments."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from maxlm import step as step_lib
@@ -75,10 +76,13 @@ def _batches(n):
   return out
 
 
-def _run(offload, state_dtype, batches):
-  """(final state as numpy, per-step finite flags, opt_state memory kinds after each step)."""
+def _run(offload, moments, batches):
+  """(final state as numpy, per-step finite flags, opt_state memory kinds after each step); `moments`: the
+  optimizer's mu_dtype, nu_dtype and moment_rounding."""
   model = Transformer(MODEL)
-  opt, sched = make_optimizer(OptimConfig(warmup_steps=0, learning_rate=1e-2, state_dtype=state_dtype), 10)
+  mu, nu, rounding = moments
+  opt, sched = make_optimizer(OptimConfig(warmup_steps=0, learning_rate=1e-2, mu_dtype=mu, nu_dtype=nu,
+                                          moment_rounding=rounding), 10)
 
   def scope():
     return jax.set_mesh(MESH)
@@ -95,10 +99,13 @@ def _run(offload, state_dtype, batches):
   return jax.tree.map(np.asarray, state), finite, kinds
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
-def test_offloaded_steps_match_the_device_run(state_dtype, monkeypatch):
+@pytest.mark.parametrize("moments", [("float32", "float32", "stochastic"), ("bfloat16", "bfloat16", "stochastic"),
+                                     ("bfloat16", "float32", "nearest")], ids=["fp32", "bf16-sr", "bf16mu-nearest"])
+def test_offloaded_steps_match_the_device_run(moments, monkeypatch):
   """Three jitted train steps (the second's loss poisoned: skipped) with the optimizer state in host memory,
-  against the same steps with it on the device. Parameters, moments and counters are bit-identical."""
+  against the same steps with it on the device. Parameters, moments and counters are bit-identical: the
+  streamed update rounds each parameter's moments with the same bits (stochastic rounding) as the whole-tree
+  one."""
   batches = _batches(3)
   poison = int(batches[1]["targets"].sum())
   original = step_lib.token_losses
@@ -107,11 +114,14 @@ def test_offloaded_steps_match_the_device_run(state_dtype, monkeypatch):
     loss, n = original(logits, targets, mask)
     return loss + jnp.where(jnp.sum(targets) == poison, jnp.nan, 0.0), n
   monkeypatch.setattr(step_lib, "token_losses", poisoned)
-  ref, ref_finite, ref_kinds = _run("none", state_dtype, batches)
-  got, finite, kinds = _run("host", state_dtype, batches)
+  ref, ref_finite, ref_kinds = _run("none", moments, batches)
+  got, finite, kinds = _run("host", moments, batches)
   assert ref_finite == finite == [True, False, True]
   assert ref_kinds == [{"device"}] * 3 and kinds == [{"pinned_host"}] * 3
-  assert {x.dtype for x in jax.tree_util.tree_leaves(got.opt_state) if x.ndim} == {jnp.dtype(state_dtype)}
+  is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)
+  (adam,) = [s for s in jax.tree_util.tree_leaves(got.opt_state, is_leaf=is_adam) if is_adam(s)]
+  for tree, dtype in ((adam.mu, moments[0]), (adam.nu, moments[1])):
+    assert {x.dtype for x in jax.tree_util.tree_leaves(tree)} == {jnp.dtype(dtype)}
   flat = jax.tree_util.tree_flatten_with_path(ref)[0]
   for (path, a), b in zip(flat, jax.tree_util.tree_leaves(got), strict=True):
     assert a.dtype == b.dtype and np.array_equal(a, b), jax.tree_util.keystr(path)

@@ -1,9 +1,11 @@
-"""Checkpoints across the optimizer-state levers (optim.state_dtype, optim.offload, maxlm/optim.py and
-maxlm/offload.py): a checkpoint of a run with bfloat16 moments in host memory resumes under the plain
-config (float32 moments on the device), and the reverse. The layout is the same (leaf paths and shapes);
-the moments are read as saved, their checksums verified, then cast (float32 -> bfloat16 rounds to
-nearest even, bfloat16 -> float32 is exact) into the memory the resuming run keeps them in; the next
-step runs."""
+"""Checkpoints across the optimizer-state levers (optim.mu_dtype, optim.nu_dtype, optim.moment_rounding,
+optim.offload; maxlm/optim.py and maxlm/offload.py): a checkpoint written under each moment setting (float32
+moments on the device; MaxText's bfloat16 mu with a float32 nu; bfloat16 moments, stochastically rounded, in
+host memory) resumes under each of the others. The layout is the same (leaf paths and shapes); the moments are
+read as saved, their checksums verified, then cast (float32 -> bfloat16 rounds to nearest even, bfloat16 ->
+float32 is exact) into the memory the resuming run keeps them in; the next step runs."""
+
+import shutil
 
 import jax
 import numpy as np
@@ -26,8 +28,13 @@ SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.hea
          "model.n_layers=1", "model.vocab_size=128", "model.remat=none", "data.type=synthetic",
          "data.seq_len=16", "data.global_batch_size=8", "optim.warmup_steps=0", "train.log_every=1",
          "train.eval_every=0", "checkpoint.enabled=true", "model.backend=flax", "run_name=r"]
-PLAIN = ["optim.state_dtype=float32", "optim.offload=none"]
-LEVERS = ["optim.state_dtype=bfloat16", "optim.offload=host"]
+SETTINGS = {
+    "fp32": ["optim.mu_dtype=float32", "optim.nu_dtype=float32", "optim.offload=none"],
+    "bf16mu": ["optim.mu_dtype=bfloat16", "optim.nu_dtype=float32", "optim.moment_rounding=nearest",
+               "optim.offload=none"],
+    "bf16-sr-host": ["optim.mu_dtype=bfloat16", "optim.nu_dtype=bfloat16", "optim.moment_rounding=stochastic",
+                     "optim.offload=host"],
+}
 BF16 = np.dtype(jax.numpy.bfloat16)
 
 
@@ -59,27 +66,42 @@ def _leaves(state) -> dict:
   return {jax.tree_util.keystr(p): x for p, x in flat}
 
 
-@pytest.mark.parametrize("saved_with,resumed_with", [(PLAIN, LEVERS), (LEVERS, PLAIN)], ids=["to-levers", "to-plain"])
-def test_checkpoint_resumes_across_state_dtype_and_offload(tmp_path, saved_with, resumed_with):
-  args = SMALL + [f"output_dir={tmp_path}"]
-  assert main(args + saved_with + ["train.steps=2"]) == 0
-  # the reference: the checkpoint resumed under the config that wrote it (every array as saved, checksums
-  # verified; tests/test_checkpoint*.py), moments cast here
-  saved = {k: np.asarray(x) for k, x in _leaves(_resumed(args + saved_with + ["train.steps=3"]).state).items()}
-  t = _resumed(args + resumed_with + ["train.steps=3"])
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """{setting: (its run's output_dir after 2 steps, the state its checkpoint restores to under the setting
+  that wrote it, as numpy)}: the reference, every array as saved, checksums verified (tests/test_checkpoint*.py)."""
+  out = {}
+  for name, levers in SETTINGS.items():
+    root = tmp_path_factory.mktemp(name)
+    args = SMALL + [f"output_dir={root}"] + levers
+    assert main(args + ["train.steps=2"]) == 0
+    out[name] = (root, {k: np.asarray(x) for k, x in _leaves(_resumed(args + ["train.steps=3"]).state).items()})
+  return out
+
+
+PAIRS = [(a, b) for a in SETTINGS for b in SETTINGS if a != b]
+
+
+@pytest.mark.parametrize("saved_with,resumed_with", PAIRS, ids=[f"{a}-to-{b}" for a, b in PAIRS])
+def test_checkpoint_resumes_across_moment_dtypes_and_offload(tmp_path, saved, saved_with, resumed_with):
+  root, reference = saved[saved_with]
+  shutil.copytree(root, tmp_path / "out")
+  levers = SETTINGS[resumed_with]
+  t = _resumed(SMALL + [f"output_dir={tmp_path / 'out'}"] + levers + ["train.steps=3"])
   got = _leaves(t.state)
-  assert got.keys() == saved.keys()
-  bf16 = "optim.state_dtype=bfloat16" in resumed_with
+  assert got.keys() == reference.keys()
+  dtypes = {".mu[": "optim.mu_dtype=bfloat16" in levers, ".nu[": "optim.nu_dtype=bfloat16" in levers}
+  host = "optim.offload=host" in levers
   moments = [k for k in got if ".mu[" in k or ".nu[" in k]
   assert moments and int(got[".step"]) == 2
   for k, x in got.items():
-    want = saved[k]
+    want = reference[k]
     assert x.shape == want.shape, k
     if k in moments:
+      bf16 = dtypes[".mu[" if ".mu[" in k else ".nu["]
       assert x.dtype == (BF16 if bf16 else np.float32), k
-      assert x.sharding.memory_kind == ("pinned_host" if bf16 else "device"), k
+      assert x.sharding.memory_kind == ("pinned_host" if host else "device"), k
       want = _round_bf16(want) if bf16 else want.astype(np.float32)  # bf16 -> f32 is exact
     assert np.array_equal(np.asarray(x, np.float32) if k in moments else np.asarray(x), want), k
   t.state, m = t.train_step(t.state, t.to_device(next(t.train_data)))
   assert bool(m["finite"]) and int(t.state.step) == 3
-

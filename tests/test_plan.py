@@ -71,7 +71,8 @@ def test_cli_table_chooses_the_lever_that_fits(reference, capsys):
   assert len(rows) == 2  # accumulation 1 (too big), then 2 (fits): both compiled, in that order
   assert rows[0].startswith("  ") and rows[0].split()[:3] == ["1", "none", "1"] and "too big" in rows[0]
   assert rows[1].startswith("* ") and rows[1].split()[1:4] == ["2", "none", "2"] and rows[1].endswith("fits")
-  assert "chosen: model.remat=none train.grad_accum=2 optim.offload=none optim.state_dtype=float32" in out
+  assert ("chosen: model.remat=none train.grad_accum=2 optim.offload=none optim.mu_dtype=float32 "
+          "optim.nu_dtype=float32") in out
   assert "8 x cpu" in out and "measured by XLA on the devices at hand" in out
 
 
@@ -84,7 +85,8 @@ def test_trainer_and_dry_run_apply_the_plan(reference, tmp_path, monkeypatch, ca
   assert tr.cfg.train.grad_accum == 2 and cfg.train.grad_accum == 1
   out = capsys.readouterr().out.splitlines()
   assert len(out) == 1 and out[0].startswith(
-      "maxlm: plan: model.remat=none, train.grad_accum=2, optim.offload=none, optim.state_dtype=float32 (peak "
+      "maxlm: plan: model.remat=none, train.grad_accum=2, optim.offload=none, optim.mu_dtype=float32, "
+      f"optim.nu_dtype=float32 (peak "
       f"{plan.sizing.human_bytes(reference[2])} of ")
   assert out[0].endswith("usable per device; measured by XLA on the devices at hand; 2 compiled, 0 not)")
   code = train_main(["--dry-run", "--json", *auto])
@@ -202,14 +204,17 @@ def test_search_is_deterministic_and_compiles_only_what_it_must():
   assert seen[len(first):] == first and [r.overrides for r in p1.rows] == [r.overrides for r in p2.rows]
   assert p1.chosen is not None and p1.chosen.overrides == p2.chosen.overrides
   order = [r.overrides for r in p1.rows]
-  assert len(order) == 6 * 2 * 2 * 2  # remat (Flax: 6) x accumulation 1, 2 x offload x moment dtype
-  # fastest estimate first; on a tie the float32 moments first (bfloat16 rounds them)
+  assert len(order) == 6 * 2 * 2 * 3  # remat (Flax: 6) x accumulation 1, 2 x offload x (mu, nu) dtypes
+  moments = ("optim.mu_dtype", "optim.nu_dtype")
+  assert {tuple(o[k] for k in moments) for o in order} == {("float32", "float32"), ("bfloat16", "float32"),
+                                                          ("bfloat16", "bfloat16")}  # no bf16 nu with fp32 mu
+  # fastest estimate first; on a tie the fewer bfloat16 moments first (they are rounded): fp32, bf16 mu, both
   times = [plan.step_time(plan.apply(cfg, o), target)["total_s"] for o in order]
   assert all(round(a, 9) <= round(b, 9) for a, b in zip(times, times[1:]))
   for a, b, ta, tb in zip(order, order[1:], times, times[1:]):
-    if round(ta, 9) == round(tb, 9) and {k: v for k, v in a.items() if k != "optim.state_dtype"} == {
-        k: v for k, v in b.items() if k != "optim.state_dtype"}:
-      assert (a["optim.state_dtype"], b["optim.state_dtype"]) == ("float32", "bfloat16")
+    if round(ta, 9) == round(tb, 9) and {k: v for k, v in a.items() if k not in moments} == {
+        k: v for k, v in b.items() if k not in moments}:
+      assert sum(a[k] == "bfloat16" for k in moments) < sum(b[k] == "bfloat16" for k in moments)
   i = order.index(p1.chosen.overrides)
   assert p1.chosen.status == "fits" and p1.chosen.measured <= target.usable
   assert all(r.status in ("too big", "pruned") for r in p1.rows[:i])
@@ -243,7 +248,8 @@ def test_lever_values_split_the_batch_and_stay_in_plan_levers():
   cfg = load_config(["model.backend=flax", "data.global_batch_size=24", "plan.levers=train.grad_accum,model.remat"])
   v = plan.lever_values(cfg, fake_target(2**30), "flax")
   assert v["train.grad_accum"] == (1,)  # 24 rows over 8 devices: halves (12 rows) no longer split evenly
-  assert v["optim.offload"] == ("none",) and v["optim.state_dtype"] == ("float32",)  # not in plan.levers
+  assert v["optim.offload"] == ("none",) and v["optim.mu_dtype"] == v["optim.nu_dtype"] == ("float32",)  # not in
+  # plan.levers
   assert "recompute_norm_act" not in v["model.remat"] and v["model.remat"][0] == "none"
   cfg = load_config(["data.global_batch_size=64"])
   assert plan.lever_values(cfg, fake_target(2**30), "te")["train.grad_accum"] == (1, 2, 4, 8)

@@ -59,7 +59,7 @@ def test_mesh_degrees_divide_the_right_parts():
 def test_dtypes_and_micro_batch():
   cfg = load_config(["train.grad_accum=4", "model.param_dtype=bfloat16", "model.dtype=float32"])
   est = estimate(cfg, 1)
-  # moments in optim.state_dtype, float32 by default, whatever the params' dtype
+  # moments in optim.mu_dtype / nu_dtype, float32 by default, whatever the params' dtype
   assert est["params"] == 2 * TINY_PARAMS and est["optimizer"] == 2 * 4 * TINY_PARAMS
   assert est["logits"] == (8 // 4) * 128 * 8192 * 4  # micro-batch of 2 rows; fp32 logits, no second copy
 
@@ -151,18 +151,21 @@ def test_chunked_loss_holds_one_chunk_of_logits():
 
 
 def test_optimizer_state_dtype_and_host_offload():
-  """optim.state_dtype=bfloat16: 2 moments x 2 bytes per parameter; optim.offload=host: none of it on the
+  """optim.mu_dtype=bfloat16: 2 + 4 bytes per parameter, with optim.nu_dtype=bfloat16 2 + 2; optim.offload=host:
+  none of it on the
   device (lower_bound and total drop by it) and all of it in the `host` term. Llama 3 8B on one device: the
   issue's 29.9 GiB of fp32 params, 29.9 of grads and 59.8 of fp32 moments."""
   base = load_config(["config=llama8b", "mesh.fsdp=1"])
   est = estimate(base, 1)
   assert est["optimizer"] == 8 * L8_PARAMS and est["host"] == 0 and est["params"] == est["gradients"] == 4 * L8_PARAMS
   assert human_bytes(est["optimizer"]) == "59.8 GiB" and human_bytes(est["params"]) == "29.9 GiB"
-  bf16 = estimate(with_(base, optim={"state_dtype": "bfloat16"}), 1)
+  mu16 = estimate(with_(base, optim={"mu_dtype": "bfloat16"}), 1)
+  assert mu16["optimizer"] == 6 * L8_PARAMS and mu16["lower_bound"] == est["lower_bound"] - 2 * L8_PARAMS
+  bf16 = estimate(with_(base, optim={"mu_dtype": "bfloat16", "nu_dtype": "bfloat16"}), 1)
   assert bf16["optimizer"] == 4 * L8_PARAMS and bf16["host"] == 0
   assert bf16["lower_bound"] == est["lower_bound"] - 4 * L8_PARAMS
   for dtype, nbytes in (("float32", 8), ("bfloat16", 4)):
-    off = estimate(with_(base, optim={"state_dtype": dtype, "offload": "host"}), 1)
+    off = estimate(with_(base, optim={"mu_dtype": dtype, "nu_dtype": dtype, "offload": "host"}), 1)
     assert off["optimizer"] == 0 and off["host"] == nbytes * L8_PARAMS
     assert off["lower_bound"] == est["lower_bound"] - 8 * L8_PARAMS and off["total"] == est["total"] - 8 * L8_PARAMS
   # sharded: the host term is per device, like the rest

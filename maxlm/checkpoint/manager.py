@@ -361,7 +361,7 @@ def _check_digests(head: dict, path: Path) -> None:
 
 def saved_dtypes(arrays: dict[str, list], target):
   """`target` (ShapeDtypeStructs) with every leaf's dtype as the checkpoint's `meta` records it: e.g. the
-  moments of a run with another optim.state_dtype."""
+  moments of a run with another optim.mu_dtype / optim.nu_dtype."""
   def one(path, x):
     return jax.ShapeDtypeStruct(x.shape, jnp.dtype(arrays[jax.tree_util.keystr(path)][1]), sharding=x.sharding)
   return jax.tree_util.tree_map_with_path(one, target)

@@ -165,7 +165,8 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
           "train": {"steps": t.steps, "grad_accum": t.grad_accum, "seed": t.seed},
           "optim": {"learning_rate": cfg.optim.learning_rate, "schedule": cfg.optim.schedule,
                     "warmup_steps": cfg.optim.warmup_steps, "weight_decay": cfg.optim.weight_decay,
-                    "state_dtype": cfg.optim.state_dtype, "offload": cfg.optim.offload},
+                    "mu_dtype": cfg.optim.mu_dtype, "nu_dtype": cfg.optim.nu_dtype,
+                    "moment_rounding": cfg.optim.moment_rounding, "offload": cfg.optim.offload},
           "run_dir": str(cfg.run_dir)},
       "mesh": {"devices": n_devices, "nodes": n_nodes, **degrees, "intra_node": ici, "inter_node": dcn},
       "params": {"total": total, "embedding": embedding, "non_embedding": total - embedding,
@@ -222,7 +223,8 @@ def render(p: dict) -> str:
       "memory  per device, estimated:",
   ]
   rows = [("params", f"{m['param_dtype']}, sharded over fsdp x tensor"),
-          ("optimizer", f"AdamW mu and nu in {c['optim']['state_dtype']}, the params' shards"
+          ("optimizer", f"AdamW mu in {c['optim']['mu_dtype']}, nu in {c['optim']['nu_dtype']}, the params' "
+                        "shards"
            + ("; in host memory (optim.offload=host)" if c["optim"]["offload"] == "host" else "")),
           ("gradients", "same dtype and shards as the params"),
           ("fp8_meta", f"TE delayed-scaling amax histories and scales, from {mem['fp8_meta_from']}"),

@@ -1,9 +1,9 @@
 """Choose the memory levers of a run, measured by XLA: `maxlm plan config=FILE [key=value ...] [--devices N]`.
 
 Compiles the train step ahead of time (abstract shapes: nothing is allocated) for settings of the levers in
-`plan.levers` (model.remat, train.grad_accum, optim.offload, optim.state_dtype), fastest expected first, and
-reads XLA's memory analysis of each; the first that fits is chosen (maxlm/plan/__init__.py says how they are
-ordered and pruned). It prints a table of the candidates it compiled: per-device peak, the bytes the
+`plan.levers` (model.remat, train.grad_accum, optim.offload, optim.mu_dtype, optim.nu_dtype), fastest expected
+first, and reads XLA's memory analysis of each; the first that fits is chosen (maxlm/plan/__init__.py says how
+they are ordered and pruned). It prints a table of the candidates it compiled: per-device peak, the bytes the
 analytic model says are certainly needed, and an estimated step time and tokens/s; the chosen row is
 marked `*`. `plan.mode=auto` makes the trainer (and `--dry-run`) apply the same choice.
 
@@ -31,7 +31,7 @@ from maxlm.plan.measure import make_target
 from maxlm.plan.sizing import human_bytes
 from maxlm.runtime import startup
 
-COLUMNS = ("model.remat", "train.grad_accum", "optim.offload", "optim.state_dtype")
+COLUMNS = ("model.remat", "train.grad_accum", "optim.offload", "optim.mu_dtype", "optim.nu_dtype")
 
 
 def _cell(x, fmt: str) -> str:
@@ -43,7 +43,7 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
   t = p.target
   tokens = cfg.data.global_batch_size * cfg.data.seq_len
   lines = [f"maxlm plan: {cfg.model.name} on {t.describe()}",
-           f"{'':2}{'#':>4}  {'model.remat':<19}{'grad_accum':>10}  {'offload':<8}{'state_dtype':<12}"
+           f"{'':2}{'#':>4}  {'model.remat':<19}{'grad_accum':>10}  {'offload':<8}{'mu':<9}{'nu':<9}"
            f"{'certain':>11}{'measured':>12}{'est. step':>11}{'est. tok/s':>12}  status"]
   written = plan.current(cfg)
   shown = [(i, r) for i, r in enumerate(p.rows, 1) if everything or r.measured is not None or r is p.chosen]
@@ -53,7 +53,7 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
     status = r.status + (f": {r.note}" if r.note else "") + ("" if r.how in ("", "measured") else f" ({r.how})")
     status += "; the config as written" if r.overrides == written else ""
     lines.append(f"{'*' if r is p.chosen else '':2}{i:>4}  {o['model.remat']:<19}{o['train.grad_accum']:>10}  "
-                 f"{o['optim.offload']:<8}{o['optim.state_dtype']:<12}{human_bytes(r.certain):>11}"
+                 f"{o['optim.offload']:<8}{o['optim.mu_dtype']:<9}{o['optim.nu_dtype']:<9}{human_bytes(r.certain):>11}"
                  f"{(human_bytes(r.measured) if r.measured is not None else '-'):>12}{timing}  {status}")
   counts = {k: sum(r.status == k for r in p.rows) for k in ("pruned", "not tried")}
   if not everything:

@@ -56,8 +56,8 @@ class ModelConfig:
   sliding_window: int = option(0, "0 = full causal attention; W > 0 = Mistral-style window of W tokens",
                                within="[0, inf)")
   tie_embeddings: bool = option(False, "the LM head reuses the token embedding")
-  param_dtype: str = option("float32", "master weights (also their gradients; Adam's moments: optim.state_dtype)",
-                            choices=("float32", "bfloat16"))
+  param_dtype: str = option("float32", "master weights (also their gradients; Adam's moments: optim.mu_dtype, "
+                            "optim.nu_dtype)", choices=("float32", "bfloat16"))
   dtype: str = option("bfloat16", "compute dtype (model.precision=fp16 computes in float16)",
                       choices=("float32", "bfloat16"))
   backend: str = option("auto", "layer backend; auto = Transformer Engine when installed, else flax",
@@ -153,9 +153,15 @@ class OptimConfig:
   decay_norms_and_embeddings: bool = option(False, "also decay norm scales and embeddings")
   clip_grad_norm: float = option(1.0, "clip the global gradient norm to this; 0 disables clipping",
                                  within="[0, inf)")
-  state_dtype: str = option("float32", "dtype AdamW's two moments are stored in; the update is computed in "
-                            "float32 either way (moments upcast, new ones rounded to nearest even)",
-                            choices=("float32", "bfloat16"))
+  mu_dtype: str = option("float32", "dtype AdamW's first moment is stored in (MaxText's mu_dtype); the update "
+                         "is computed in float32 either way", choices=("float32", "bfloat16"))
+  nu_dtype: str = option("float32", "dtype AdamW's second moment is stored in; the update is computed in "
+                         "float32 either way", choices=("float32", "bfloat16"))
+  moment_rounding: str = option("stochastic", "how new moments are rounded to a bfloat16 mu_dtype / nu_dtype: "
+                                "stochastic (unbiased; random bits from the step and the parameter, so a resume "
+                                "repeats them) or nearest (even); nearest stalls a moment whose decay (1 - b) is "
+                                "below half a bfloat16 ulp (docs/configuration.md)",
+                                choices=("stochastic", "nearest"))
   offload: str = option("none", "host: the optimizer state lives in pinned host memory; after the backward "
                         "pass the update streams it through the device a few parameters at a time (no moments "
                         "on the GPU during forward and backward; costs host-device transfers each step)",
@@ -272,6 +278,8 @@ def help_text(section: str | None = None) -> str:
 
 
 def _unknown(key: str) -> ConfigError:
+  if key in config_names.REPLACED:
+    return ConfigError(f"config key {schema.show(key)} was replaced: {config_names.REPLACED[key]}")
   hint = config_names.hint(key, [k for k, _, _ in schema.leaf_fields(Config)])
   return ConfigError(f"unknown config key {schema.show(key)}{hint}")
 
@@ -385,7 +393,7 @@ def _check_distributed(d: DistributedConfig) -> None:
 
 def from_dict(data: dict[str, Any]) -> Config:
   """A validated Config from a resolved config dict (a run's config.yml, a checkpoint's config item)."""
-  cfg = _apply(Config(), data)
+  cfg = _apply(Config(), config_names.upgrade(data))
   validate(cfg)
   return cfg
 

@@ -31,7 +31,8 @@ PEER_NAMES: dict[str, str] = {
     **dict.fromkeys(("beta2", "adam_b2", "adam_beta2"), "optim.b2"),
     **dict.fromkeys(("adam_eps", "adam_epsilon", "epsilon"), "optim.eps"),
     **dict.fromkeys(("weight_decay", "adam_weight_decay", "wd"), "optim.weight_decay"),
-    **dict.fromkeys(("mu_dtype", "opt_state_dtype", "optimizer_state_dtype"), "optim.state_dtype"),
+    **dict.fromkeys(("mu_dtype", "opt_state_dtype", "optimizer_state_dtype"), "optim.mu_dtype"),
+    **dict.fromkeys(("nu_dtype",), "optim.nu_dtype"),
     **dict.fromkeys(("optimizer_memory_host_offload", "offload_optimizer", "cpu_offload"), "optim.offload"),
     **dict.fromkeys(("dim", "hidden_size", "emb_dim", "base_emb_dim", "n_embd", "d_model"), "model.d_model"),
     **dict.fromkeys(("num_layers", "n_layer", "num_hidden_layers", "base_num_decoder_layers", "n_layers"),
@@ -68,6 +69,28 @@ PEER_NAMES: dict[str, str] = {
     **dict.fromkeys(("dcn_fsdp_parallelism",), "mesh.dcn_fsdp"),
     **dict.fromkeys(("dcn_data_parallelism",), "mesh.dcn_data"),
 }
+
+
+# keys maxlm no longer has -> what replaced them (the error line says it instead of a guess)
+REPLACED: dict[str, str] = {
+    "optim.state_dtype": "the two Adam moments have their own keys, optim.mu_dtype and optim.nu_dtype "
+                         "(state_dtype=bfloat16 was optim.mu_dtype=bfloat16 optim.nu_dtype=bfloat16)",
+}
+
+
+def upgrade(data: dict) -> dict:
+  """A resolved config dict written by an older maxlm (a run's config.yml, a checkpoint's config item) in
+  today's keys: optim.state_dtype becomes optim.mu_dtype and optim.nu_dtype. Config files and overrides a
+  person writes are not upgraded: the old key is an error there (REPLACED)."""
+  optim = data.get("optim")
+  if not isinstance(optim, dict) or "state_dtype" not in optim:
+    return data
+  optim = dict(optim)
+  dtype = optim.pop("state_dtype")
+  optim.setdefault("mu_dtype", dtype)
+  optim.setdefault("nu_dtype", dtype)
+  optim.setdefault("moment_rounding", "nearest")  # what every run before the key did
+  return {**data, "optim": optim}
 
 
 def suggest(key: str, known: list[str]) -> list[str]:

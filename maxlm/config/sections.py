@@ -39,7 +39,8 @@ class PlanConfig:
                      "peak fits the device (printed in one line); off = the config as given",
                      choices=("fit", "auto", "off"))
   levers: str = option("all", "the config keys plan.mode=auto may set, comma-separated (the others keep their "
-                       "value); all = model.remat,train.grad_accum,optim.offload,optim.state_dtype")
+                       "value); all = model.remat,train.grad_accum,optim.offload,optim.mu_dtype,"
+                       "optim.nu_dtype")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,20 +1,23 @@
 """Memory planner: the fastest setting of the memory levers whose train step fits, as measured by XLA.
 
 Levers (each a plain config key; `plan.levers` lists those the planner may set): `model.remat`,
-`train.grad_accum` (micro-batches at the same global batch), `optim.offload` (none | host) and
-`optim.state_dtype` (float32 | bfloat16). `candidates` lists their settings, fastest expected first;
-`search` walks that list and compiles the train step of each plausible one ahead of time on abstract
-shapes (maxlm/plan/measure.py: XLA's `memory_analysis()`, nothing allocated); the first whose measured peak
-fits the usable memory wins, so the choice is deterministic. `resolve` applies `plan.mode` for the trainer
-and the dry run: off = the config as written; auto = the search's choice; fit (the default) = on the GPUs at
-hand, the config as written when XLA measures it to fit, else the search's choice (each said in one line).
+`train.grad_accum` (micro-batches at the same global batch), `optim.offload` (none | host), `optim.mu_dtype`
+and `optim.nu_dtype` (float32 | bfloat16; a bfloat16 nu only with a bfloat16 mu). `candidates` lists their
+settings, fastest expected first; `search` walks that list and compiles the train step of each plausible one
+ahead of time on abstract shapes (maxlm/plan/measure.py: XLA's `memory_analysis()`, nothing allocated); the
+first whose measured peak fits the usable memory wins, so the choice is deterministic. `resolve` applies
+`plan.mode` for the trainer and the dry run: off = the config as written; auto = the search's choice; fit (the
+default) = on the GPUs at hand, the config as written when XLA measures it to fit, else the search's choice
+(each said in one line).
 
-* Order. By `step_time` (an estimate, below), fastest first; on a tie the float32 moments come first, then
-  lever order. `optim.state_dtype=bfloat16` rounds the Adam moments (the update math stays fp32): it wins only
-  when it is expected to be faster, as it is for the 8B on one H200, where the exact alternative (moments
+* Order. By `step_time` (an estimate, below), fastest first; on a tie the fewer bfloat16 moments first (float32
+  both, then bfloat16 mu (MaxText's mu_dtype), then both), then lever order. A bfloat16 moment is rounded
+  (stochastically by default, optim.moment_rounding; the update math stays fp32): it wins only when it is
+  expected to be faster, as it is for the 8B on one H200, where the exact alternative (moments
   offloaded to the host, 4 micro-batches) measured 7.7k tokens/s against 9.6k (benchmarks/README.md).
   DeepSeek-V3 trained with bf16 moments "without observable performance degradation" (its report, sec. 3.3);
-  `plan.levers` without optim.state_dtype keeps the config's dtype, and the plan line names the choice.
+  `plan.levers` without optim.mu_dtype / optim.nu_dtype keeps the config's dtype, and the plan line names the
+  choice.
 * Pruning (the analytic model, maxlm/plan/sizing.py, only prunes). A candidate is not compiled when the bytes
   it certainly needs (params, gradients (twice when accumulating: the sum and a micro-batch's), logits,
   FP8 state, the moments unless offloaded) plus a share of sizing's rough activations exceed the usable
@@ -48,7 +51,10 @@ from maxlm.runtime.env import fraction_in_environment
 
 # remat policies from the most kept to the least (what each keeps per layer: maxlm/layers remat_policy)
 REMAT_ORDER = ("none", "recompute_norm_act", "save_dots_attn", "save_dots", "save_qkv_attn", "save_attn", "full")
-LEVERS = ("model.remat", "train.grad_accum", "optim.offload", "optim.state_dtype")
+LEVERS = ("model.remat", "train.grad_accum", "optim.offload", "optim.mu_dtype", "optim.nu_dtype")
+MOMENTS = ("optim.mu_dtype", "optim.nu_dtype")
+# the (mu, nu) dtypes the planner tries, most exact first: float32 both, bfloat16 mu (MaxText's mu_dtype), both
+MOMENT_ORDER = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))
 
 
 def parse_levers(text: str) -> tuple[str, ...]:
@@ -65,7 +71,8 @@ def parse_levers(text: str) -> tuple[str, ...]:
 def current(cfg: Config) -> dict:
   """The lever values of `cfg`, in LEVERS order."""
   return {"model.remat": cfg.model.remat, "train.grad_accum": cfg.train.grad_accum,
-          "optim.offload": cfg.optim.offload, "optim.state_dtype": cfg.optim.state_dtype}
+          "optim.offload": cfg.optim.offload, "optim.mu_dtype": cfg.optim.mu_dtype,
+          "optim.nu_dtype": cfg.optim.nu_dtype}
 
 
 def apply(cfg: Config, overrides: dict) -> Config:
@@ -84,31 +91,34 @@ def lever_values(cfg: Config, target: Target, backend: str) -> dict[str, tuple]:
   remats = tuple(r for r in REMAT_ORDER if r != "recompute_norm_act" or backend == "te")
   offloads = ("none", "host") if target.gpu else ("none",)  # a CPU has one memory: host offload saves nothing
   values = {"model.remat": remats, "train.grad_accum": accums, "optim.offload": offloads,
-            "optim.state_dtype": ("float32", "bfloat16")}
+            "optim.mu_dtype": ("float32", "bfloat16"), "optim.nu_dtype": ("float32", "bfloat16")}
   now = current(cfg)
   return {k: (values[k] if k in chosen else (now[k],)) for k in LEVERS}
 
 
 def candidates(cfg: Config, target: Target, backend: str) -> list[dict]:
-  """Every combination of lever values, in search order: by estimated step time, float32 moments first on a
-  tie, then lever order (deterministic)."""
+  """Every combination of lever values (a bfloat16 nu only with a bfloat16 mu, unless the config has it), in
+  search order: by estimated step time, the fewer bfloat16 moments first on a tie, then lever order
+  (deterministic)."""
   values = lever_values(cfg, target, backend)
-  rows = [dict(zip(LEVERS, combo)) for combo in itertools.product(*values.values())]
+  written = tuple(current(cfg)[k] for k in MOMENTS)
+  rows = [o for o in (dict(zip(LEVERS, combo)) for combo in itertools.product(*values.values()))
+          if tuple(o[k] for k in MOMENTS) in (written, *MOMENT_ORDER)]
   rank = {k: {v: i for i, v in enumerate(vs)} for k, vs in values.items()}
 
   def key(o):
     t = round(step_time(apply(cfg, o), target)["total_s"], 9)  # rounding: ties broken by lever order
-    return (t, o["optim.state_dtype"] != values["optim.state_dtype"][0], [rank[k][o[k]] for k in LEVERS])
+    return (t, sum(o[k] == "bfloat16" for k in MOMENTS), [rank[k][o[k]] for k in LEVERS])
   return sorted(rows, key=key)
 
 
 def certain_bytes(cfg: Config, target: Target) -> dict:
   """Bytes per device: "certain" = sizing's params, gradients (twice when accumulating), FP8 state, logits
-  and the moments in optim.state_dtype unless offloaded; "activations" = sizing's rough activation estimate."""
+  and the moments in optim.mu_dtype / nu_dtype unless offloaded; "activations" = sizing's rough activations."""
   est = sizing.estimate(cfg, target.n_devices, target.n_nodes)
   per_param = sizing.DTYPE_BYTES[cfg.model.param_dtype]
   moments = 0 if cfg.optim.offload == "host" else (  # offloaded: streamed a few parameters at a time
-      est["params"] // per_param * 2 * sizing.DTYPE_BYTES[cfg.optim.state_dtype])
+      est["params"] // per_param * sizing.moment_bytes(cfg.optim))
   grads = est["gradients"] * (2 if cfg.train.grad_accum > 1 else 1)  # accumulating: the sum + a micro-batch's
   certain = est["params"] + grads + est["fp8_meta"] + est["logits"] + moments
   return {"certain": certain, "activations": est["activations"]}

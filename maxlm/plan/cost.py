@@ -79,7 +79,7 @@ def step_time(cfg: Config, target: Target) -> dict:
   bw = net if target.n_nodes > 1 else link
   data = 2 * 4 * params["total"] / shards * (deg["data"] - 1) / deg["data"] / bw  # fp32 all-reduce
   accum = (a - 1) * (3 * 2 * params["matmul"] / deg["tensor"] + 2 * 4 * params["total"] / shards) / hbm
-  state_bytes = sizing.DTYPE_BYTES[cfg.optim.state_dtype]
-  offload = 2 * 2 * params["total"] / shards * state_bytes / host if cfg.optim.offload == "host" else 0.0
+  state_bytes = sizing.moment_bytes(cfg.optim)  # mu's and nu's, per parameter
+  offload = 2 * params["total"] / shards * state_bytes / host if cfg.optim.offload == "host" else 0.0
   total = max(compute, fsdp + data) + accum + offload
   return {"compute_s": compute, "comm_s": fsdp + data, "accum_s": accum, "offload_s": offload, "total_s": total}

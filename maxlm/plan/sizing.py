@@ -3,8 +3,8 @@
 `estimate(cfg, n_devices)` gives bytes per device for each part:
 
 * params: the parameters, in `model.param_dtype`.
-* optimizer: AdamW's two moments, in `optim.state_dtype` (2 x 4 bytes per parameter for float32, 2 x 2
-  for bfloat16); 0 with `optim.offload=host`, where they live in host memory (the update streams them
+* optimizer: AdamW's two moments, mu in `optim.mu_dtype` and nu in `optim.nu_dtype` (4 bytes per parameter
+  each in float32, 2 in bfloat16: `moment_bytes`); 0 with `optim.offload=host`, where they live in host memory (the update streams them
   through the device a few parameters at a time after the backward pass: not counted here).
 * host: the optimizer state in pinned host memory per device (`optim.offload=host`), else 0; not part of
   lower_bound or total, which are device memory.
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 
-from maxlm.config import Config, ConfigError, MeshConfig, ModelConfig
+from maxlm.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
@@ -54,6 +54,11 @@ def human_bytes(n: int | float) -> str:
     if x < 1024 or unit == UNITS[-1]:
       return f"{x:.1f} {unit}"
   raise AssertionError("unreachable")
+
+
+def moment_bytes(optim: OptimConfig) -> int:
+  """Bytes per parameter of Adam's two moments: mu's in optim.mu_dtype plus nu's in optim.nu_dtype."""
+  return DTYPE_BYTES[optim.mu_dtype] + DTYPE_BYTES[optim.nu_dtype]
 
 
 def _fill(degrees: list[int], total: int) -> list[int]:
@@ -115,7 +120,7 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
   rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
   vocab = -(-m.vocab_size // deg["tensor"])
   logit_bytes = 4 + (c_bytes if c_bytes != 4 else 0)
-  moments = -(-2 * n_params * DTYPE_BYTES[cfg.optim.state_dtype] // shards)
+  moments = -(-n_params * moment_bytes(cfg.optim) // shards)
   if state is not None:
     params, moments = state["params"], state["optimizer"]
   host = cfg.optim.offload == "host"

@@ -226,12 +226,15 @@ def render(p: dict) -> str:
          if "step_s_at_full_mfu" in fl else ""),
       "memory  per device, estimated:",
   ]
-  rows = [("params", f"{m['param_dtype']}, sharded over fsdp x tensor"),
+  piped = ms["pipeline"] > 1
+  rows = [("params", f"{m['param_dtype']}, sharded over fsdp x tensor" + (", the layers also over pipeline" if piped
+                                                                          else "")),
           ("optimizer", f"AdamW mu and nu in {c['optim']['state_dtype']}, the params' shards"
            + ("; in host memory (optim.offload=host)" if c["optim"]["offload"] == "host" else "")),
           ("gradients", "same dtype and shards as the params"),
           ("fp8_meta", f"TE delayed-scaling amax histories and scales, from {mem['fp8_meta_from']}"),
-          ("logits", "one micro-batch, fp32 for the loss + the compute-dtype copy"),
+          ("logits", ("the whole batch (pipelined)" if piped else "one micro-batch")
+           + ", fp32 for the loss + the compute-dtype copy"),
           ("activations", "rough: everything the backward pass reads, every layer" if mem["remat"] == "none"
            else f"rough: what remat={mem['remat']} keeps per layer + one layer recomputed")]
   for key, why in rows:

@@ -29,7 +29,7 @@ DEVICES = 8
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from maxlm import runtime  # noqa: E402 - imports no JAX; the pool is sized before JAX starts
+from maxlm.runtime import env as runtime  # noqa: E402 - imports no JAX; the pool is sized before JAX starts
 
 runtime.size_cpu_pool()
 

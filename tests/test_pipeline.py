@@ -13,6 +13,7 @@ import pytest
 from resume_launcher import compile_cache
 
 from maxlm.checkpoint import Checkpointer
+from maxlm.cli.train import main
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig, load_config, to_dict
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
@@ -21,8 +22,8 @@ from maxlm.pipeline import bubble_fraction, check, micro_batches, pipeline_stack
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
 from maxlm.step import jit_step, make_train_step
-from maxlm.train import Trainer, main
 from maxlm.train_state import abstract_state, create_train_state
+from maxlm.trainer import Trainer
 
 U32 = 2.0 ** -24  # float32 unit roundoff
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")

@@ -702,6 +702,25 @@ def test_gradient_accumulation_runs_the_model_on_micro_batches():
     assert seen == {(8 // (accum or 1), 8)}, accum
 
 
+def test_a_pipelined_model_gets_the_whole_batch_and_cuts_its_micro_batches_itself():
+  """model.stages > 1 (maxlm/pipeline.py): the micro-batches must be in flight together, so the step applies the
+  model once to the whole batch, whatever grad_accum says; the model pipelines its `microbatches`."""
+  cfg = dataclasses.replace(MODEL, n_layers=2)
+  state, _, model = setup(cfg, b=8)
+  opt, sched = make_optimizer(OptimConfig(warmup_steps=0), 10)
+  seen = []
+
+  class Spy:
+    cfg, stages = model.cfg, 2
+
+    def apply(self, variables, inputs, *args, **kw):
+      seen.append(inputs.shape)
+      return model.apply(variables, inputs, *args, **kw)
+  with jax.set_mesh(MESH), precision_scope("bf16", "flax"):
+    jax.eval_shape(make_train_step(Spy(), opt, sched, grad_accum=4), state, batch(b=8))
+  assert seen == [(8, 8)]
+
+
 # This test found a bug (the bfloat16 gradients were promoted to float32 by the float32 token count); fixed
 # in make_train_step.
 @pytest.mark.parametrize("grad_accum", [1, 2])

@@ -43,6 +43,7 @@ from maxlm.runtime.devices import device_memory_bytes
 from maxlm.runtime.env import apply_mem_fraction
 from maxlm.sharding import axis_rules
 from maxlm.train_state import abstract_state
+from maxlm.pipeline import bubble_fraction, check as check_pipeline
 from maxlm.trainer import check_batch_split
 
 FLAGS = ("--dry-run", "--json")
@@ -137,6 +138,7 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   m, d, t = cfg.model, cfg.data, cfg.train
   ici, dcn = mesh_shape(cfg.mesh, n_devices, n_nodes)
   degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
+  check_pipeline(m, t, cfg.mesh, degrees["pipeline"])
   check_batch_split(d, t, degrees)
   backend = resolve_backend(m.backend)
   check_remat(m.remat, backend)
@@ -168,7 +170,8 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
                     "mu_dtype": cfg.optim.mu_dtype, "nu_dtype": cfg.optim.nu_dtype,
                     "moment_rounding": cfg.optim.moment_rounding, "offload": cfg.optim.offload},
           "run_dir": str(cfg.run_dir)},
-      "mesh": {"devices": n_devices, "nodes": n_nodes, **degrees, "intra_node": ici, "inter_node": dcn},
+      "mesh": {"devices": n_devices, "nodes": n_nodes, **degrees, "intra_node": ici, "inter_node": dcn,
+               "bubble": bubble_fraction(degrees["pipeline"], t.grad_accum)},
       "params": {"total": total, "embedding": embedding, "non_embedding": total - embedding,
                  "matmul": counted["matmul"]},
       "flops": {"per_token": flops / tokens, "per_step": flops, "tokens_per_step": tokens,
@@ -212,8 +215,10 @@ def render(p: dict) -> str:
       f"{da['seq_len']}, grad_accum {c['train']['grad_accum']}) = {da['tokens_total']:.3e} tokens; AdamW lr "
       f"{c['optim']['learning_rate']:g} {c['optim']['schedule']}, warmup {c['optim']['warmup_steps']}; run dir "
       f"{c['run_dir']}",
-      f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): data {ms['data']} x fsdp {ms['fsdp']} x tensor "
-      f"{ms['tensor']} (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})",
+      f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): pipeline {ms['pipeline']} x data {ms['data']} x "
+      f"fsdp {ms['fsdp']} x tensor {ms['tensor']} (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
+      + (f"; {ms['pipeline']} stages of {m['n_layers'] // ms['pipeline']} layers over {c['train']['grad_accum']} "
+         f"micro-batches (GPipe), bubble {ms['bubble']:.0%} of a step" if ms["pipeline"] > 1 else ""),
       f"params  {pa['total']:,} total, {pa['non_embedding']:,} without the token embedding "
       f"({pa['embedding']:,}); {pa['matmul']:,} in matmuls (MFU convention, LM head included)",
       f"flops   {fl['per_token']:.4g} per token, {fl['per_step']:.4g} per step (6 x matmul params x tokens + "
@@ -222,13 +227,16 @@ def render(p: dict) -> str:
          if "step_s_at_full_mfu" in fl else ""),
       "memory  per device, estimated:",
   ]
-  rows = [("params", f"{m['param_dtype']}, sharded over fsdp x tensor"),
+  piped = ms["pipeline"] > 1
+  rows = [("params", f"{m['param_dtype']}, sharded over fsdp x tensor" + (", the layers also over pipeline" if piped
+                                                                          else "")),
           ("optimizer", f"AdamW mu in {c['optim']['mu_dtype']}, nu in {c['optim']['nu_dtype']}, the params' "
                         "shards"
            + ("; in host memory (optim.offload=host)" if c["optim"]["offload"] == "host" else "")),
           ("gradients", "same dtype and shards as the params"),
           ("fp8_meta", f"TE delayed-scaling amax histories and scales, from {mem['fp8_meta_from']}"),
-          ("logits", "one micro-batch, fp32 for the loss + the compute-dtype copy"),
+          ("logits", ("the whole batch (pipelined)" if piped else "one micro-batch")
+           + ", fp32 for the loss + the compute-dtype copy"),
           ("activations", "rough: everything the backward pass reads, every layer" if mem["remat"] == "none"
            else f"rough: what remat={mem['remat']} keeps per layer + one layer recomputed")]
   for key, why in rows:

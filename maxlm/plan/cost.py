@@ -5,12 +5,18 @@ device's bf16 peak x 0.57 (the MFU maxlm measured for the 8B shape on one H200: 
 data-parallel traffic at link bandwidth, overlapped with compute; plus, per extra micro-batch, the weights
 read again from HBM and the gradient sum, plus the optimizer state's trip to the host and back at PCIe
 bandwidth for `optim.offload=host`.
+
+With pipeline stages (maxlm/pipeline.py, GPipe): every stage computes at each of the M + S - 1 ticks, M of them
+useful (the bubble, `bubble_s`); the LM head runs on every stage for the whole batch; a stage's FSDP gathers its
+own layers once per tick; and each tick hands one micro-batch's activations to the next stage and sums the last
+stage's output over the pipeline axis, forward and backward (`pipeline_s`, at network bandwidth when the stages
+span nodes), on the critical path between ticks.
 """
 
 from __future__ import annotations
 
 from maxlm.config import Config
-from maxlm.mesh import mesh_shape
+from maxlm.mesh import AXES, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
 from maxlm.plan import sizing
@@ -37,9 +43,9 @@ _RECOMPUTED = {"none": (), "recompute_norm_act": (), "save_dots_attn": (), "save
 
 
 def degrees(cfg: Config, target: Target) -> dict:
-  """Total data / fsdp / tensor degrees of the mesh on the target's devices (intra x inter node)."""
+  """Total degrees of the mesh's axes (maxlm.mesh.AXES) on the target's devices (intra x inter node)."""
   ici, dcn = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)
-  return dict(zip(("data", "fsdp", "tensor"), (i * j for i, j in zip(ici, dcn))))
+  return dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
 
 
 def _hardware(kind: str) -> tuple[float, float, float, float, float]:
@@ -65,21 +71,42 @@ def _recompute_flops(cfg: Config) -> float:
 
 
 def step_time(cfg: Config, target: Target) -> dict:
-  """Estimated seconds per step (see the module doc): compute, communication, accumulation, offload."""
+  """Estimated seconds per step (see the module doc): compute (bubble_s of it the pipeline's bubble),
+  communication, accumulation, pipeline hand-offs, offload."""
   peak, hbm, link, host, net = _hardware(target.kind)
-  m, n = cfg.model, target.n_devices
+  m, d, n = cfg.model, cfg.data, target.n_devices
   deg = degrees(cfg, target)
   params = count_params(m)
-  compute = (flops_per_step(m, cfg.data.global_batch_size, cfg.data.seq_len) + RECOMPUTE_COST * _recompute_flops(cfg)
-             ) / (n * peak * MFU)
+  work = flops_per_step(m, d.global_batch_size, d.seq_len) + RECOMPUTE_COST * _recompute_flops(cfg)
   shards = deg["fsdp"] * deg["tensor"]
-  a = cfg.train.grad_accum
-  gathered = params["total"] / deg["tensor"]  # what FSDP gathers, per device, per micro-batch
-  fsdp = a * 3 * gathered * 2 * (deg["fsdp"] - 1) / deg["fsdp"] / link  # 2 gathers (bf16) + scatter
+  a, stages = cfg.train.grad_accum, deg["pipeline"]
+  # per stage and device: the parameters a micro-batch (a tick) passes through, and those kept (all of them
+  # without a pipeline; the stage's layers and the embedding, head and final norm with one)
+  layers, other = params["layers"] / stages, params["total"] - params["layers"]
+  held = layers + other
+  passes, bubble, handoff = a, 0.0, 0.0
+  if stages > 1:
+    head = 6.0 * m.d_model * m.vocab_size * d.global_batch_size * d.seq_len  # in flops_per_step's matmuls
+    passes = a + stages - 1  # ticks; the head's work is done by every stage, on the whole batch
+    bubble = (work - head) * (stages - 1) / a / (n * peak * MFU)
+    work = (work - head) * passes / a + head * stages
+    rows = d.global_batch_size / a / (deg["data"] * deg["fsdp"])  # a micro-batch's rows per device
+    act = rows * d.seq_len * m.d_model * (4 if m.dtype == "float32" else 2)  # [B/M, T, D] per device
+    across = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)[1][AXES.index("pipeline")] > 1
+    # per tick, forward and backward: the hand-off (a collective-permute) and the last stage's output summed
+    # over the stages (an all-reduce: 2 (S - 1) / S of it through each device)
+    handoff = passes * 2 * act * (1 + 2 * (stages - 1) / stages) / (net if across else link)
+  compute = work / (n * peak * MFU)
+  gathered = (layers * passes + other * (1 if stages > 1 else a)) / deg["tensor"]  # FSDP gathers, per device
+  fsdp = 3 * gathered * 2 * (deg["fsdp"] - 1) / deg["fsdp"] / link  # 2 gathers (bf16) + scatter
   bw = net if target.n_nodes > 1 else link
-  data = 2 * 4 * params["total"] / shards * (deg["data"] - 1) / deg["data"] / bw  # fp32 all-reduce
-  accum = (a - 1) * (3 * 2 * params["matmul"] / deg["tensor"] + 2 * 4 * params["total"] / shards) / hbm
+  data = 2 * 4 * held / shards * (deg["data"] - 1) / deg["data"] / bw  # fp32 all-reduce
+  if stages > 1:  # the stage's weights read again and its gradients summed at every tick
+    accum = (passes - 1) * (3 * 2 * params["layers"] / stages / deg["tensor"] + 2 * 4 * layers / shards) / hbm
+  else:
+    accum = (a - 1) * (3 * 2 * params["matmul"] / deg["tensor"] + 2 * 4 * params["total"] / shards) / hbm
   state_bytes = sizing.moment_bytes(cfg.optim)  # mu's and nu's, per parameter
-  offload = 2 * params["total"] / shards * state_bytes / host if cfg.optim.offload == "host" else 0.0
-  total = max(compute, fsdp + data) + accum + offload
-  return {"compute_s": compute, "comm_s": fsdp + data, "accum_s": accum, "offload_s": offload, "total_s": total}
+  offload = 2 * held / shards * state_bytes / host if cfg.optim.offload == "host" else 0.0
+  total = max(compute, fsdp + data) + accum + handoff + offload
+  return {"compute_s": compute, "bubble_s": bubble, "comm_s": fsdp + data, "accum_s": accum, "pipeline_s": handoff,
+          "offload_s": offload, "total_s": total}

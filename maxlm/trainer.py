@@ -68,6 +68,7 @@ def check_batch_split(d: DataConfig, t: TrainConfig, mesh_shape) -> None:
 
 class Trainer:
   """Owns the mesh, model, state, data and jitted steps of one run; `train()` drives it."""
+  slow_storage = None  # tests: a checkpoint storage slow or stuck on purpose (maxlm/checkpoint/disk.py)
 
   def __init__(self, cfg: Config):
     self.cfg = cfg
@@ -253,6 +254,6 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Start
 
 def _start_state(trainer: Trainer, cfg: Config):
   """The state the run starts from (maxlm/checkpoint/resume.py), taken into the trainer; the Checkpointer."""
-  started = start_checkpoints(trainer.state, trainer.state_shardings, trainer.train_data, cfg)
+  started = start_checkpoints(trainer.state, trainer.state_shardings, trainer.train_data, cfg, trainer.slow_storage)
   trainer.state = started.state
   return started.checkpointer

@@ -33,6 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from maxlm.checkpoint.disk import SlowStorage, state_bytes
 from maxlm.checkpoint.verify import (Corrupt, OrbaxNoise, check_files, describe, fingerprint, json_digest,
                                      mismatches, quiet, reason, write_manifest, wrong_checksums)
 from maxlm.config import CheckpointConfig
@@ -150,10 +151,13 @@ def _sync(name: str) -> None:
 class Checkpointer:
   """One run's checkpoint directory: `save` (async), `poll`/`wait`, `restore_latest`, `close`."""
 
-  def __init__(self, directory: Path, cfg: CheckpointConfig):
+  def __init__(self, directory: Path, cfg: CheckpointConfig, slow_storage: SlowStorage | None = None):
     self.cfg = cfg
     self.directory = Path(directory).absolute()
     self.latest: int | None = None  # last step saved (or being saved) or restored
+    self.last_write_s: float | None = None  # the last finished save's time, its start to its files written
+    self._slow_storage = slow_storage  # tests: a storage slow or stuck on purpose (maxlm/checkpoint/disk.py)
+    self._bytes = 0  # the state bytes of the save in flight
     self._pending: int | None = None  # step of the save in flight
     self._failed = False
     self._t0 = self._blocked = 0.0
@@ -178,10 +182,20 @@ class Checkpointer:
 
   # --- saving ---------------------------------------------------------------------------------
 
+  @property
+  def in_flight(self) -> bool:
+    """A save was started and not yet waited for (it may have finished in the background)."""
+    return self._pending is not None
+
   def _on_finalized(self) -> None:
     """Orbax's save thread, once every item is written (before `<step>` is renamed into place)."""
     step = self._pending
-    if step is None or not _primary():
+    if step is None:
+      return
+    if self._slow_storage is not None:
+      self._slow_storage(self._bytes)
+    self.last_write_s = time.perf_counter() - self._t0
+    if not _primary():
       return
     found = sorted(self.directory.glob(f"{step}.orbax-checkpoint-tmp*")) or [self.directory / str(step)]
     try:
@@ -198,6 +212,7 @@ class Checkpointer:
     """
     self.wait()
     t0 = self._t0 = time.perf_counter()
+    self._bytes = state_bytes(state)
     sums, finite, paths = fingerprint(state)
     if not finite.all():
       bad = [p for p, ok in zip(paths, finite) if not ok]

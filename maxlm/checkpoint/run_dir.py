@@ -57,6 +57,25 @@ def _metrics_rows(path: Path) -> tuple[int, int | None]:
   return len(lines), last
 
 
+def compile_times(run_dir: Path) -> list[float]:
+  """The train step's trace, lower and compile seconds of each earlier start of the run, as the first metrics row
+  of each start records them (metrics.jsonl); [] when none is recorded."""
+  try:
+    lines = (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines()
+  except OSError:
+    return []
+  out = []
+  for line in lines:
+    if '"compile_s"' not in line:  # only a start's first row has it: the others are not parsed
+      continue
+    try:
+      row = json.loads(line)
+      out.append(float(row["lower_s"]) + float(row["compile_s"]))
+    except (ValueError, KeyError, TypeError):
+      continue
+  return out
+
+
 def _recorded_config(path: Path):
   try:
     return yaml.safe_load(path.read_text())

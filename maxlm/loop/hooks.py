@@ -7,7 +7,7 @@ the metrics and the start-up timing: maxlm/loop/services.py) subscribes to these
 the order the subscribers were given, so one that arms the watchdog comes first and sees each point before the
 work behind it starts.
 
-  begin       before the state is restored (the start line, the disk check, the watchdog's limits)
+  begin       before the state is restored (the start line, the watchdog's limits)
   started     the state is restored or built: `run.start_step` is known (config.yml, the metrics writer)
   compile     before the train step is compiled ahead of the first step
   step_start  before a batch is taken (the host may wait for the data)

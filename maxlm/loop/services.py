@@ -7,9 +7,12 @@ from __future__ import annotations
 import time
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from maxlm import data as data_lib
-from maxlm.checkpoint import EXIT_PREEMPTED, Preemption
+from maxlm.checkpoint import EXIT_PREEMPTED, Preemption, disk
+from maxlm.checkpoint import run_dir as run_dirs
 from maxlm.config import Config, dump_yaml, to_dict
 from maxlm.errors import RunFailure
 from maxlm.loop.hooks import Hooks, Run
@@ -27,16 +30,25 @@ class RunError(RunFailure, RuntimeError):
 
 
 class WatchdogService:
-  """Arms the hang watchdog (maxlm/runtime/watchdog.py) for each phase of the loop; feeds it the step times."""
+  """Arms the hang watchdog (maxlm/runtime/watchdog.py) for each phase of the loop, with the limits of the slow
+  phases from this run's measurements (`watchdog.Limits`: a disk probe, the compile times known, the saves and
+  eval batches timed as they happen); feeds it the step times."""
 
   def __init__(self, cfg: Config):
+    self.on = watchdog.enabled(cfg.train, jax.process_count())
     self.wd = watchdog.start(cfg.train, cfg.run_dir, jax.process_index(), jax.process_count())
+    self.limits: watchdog.Limits | None = None
+    self.eval_compiled, self.eval_batches, self.t_batch = False, 0, 0.0
 
   def begin(self, run: Run) -> None:
-    self.wd.arm("restore", 0)
+    self.wd.arm("disk probe", 0)  # the probe writes to the checkpoint storage, which may be the one stuck
+    self.limits = measure_limits(run, probe=self.on)
+    if self.on and run.is_main:
+      echo(f"maxlm: {self.limits.describe()}")
+    self.wd.arm("restore", 0, limit=self.limits.restore())
 
   def compile(self, run: Run) -> None:
-    self.wd.arm("compile", run.done + 1)
+    self.wd.arm("compile", run.done + 1, limit=self.limits.compile())
 
   def step_start(self, run: Run) -> None:
     self.wd.arm("data wait", run.done + 1)
@@ -44,8 +56,13 @@ class WatchdogService:
   def dispatch(self, run: Run) -> None:
     self.wd.arm("step dispatch", run.done + 1, dispatch=True)  # the host waits here when the queue is full
 
-  def save(self, run: Run) -> None:
-    self.wd.arm("checkpoint save", run.done, slow=True)
+  def step_end(self, run: Run) -> None:
+    if run.done == run.start_step + 1:  # this start's own compile of the train step
+      step = run.trainer.jitted_train_step
+      self.limits.compiled((step.lower_s or 0.0) + (step.compile_s or 0.0))
+
+  def save(self, run: Run) -> None:  # it waits for a save in flight first
+    self.wd.arm("checkpoint save", run.done, limit=self._save_limit(run, 1 + run.ckpt.in_flight))
 
   def fetch(self, run: Run) -> None:
     self.wd.arm("metrics fetch", run.done, sync=True)
@@ -54,18 +71,59 @@ class WatchdogService:
     self.wd.step_time(run.row["step_time"])
 
   def eval(self, run: Run) -> None:
-    self.wd.arm("evaluation", run.done, slow=True)
+    self.eval_batches = 0
+    self._arm_eval_batch(run)
+
+  def eval_batch(self, run: Run) -> None:
+    """After each eval batch: its time (but the one that compiled the eval step), and the next one armed."""
+    if self.eval_compiled:
+      self.limits.eval_time(time.monotonic() - self.t_batch)
+    self.eval_compiled = True
+    self._arm_eval_batch(run)
+
+  def _arm_eval_batch(self, run: Run) -> None:
+    self.eval_batches += 1
+    self.t_batch = time.monotonic()
+    self.wd.arm(f"evaluation batch {self.eval_batches}", run.done,
+                limit=self.limits.eval_batch(first=not self.eval_compiled))
 
   def stop(self, run: Run) -> None:
     if run.ckpt is not None:
-      self.wd.arm("checkpoint save", run.done, slow=True)
+      self.wd.arm("checkpoint save", run.done, limit=self._save_limit(run, 1))
 
   def end(self, run: Run) -> None:
-    if run.ckpt is not None:
-      self.wd.arm("checkpoint close", slow=True)
+    if run.ckpt is not None and self.limits is not None:
+      self.wd.arm("checkpoint close", limit=self._save_limit(run, 1))
 
   def closed(self, run: Run) -> None:
     self.wd.stop()
+
+  def _save_limit(self, run: Run, saves: int) -> watchdog.Limit:
+    return self.limits.save(saves, run.ckpt.last_write_s)
+
+
+def measure_limits(run: Run, probe: bool) -> watchdog.Limits:
+  """The watchdog's limits for this run: the state's bytes, with `probe` the checkpoint directory's bandwidth
+  (process 0 measures, every process uses its numbers), the longest compile known at start (the first row of
+  each earlier start of this run; this start's planner, which compiled the step)."""
+  cfg, trainer = run.cfg, run.trainer
+  nbytes = disk.state_bytes(trainer.state)
+  bandwidth = None
+  if probe and cfg.checkpoint.enabled:
+    ckpt_dir = cfg.run_dir / "checkpoints"
+    size = min(disk.probe_size(nbytes), disk.free_bytes(ckpt_dir) // 10)
+    bandwidth = _from_process_0(lambda: disk.probe(ckpt_dir, size, trainer.slow_storage) if size > 0 else None)
+  known = [*run_dirs.compile_times(cfg.run_dir), trainer.plan_s]
+  return watchdog.Limits(cfg.train, nbytes, bandwidth, max(known) if any(known) else None)
+
+
+def _from_process_0(measure) -> tuple[float, float] | None:
+  """`measure()` on process 0, handed to every process (a collective when there are several)."""
+  value = measure() if jax.process_index() == 0 else None
+  if jax.process_count() == 1:
+    return value
+  got = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value or (0.0, 0.0), np.float32)))
+  return (float(got[0]), float(got[1])) if got[0] > 0 else None
 
 
 class ProfilerService:
@@ -162,7 +220,8 @@ class PreemptionService:
     self.preemption = preemption
 
   def step_end(self, run: Run) -> None:
-    if run.done == run.start_step + 1:
+    if run.done == run.start_step + 1:  # a signal means "save" once the first step has completed
+      jax.block_until_ready(run.metrics)
       self.preemption.step_started(checkpointing=run.ckpt is not None)
     run.stop = self.preemption.reached(run.done)
     if run.stop:
@@ -223,11 +282,11 @@ class CheckpointService:
 
 def subscribe(run: Run, preemption: Preemption, startup: Startup) -> Hooks:
   """The services of one run, in the order the hooks call them: the watchdog first (it times each point's work),
-  the metrics before preemption (the first step is waited for before a signal means "save"), preemption before
-  checkpointing (a signal makes a save due), the non-finite check before a save."""
+  preemption before the first-step line (a test, and a user, may signal the run as soon as it is printed) and
+  before checkpointing (a signal makes a save due), the non-finite check before a save."""
   cfg = run.cfg
-  return Hooks(WatchdogService(cfg), ProfilerService(cfg, run.is_main), MetricsService(cfg, startup),
-               PreemptionService(preemption), NonFiniteService(cfg), CheckpointService())
+  return Hooks(WatchdogService(cfg), ProfilerService(cfg, run.is_main), PreemptionService(preemption),
+               MetricsService(cfg, startup), NonFiniteService(cfg), CheckpointService())
 
 
 def start_line(cfg: Config, trainer, n_params: int, kind: str) -> str:

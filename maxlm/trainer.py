@@ -211,6 +211,7 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Start
   run = Run(cfg, trainer, is_main=jax.process_index() == 0)
   hooks = subscribe(run, preemption, startup)
   try:
+    hooks.check(run)
     hooks.begin(run)
     run.ckpt = _start_state(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
     run.start_step = run.done = int(jax.device_get(trainer.state.step))

@@ -7,6 +7,7 @@ the metrics and the start-up timing: maxlm/loop/services.py) subscribes to these
 the order the subscribers were given, so one that arms the watchdog comes first and sees each point before the
 work behind it starts.
 
+  check       before anything is written for the run (the disk check: it may stop the run)
   begin       before the state is restored (the start line, the watchdog's limits)
   started     the state is restored or built: `run.start_step` is known (config.yml, the metrics writer)
   compile     before the train step is compiled ahead of the first step
@@ -32,7 +33,7 @@ from typing import Any
 
 from maxlm.config import Config
 
-POINTS = ("begin", "started", "compile", "step_start", "dispatch", "step", "step_end", "save", "fetch", "log",
+POINTS = ("check", "begin", "started", "compile", "step_start", "dispatch", "step", "step_end", "save", "fetch", "log",
           "eval", "eval_batch", "write", "stop", "end", "closed")
 
 
@@ -69,6 +70,9 @@ class Hooks:
   def _call(self, point: str, run: Run) -> None:
     for call in self._calls[point]:
       call(run)
+
+  def check(self, run: Run) -> None:
+    self._call("check", run)
 
   def begin(self, run: Run) -> None:
     self._call("begin", run)

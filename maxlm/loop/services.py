@@ -12,8 +12,10 @@ from jax.experimental import multihost_utils
 
 from maxlm import data as data_lib
 from maxlm.checkpoint import EXIT_PREEMPTED, Preemption, disk
+from maxlm.checkpoint import complete_steps
 from maxlm.checkpoint import run_dir as run_dirs
-from maxlm.config import Config, dump_yaml, to_dict
+from maxlm.checkpoint.manager import gather_json
+from maxlm.config import Config, ConfigError, dump_yaml, to_dict
 from maxlm.errors import RunFailure
 from maxlm.loop.hooks import Hooks, Run
 from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line, throughput
@@ -256,8 +258,26 @@ class NonFiniteService:
 
 
 class CheckpointService:
-  """Saves when due (maxlm/checkpoint/manager.py), reports finished background saves, waits for the save in
+  """Checks the disk before the first step (maxlm/checkpoint/disk.py), saves when due (maxlm/checkpoint/manager.py:
+  it checks the free space again before each save), reports finished background saves, waits for the save in
   flight at a signal and at the end."""
+
+  def check(self, run: Run) -> None:
+    cfg = run.cfg
+    if not cfg.checkpoint.enabled:
+      return
+    ckpt_dir = cfg.run_dir / "checkpoints"
+    try:
+      warning = disk.check_start(cfg.checkpoint, cfg.train, cfg.output_dir, ckpt_dir,
+                                 disk.state_bytes(run.trainer.state), complete_steps(ckpt_dir))
+      error = ""
+    except ConfigError as e:
+      warning, error = "", str(e)
+    refused = [m for m in gather_json(error) if m]  # every process stops, or none
+    if refused:
+      raise ConfigError(refused[0])
+    if warning and run.is_main:
+      echo(f"maxlm: warning: {warning}")
 
   def step_end(self, run: Run) -> None:
     if run.ckpt is not None and not run.save_due:

@@ -169,7 +169,10 @@ class MetricsService:
   def started(self, run: Run) -> None:
     cfg, t = run.cfg, run.cfg.train
     if run.is_main:  # only now is the run known to start (a checkpoint that does not fit has stopped it)
-      (cfg.run_dir / "config.yml").write_text(dump_yaml(cfg))
+      kept = run_dirs.record_config(cfg.run_dir, dump_yaml(cfg), run.start_step)
+      if kept is not None:
+        echo(f"maxlm: the config of the steps up to {run.start_step} is kept as {kept.name} (every change: "
+             f"config_history.jsonl); config.yml is this start's")
     if run.start_step >= t.steps and run.is_main:
       echo(f"maxlm: {cfg.run_dir} is already at step {run.start_step} of train.steps={t.steps}: nothing to train "
            f"(more steps: train.steps=N; a new run: run_name=...)")

@@ -2,7 +2,8 @@
 
 Order of a run, so that bad input stops before anything is written: check everything that can be
 checked (backend and precision, mesh and batch split, a memory lower bound, every data input, the
-output directory), then create the run directory, build the state, resume from checkpoints, train.
+output directory), then create the run directory and lock it (one run at a time: maxlm/checkpoint/run_lock.py),
+build the state, resume from checkpoints, train.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from maxlm import plan as planner
 from maxlm.batches import Batches
 from maxlm.checkpoint import CheckpointError, Preemption
 from maxlm.checkpoint import run_dir as run_dirs
+from maxlm.checkpoint import run_lock
 from maxlm.checkpoint import start as start_checkpoints
 from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml
 from maxlm.layers import PrecisionError, check_precision, check_remat, resolve_backend
@@ -191,17 +193,21 @@ def _claim_and_train(cfg: Config, trainer: Trainer, preemption: Preemption, star
   if cfg.checkpoint.load_params and not Path(cfg.checkpoint.load_params).exists():
     raise CheckpointError(f"checkpoint.load_params={cfg.checkpoint.load_params}: no such file or directory")
   cfg = trainer.cfg  # with plan.mode=auto, the levers the planner chose
-  run_dirs.claim(run_dir, yaml.safe_load(dump_yaml(cfg)), cfg.checkpoint.enabled)
   created = is_main and not run_dir.exists()
   if is_main:
     _check_writable(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+  lock = run_lock.hold(run_dir)  # one run at a time (a second one stops here, the first untouched)
   try:
+    run_dirs.claim(run_dir, yaml.safe_load(dump_yaml(cfg)), cfg.checkpoint.enabled)
     return _train(cfg, trainer, preemption, startup)
   except (ConfigError, CheckpointError, data_lib.DataError, PrecisionError):
     if created and not run_dirs.previous(run_dir).holds_run:
       shutil.rmtree(run_dir, ignore_errors=True)
     raise
+  finally:
+    if lock is not None:
+      lock.release()
 
 
 def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Startup) -> RunEnd:

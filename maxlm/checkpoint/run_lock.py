@@ -86,7 +86,11 @@ def acquire(run_dir: Path) -> RunLock:
   unguarded RunLock and a warning."""
   path = Path(run_dir) / LOCK
   for _ in range(10):  # the file may be removed between our open and our lock by a holder that ends
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise ConfigError(f"output_dir: cannot open the run directory's lock {path} ({e.strerror or e}); set "
+                        f"output_dir to a writable place") from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

@@ -2,7 +2,8 @@
 
 Order of a run, so that bad input stops before anything is written: check everything that can be
 checked (backend and precision, mesh and batch split, a memory lower bound, every data input, the
-output directory), then create the run directory, build the state, resume from checkpoints, train.
+output directory), then create the run directory and lock it (one run at a time: maxlm/checkpoint/run_lock.py),
+build the state, resume from checkpoints, train.
 """
 
 from __future__ import annotations
@@ -23,29 +24,26 @@ from maxlm import data as data_lib
 from maxlm import evaluate
 from maxlm import plan as planner
 from maxlm.batches import Batches
-from maxlm.checkpoint import EXIT_PREEMPTED, CheckpointError, Preemption
+from maxlm.checkpoint import CheckpointError, Preemption
 from maxlm.checkpoint import run_dir as run_dirs
+from maxlm.checkpoint import run_lock
 from maxlm.checkpoint import start as start_checkpoints
-from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml, to_dict
-from maxlm.errors import RunFailure
+from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml
 from maxlm.layers import PrecisionError, check_precision, check_remat, resolve_backend
+from maxlm.loop import Run, RunError, subscribe
 from maxlm.mesh import make_mesh
-from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line, throughput
-from maxlm.model import Transformer, count_params, flops_per_step
-from maxlm.optim import make_optimizer, warmup_warning
+from maxlm.metrics import echo
+from maxlm.model import Transformer
+from maxlm.optim import make_optimizer
+from maxlm.runtime import compile_cache, warm_start
+from maxlm.runtime.startup import Startup
 from maxlm.pipeline import check as check_pipeline
-from maxlm.profiling import Profiler
-from maxlm.runtime import compile_cache, warm_start, watchdog
-from maxlm.runtime.devices import mesh_placement, peak_memory_gb
-from maxlm.runtime.startup import Startup, first_step_line
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
 from maxlm.step import jit_step, make_eval_step, make_train_step
 from maxlm.train_state import abstract_state, create_train_state
 
-
-class RunError(RunFailure, RuntimeError):
-  """A run-time failure with a one-line message (e.g. non-finite loss with train.nonfinite=stop)."""
+__all__ = ["RunEnd", "RunError", "Trainer", "check_batch_split", "train"]
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -73,6 +71,7 @@ def check_batch_split(d: DataConfig, t: TrainConfig, mesh_shape) -> None:
 
 class Trainer:
   """Owns the mesh, model, state, data and jitted steps of one run; `train()` drives it."""
+  slow_storage = None  # tests: a checkpoint storage slow or stuck on purpose (maxlm/checkpoint/disk.py)
 
   def __init__(self, cfg: Config):
     self.cfg = cfg
@@ -151,14 +150,15 @@ class Trainer:
     """Stop the training data's prefetch threads (a process that goes on after the run keeps none reading)."""
     self.train_data.close()
 
-  def evaluate(self) -> dict:
-    """Loss over the held-out data, weighted by tokens (sum of token losses / number of tokens)."""
+  def evaluate(self, progress=None) -> dict:
+    """Loss over the held-out data, weighted by tokens (sum of token losses / number of tokens); `progress()`
+    after each batch."""
     it = self.eval_data_factory()
     if it is None:
       return {}
     try:
       sums = evaluate.token_weighted(lambda batch: self.eval_step(self.state, self.to_device(batch)), it,
-                                     self.cfg.train.eval_steps)
+                                     self.cfg.train.eval_steps, on_batch=progress and (lambda _: progress()))
     finally:
       it.close()
     if sums.tokens == 0:
@@ -196,211 +196,74 @@ def _claim_and_train(cfg: Config, trainer: Trainer, preemption: Preemption, star
   if cfg.checkpoint.load_params and not Path(cfg.checkpoint.load_params).exists():
     raise CheckpointError(f"checkpoint.load_params={cfg.checkpoint.load_params}: no such file or directory")
   cfg = trainer.cfg  # with plan.mode=auto, the levers the planner chose
-  run_dirs.claim(run_dir, yaml.safe_load(dump_yaml(cfg)), cfg.checkpoint.enabled)
   created = is_main and not run_dir.exists()
   if is_main:
     _check_writable(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+  lock = run_lock.hold(run_dir)  # one run at a time (a second one stops here, the first untouched)
   try:
+    run_dirs.claim(run_dir, yaml.safe_load(dump_yaml(cfg)), cfg.checkpoint.enabled)
     return _train(cfg, trainer, preemption, startup)
   except (ConfigError, CheckpointError, data_lib.DataError, PrecisionError):
     if created and not run_dirs.previous(run_dir).holds_run:
       shutil.rmtree(run_dir, ignore_errors=True)
     raise
+  finally:
+    if lock is not None:
+      lock.release()
 
 
 def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Startup) -> RunEnd:
-  run_dir = cfg.run_dir
-  is_main = jax.process_index() == 0
+  """The loop: the run's own work, with its services (maxlm/loop/services.py) called at fixed points."""
   trainer.build()
-  m, t, d = cfg.model, cfg.train, cfg.data
-  n = count_params(m)
-  flops = flops_per_step(m, d.global_batch_size, d.seq_len)
-  kind = jax.devices()[0].device_kind
-  peak = device_peak_flops(kind)
-  flops_known = jax.devices()[0].platform != "cpu"
-  if is_main:  # progress and run lines come from process 0 only; warnings and errors from any process
-    echo(_start_line(cfg, trainer, n["total"], kind))
-    if jax.process_count() > 1:
-      echo(f"maxlm: {mesh_placement(trainer.mesh)}")
-
-  ckpt, writer = None, None
-  profiler = Profiler(cfg.profile, run_dir, is_main, echo=echo)
-  wd = watchdog.start(cfg.train, run_dir, jax.process_index(), jax.process_count())  # arm(): each host phase
+  t, d = cfg.train, cfg.data
+  run = Run(cfg, trainer, is_main=jax.process_index() == 0)
+  hooks = subscribe(run, preemption, startup)
   try:
-    ckpt = _start_state(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
-    start_step = int(jax.device_get(trainer.state.step))
-    if is_main:  # only now is the run known to start (a checkpoint that does not fit has stopped it)
-      (run_dir / "config.yml").write_text(dump_yaml(cfg))
-    if start_step >= t.steps and is_main:
-      echo(f"maxlm: {run_dir} is already at step {start_step} of train.steps={t.steps}: nothing to train "
-           f"(more steps: train.steps=N; a new run: run_name=...)")
-    writer = MetricsWriter(run_dir, enabled=is_main, start_step=start_step)
-    startup.mark("state")
-    first = _compile(trainer, wd, start_step) if start_step < t.steps else None  # hit or miss, for the line
-    checked, skipped = start_step, int(jax.device_get(trainer.state.nonfinite_steps))
-    logged_skips = skipped
-    tokens_per_step = d.global_batch_size * d.seq_len
-    t_last, steps_since, paused, first_step = None, 0, 0.0, None
-    t_train0, steps_timed = None, 0
-    batches = Batches(trainer.train_data, finite=d.num_epochs > 0)
-    for step in range(start_step, t.steps):
-      wd.arm("data wait", step + 1)
+    hooks.check(run)
+    hooks.begin(run)
+    run.ckpt = _start_state(trainer, cfg)  # resume the run / load checkpoint.load_params; None if disabled
+    run.start_step = run.done = int(jax.device_get(trainer.state.step))
+    hooks.started(run)
+    if run.done < t.steps:
+      hooks.compile(run)
+      run.cache_hit = trainer.compile_train_step()  # ahead of the first step; hit or miss, for its line
+    batches = run.batches = Batches(trainer.train_data, finite=d.num_epochs > 0)
+    for step in range(run.start_step, t.steps):
+      hooks.step_start(run)
       local = batches.take()
       if local is None:  # finite data that had ended before this (resumed) run
-        if is_main:
+        if run.is_main:
           echo(f"maxlm: the training data ended (data.num_epochs={d.num_epochs}) before step {step + 1}")
         break
-      wd.arm("step dispatch", step + 1, dispatch=True)  # the host waits here when the device's queue is full
-      with profiler.step(step + 1):  # NVTX/XProf step range; opens the profile window at its first step
-        trainer.state, metrics = trainer.train_step(trainer.state, trainer.to_device(local))
-      profiler.step_done(step + 1, metrics)  # closes the window after its last step
-      steps_since += 1
-      done = step + 1
-      last = done == t.steps or batches.ended
-      if t_last is None:  # the first step (compiled before the loop): report it, time from its end
-        jax.block_until_ready(metrics)
-        t_last = t_train0 = time.perf_counter()
-        steps_since = 0
-        preemption.step_started(checkpointing=ckpt is not None)
-        first_step = _first_step(trainer, startup, done, t_last, first, is_main)  # once, in the first row
-      stop = preemption.reached(done)
-      save_s = 0.0
-      if ckpt is not None and (stop or last or ckpt.due(done)):
-        wd.arm("checkpoint save", done, slow=True)
-        if t.nonfinite == "stop":  # never checkpoint past a skipped update
-          checked = _check_finite(jax.device_get(metrics), checked, skipped, done, ckpt)
-        jax.block_until_ready(trainer.state)  # the step's own time stays training time
-        t0 = time.perf_counter()
-        ckpt.save(done, trainer.state, batches.position(), to_dict(cfg))
-        save_s = time.perf_counter() - t0
-        paused += save_s
-      elif ckpt is not None:
-        ckpt.poll()
-      if done % t.log_every and not last and not stop:
+      with hooks.step(run):
+        trainer.state, run.metrics = trainer.train_step(trainer.state, trainer.to_device(local))
+      run.done, run.last = step + 1, step + 1 == t.steps or batches.ended
+      hooks.step_end(run)
+      if run.save_due:
+        hooks.save(run)
+      if run.done % t.log_every and not run.last and not run.stop:
         continue
-      wd.arm("metrics fetch", done, sync=True)
-      metrics = jax.device_get(metrics)
-      # training time only: checkpoint saves are reported as save_s
-      row = _row(metrics, steps_since, time.perf_counter() - t_last - paused, tokens_per_step, flops,
-                 trainer.n_devices, peak)
-      if steps_since:
-        wd.step_time(row["step_time"])
-        steps_timed += steps_since
-      if paused:
-        row["save_s"] = paused
-      if first_step is not None:
-        row.update(first_step)
-        first_step = None
-      row["peak_memory_gb"] = peak_memory_gb()
-      if t.nonfinite == "stop":
-        checked = _check_finite(metrics, checked, skipped, done, ckpt)
-      elif row["nonfinite_steps"] > logged_skips and is_main:  # the same count on every process
-        echo(f"maxlm: warning: {row['nonfinite_steps'] - logged_skips} update(s) skipped for a non-finite "
-             f"loss or gradient up to step {done} ({row['nonfinite_steps']} in all; last loss "
-             f"{row['loss']}, grad norm {row['grad_norm']})")
-        logged_skips = row["nonfinite_steps"]
-      if trainer.eval_data_factory and t.eval_every and (done % t.eval_every == 0 or last):
-        wd.arm("evaluation", done, slow=True)
-        row.update(trainer.evaluate())
-      now = time.perf_counter()
-      row["elapsed_s"] = now - startup.t0
-      if steps_timed:
-        row["eta_s"] = (t.steps - done) * (now - t_train0) / steps_timed
-      writer.write(done, row)
-      if is_main:
-        echo(progress_line(done, t.steps, row, flops_known=flops_known))
-      t_last, steps_since, paused = time.perf_counter(), 0, 0.0
-      if stop:
-        if ckpt is not None:
-          wd.arm("checkpoint save", done, slow=True)
-          ckpt.wait()
-        echo(_preempted_line(preemption.signal, done, ckpt))
+      hooks.fetch(run)
+      hooks.log(run)
+      if trainer.eval_data_factory and t.eval_every and (run.done % t.eval_every == 0 or run.last):
+        hooks.eval(run)
+        run.row.update(trainer.evaluate(lambda: hooks.eval_batch(run)))
+      hooks.write(run)
+      if run.stop:
+        hooks.stop(run)
         return RunEnd(preempted=True)
-      if batches.ended and done < t.steps:
-        if is_main:
-          echo(f"maxlm: the training data ended after step {done} (data.num_epochs={d.num_epochs})")
+      if batches.ended and run.done < t.steps:
+        if run.is_main:
+          echo(f"maxlm: the training data ended after step {run.done} (data.num_epochs={d.num_epochs})")
         break
   finally:
-    profiler.close()  # a run that stops inside the window still writes its trace
-    if writer is not None:
-      writer.close()
-    if ckpt is not None:
-      wd.arm("checkpoint close", slow=True)
-      ckpt.close()  # waits for the save in flight
-    wd.stop()
+    hooks.end(run)
   return RunEnd(preempted=False)
-
-
-def _start_line(cfg: Config, trainer: Trainer, n_params: int, kind: str) -> str:
-  m = cfg.model
-  # precision bf16 quantizes nothing: with model.dtype=float32 everything computes in fp32
-  precision = "fp32" if (m.precision, m.dtype) == ("bf16", "float32") else m.precision
-  warmup = warmup_warning(cfg.optim, cfg.train.steps)
-  return (f"maxlm: {m.name} ({n_params / 1e6:.1f}M params, backend={trainer.backend}, precision={precision}) on "
-          f"{jax.device_count()} x {kind}, mesh {dict(trainer.mesh.shape)}, run dir {cfg.run_dir}\n"
-          f"maxlm: {data_lib.start_line(trainer.train_data.info, cfg.data)}"  # what the batches are made of
-          + (f"\nmaxlm: warning: {warmup}" if warmup else ""))
-
-
-def _compile(trainer: Trainer, wd, start_step: int) -> bool:
-  """The train step compiled (or loaded from the persistent cache) before the first step; True for a hit."""
-  wd.arm("compile", start_step + 1)
-  return trainer.compile_train_step()
 
 
 def _start_state(trainer: Trainer, cfg: Config):
   """The state the run starts from (maxlm/checkpoint/resume.py), taken into the trainer; the Checkpointer."""
-  started = start_checkpoints(trainer.state, trainer.state_shardings, trainer.train_data, cfg)
+  started = start_checkpoints(trainer.state, trainer.state_shardings, trainer.train_data, cfg, trainer.slow_storage)
   trainer.state = started.state
   return started.checkpointer
-
-
-def _first_step(trainer: Trainer, startup: Startup, done: int, t_first: float, hit: bool, is_main: bool) -> dict:
-  """The first-step lines (the time to it in parts; the compilation cache) and the fields of the first row."""
-  step = trainer.jitted_train_step
-  parts = startup.parts(t_first, step.lower_s, step.compile_s, trainer.plan_s)
-  if is_main:
-    echo(first_step_line(done, parts, peak_memory_gb(), step.compiled_memory_gb))
-    echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s, step.loaded, step.background_s)}")
-  return {"first_step_s": parts["startup_s"], **parts, "compile_cache_hit": hit, "warm_start": step.loaded,
-          "warm_load_background_s": step.background_s,
-          **compile_cache.stats(),
-          "compiled_memory_gb": step.compiled_memory_gb}
-
-
-def _row(metrics: dict, steps: int, seconds: float, tokens_per_step: int, flops: float, n_devices: int,
-         peak: float | None) -> dict:
-  """A metrics row from the fetched step metrics and the `steps` trained in `seconds` since the last row."""
-  row = {k: float(v) for k, v in metrics.items() if k not in ("finite", "tokens")}
-  row["nonfinite_steps"] = int(metrics["nonfinite_steps"])
-  if "overflow_steps" in metrics:  # fp16 loss scaling: skips for overflow, not non-finite steps
-    row["overflow_steps"] = int(metrics["overflow_steps"])
-  if steps:
-    row.update(throughput(tokens_per_step * steps, flops * steps, seconds, n_devices, peak))
-    row["step_time"] = seconds / steps
-  else:
-    row.update({"tokens_per_sec": None, "tflops_per_device": None, "mfu": None, "step_time": None})
-  return row
-
-
-def _preempted_line(signal_name: str, done: int, ckpt) -> str:
-  if ckpt is not None:
-    return (f"maxlm: {signal_name} at step {done}: checkpoint step {done} saved in {ckpt.directory}; exiting "
-            f"with code {EXIT_PREEMPTED} (rerun the same command to resume)")
-  return (f"maxlm: {signal_name} at step {done}: nothing was saved (checkpoint.enabled=false), so a rerun "
-          f"starts again from step 0; exiting with code {EXIT_PREEMPTED}")
-
-
-def _check_finite(metrics: dict, checked: int, skipped: int, done: int, ckpt) -> int:
-  """train.nonfinite=stop: raise RunError if an update after step `checked` was skipped; else `done`."""
-  if int(metrics["nonfinite_steps"]) == skipped:
-    return done
-  if bool(metrics["finite"]):
-    where = f"between steps {checked + 1} and {done}"
-  else:
-    where = f"at step {done} (loss={float(metrics['loss'])}, grad_norm={float(metrics['grad_norm'])})"
-  kept = "no checkpoint was written"
-  if ckpt is not None and ckpt.latest is not None:
-    kept = f"the last good checkpoint is step {ckpt.latest} in {ckpt.directory}"
-  raise RunError(f"non-finite loss or gradient {where}; the update was not applied; {kept}")

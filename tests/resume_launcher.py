@@ -14,6 +14,12 @@ Environment:
   MAXLM_TEST_DISTRIBUTED=ADDR,N,I  jax.distributed with N CPU processes (this one I; Gloo collectives)
   MAXLM_TEST_DATA_HANG=N,P   process P's N-th training batch read of this start blocks forever (a stuck
                              read: the hang watchdog's case), after printing "DATA-HANG <N>"
+  MAXLM_TEST_EVAL_SLEEP=SEC  every eval batch read sleeps SEC first (an eval that is slow but progresses)
+  MAXLM_TEST_EVAL_HANG=N     the N-th eval batch read of this start blocks forever, after "EVAL-HANG <N>"
+  MAXLM_TEST_STORAGE=BPS[,N] the checkpoint storage writes BPS bytes per second (each write, the disk probe's
+                             and every checkpoint's, takes its bytes / BPS more: `Trainer.slow_storage`); its
+                             N-th write (the probe at the start is the first when the watchdog is on) never
+                             ends, after "STORAGE-STUCK <N>"
 """
 
 from __future__ import annotations
@@ -109,6 +115,41 @@ class BlockingData:
     return getattr(self._data, name)
 
 
+class SlowData:
+  """A data iterator whose every read sleeps `sleep` s first and whose `hang`-th read (0: none) blocks forever."""
+
+  def __init__(self, data, sleep: float, hang: int, reads: list):
+    self._data, self._sleep, self._hang, self._reads = data, sleep, hang, reads
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self._reads.append(1)  # counted over every iterator of this start (each evaluation makes a new one)
+    if len(self._reads) == self._hang:
+      print(f"EVAL-HANG {self._hang}", flush=True)
+      threading.Event().wait()
+    time.sleep(self._sleep)
+    return next(self._data)
+
+  def __getattr__(self, name):
+    return getattr(self._data, name)
+
+
+class SlowStorage:
+  """A checkpoint storage of `bps` bytes per second whose `stuck`-th write (0: none) never ends."""
+
+  def __init__(self, bps: float, stuck: int = 0):
+    self.bps, self.stuck, self.writes = bps, stuck, 0
+
+  def __call__(self, nbytes: int) -> None:
+    self.writes += 1
+    if self.writes == self.stuck:
+      print(f"STORAGE-STUCK {self.writes}", flush=True)
+      threading.Event().wait()
+    time.sleep(nbytes / self.bps)
+
+
 def install_hooks(argv: list[str]) -> None:
   import jax
 
@@ -118,12 +159,20 @@ def install_hooks(argv: list[str]) -> None:
   pause = float(os.environ.get("MAXLM_TEST_STEP_SLEEP", "0"))
   hang = os.environ.get("MAXLM_TEST_DATA_HANG")
   data_hang = [int(v) for v in hang.split(",")] if hang else None
+  eval_sleep, eval_hang = float(os.environ.get("MAXLM_TEST_EVAL_SLEEP", "0")), int(os.environ.get(
+      "MAXLM_TEST_EVAL_HANG", "0"))
+  storage = [float(v) for v in os.environ.get("MAXLM_TEST_STORAGE", "").split(",") if v]
   build = Trainer.build
 
   def traced_build(self):
     build(self)
     if data_hang and data_hang[1] == jax.process_index():
       self.train_data = BlockingData(self.train_data, data_hang[0])
+    if (eval_sleep or eval_hang) and self.eval_data_factory:
+      factory, reads = self.eval_data_factory, []
+      self.eval_data_factory = lambda: SlowData(factory(), eval_sleep, eval_hang, reads)
+    if storage:
+      self.slow_storage = SlowStorage(storage[0], int(storage[1]) if len(storage) > 1 else 0)
     inner = self.train_step
 
     def step(state, batch):

@@ -132,10 +132,11 @@ def test_trainer_profiles_the_configured_steps(tmp_path, monkeypatch):
   """A real run: the cudaProfiler calls fall between the right progress lines; the trace is in the run dir."""
   from maxlm import trainer as trainer_lib
   from maxlm.checkpoint import Preemption
+  from maxlm.loop import services
 
   events = []
   monkeypatch.setattr(profiling, "CudaProfilerApi", lambda: FakeCuda(events))
-  monkeypatch.setattr(trainer_lib, "echo", events.append)
+  monkeypatch.setattr(services, "echo", events.append)  # the progress lines (the profiler's own `echo` too)
   # A tiny model: only the order of the profiler calls and the trace file matter here.
   cfg = load_config(["model.backend=flax", "train.steps=4", "train.log_every=1", "train.eval_every=0",
                      "data.type=synthetic", "profile.start_step=2", "profile.num_steps=2",

@@ -46,9 +46,9 @@ def test_limits_follow_the_median_the_steps_in_flight_and_the_floor():
     assert wd.phase.limit == pytest.approx(6.0) and wd.phase.in_flight == 3
     wd.arm("data wait", 4)
     assert wd.phase.limit == pytest.approx(2.0) and wd.phase.step == 4
-    wd.arm("checkpoint save", 4, slow=True)  # saves and evaluations: the slow limit, median or not
-    assert wd.phase.limit == 100.0
-    wd.arm("checkpoint close", slow=True)  # no step given: the step of the phase before
+    wd.arm("checkpoint save", 4, limit=watchdog.Limit(42.0, "a save's"))  # a limit of its own, median or not
+    assert (wd.phase.limit, wd.phase.median, wd.phase.how) == (42.0, None, "a save's")
+    wd.arm("checkpoint close", limit=watchdog.Limit(42.0, "a save's"))  # no step given: the step before
     assert wd.phase.step == 4
     wd.step_time(0.01)  # median of 0.1, 0.3, 0.2, 0.01 = 0.15: 1.5 s, above the floor
     wd.arm("data wait", 5)
@@ -77,6 +77,45 @@ def test_the_median_is_over_the_last_101_step_times():
     wd.stop()
 
 
+def test_slow_phase_limits_from_the_runs_measurements_by_hand():
+  # factor 10, step floor 1 s, slow floor 100 s; a 4 GB state; a probe that wrote 200 MB/s and read 800 MB/s; a
+  # compile of 30 s known at start
+  lim = watchdog.Limits(T, 4 * 10**9, (2e8, 8e8), 30.0)
+  assert lim.compile().seconds == 300.0  # 10 x 30 s
+  assert lim.restore().seconds == 100.0  # 10 x 4e9 / 8e8 = 10 x 5 s = 50 s: the floor
+  assert lim.save().seconds == 200.0  # 10 x 4e9 / 2e8 = 10 x 20 s
+  assert lim.save(saves=2).seconds == 400.0  # one in flight, then its own: 10 x 2 x 20 s
+  assert lim.save(1, last_write_s=7.0).seconds == 100.0  # 10 x 7 s = 70 s: the floor
+  assert lim.save(2, last_write_s=7.0).seconds == 140.0  # a save measured replaces the probe: 10 x 2 x 7 s
+  assert "10 x 4 GB written at 200 MB/s (probe) x 2 saves: 40 s, floor 100 s" == lim.save(2).how
+  assert "10 x the last save's time x 2 saves: 14 s, floor 100 s" == lim.save(2, 7.0).how
+  assert "10 x 4 GB read at 800 MB/s (probe): 5 s, floor 100 s" == lim.restore().how
+  lim.compiled(45.0)  # this start's own compile, longer than the one known: it counts
+  assert lim.compile().seconds == 450.0
+  lim.compiled(5.0)  # a shorter one does not lower it
+  assert lim.compile().seconds == 450.0
+  # eval batches: the first compiles the eval step; before one is timed the slow floor; then the median's
+  assert lim.eval_batch(first=True).seconds == 450.0
+  assert (lim.eval_batch(first=False).seconds, lim.eval_batch(first=False).how) == (
+      100.0, "train.watchdog_first_step_s=100 s, no eval batch timed yet")
+  for seconds in (0.2, 0.9, 0.4):  # median 0.4 s: 10 x 0.4 = 4 s, above the step floor (1 s)
+    lim.eval_time(seconds)
+  assert lim.eval_batch(first=False).seconds == pytest.approx(4.0)
+  assert lim.eval_batch(first=False).how == "10 x median eval batch 0.4 s, floor 1 s"
+  for seconds in (0.01, 0.01, 0.01):  # six times: the median is the mean of the middle two, (0.01 + 0.2) / 2
+    lim.eval_time(seconds)
+  assert lim.eval_batch(first=False).seconds == pytest.approx(1.05)  # 10 x 0.105 s
+  lim.eval_time(0.01)  # seven: 0.01 s in the middle, 10 x 0.01 = 0.1 s is below the floor
+  assert lim.eval_batch(first=False).seconds == 1.0
+  # nothing measured: no probe, no compile known
+  bare = watchdog.Limits(T, 4 * 10**9, None, None)
+  assert [bare.compile().seconds, bare.restore().seconds, bare.save().seconds] == [100.0, 100.0, 100.0]
+  assert bare.compile().how == "train.watchdog_first_step_s=100 s, no compile time known at start"
+  assert bare.save(1, last_write_s=30.0).seconds == 300.0  # the first save measured: 10 x 30 s
+  line = watchdog.Limits(T, 4 * 10**9, (2e8, 8e8), 30.0).describe()
+  assert "compile 300 s, restore 100 s, save 200 s" in line and "after 10x its expected time, at least 100 s" in line
+
+
 def test_rearming_restarts_the_clock_and_stop_ends_the_thread():
   t = TrainConfig(watchdog_floor_s=0.3, watchdog_first_step_s=0.3)
   wd, codes = _quiet_watchdog(t)
@@ -101,7 +140,7 @@ def test_slow_limit_fires_in_process_with_the_exit_code(tmp_path):
   first = stacks.read_text().splitlines()[0]
   # taken: the limit plus the thread's wake-up (it sleeps until the deadline, and at most 1 s at a time)
   assert re.fullmatch(r"maxlm: error: watchdog: restore at step 0 has taken 0\.[2-9] s \(limit 0\.2 s: "
-                      r"train\.watchdog_first_step_s, no step time is known yet\); stacks of every thread in "
+                      r"train\.watchdog_first_step_s=0\.2 s, no step time is known yet\); stacks of every thread in "
                       + re.escape(str(stacks)) + "; exiting with code 76", first), first
 
 
@@ -111,14 +150,15 @@ def test_a_stuck_run_directory_sends_the_stacks_to_stderr(tmp_path, monkeypatch,
   monkeypatch.setattr(watchdog, "open", lambda *a, **kw: threading.Event().wait(), raising=False)
   codes = []
   wd = watchdog.Watchdog(TrainConfig(watchdog_first_step_s=0.1), tmp_path / "watchdog", exit=codes.append)
-  wd.arm("checkpoint save", 7, slow=True)
+  wd.arm("checkpoint save", 7, limit=watchdog.Limits(TrainConfig(watchdog_first_step_s=0.1), 10**9, None,
+                                                      None).save())
   end = time.monotonic() + 5
   while not codes and time.monotonic() < end:
     time.sleep(0.05)
   assert codes == [76]
   err = capfd.readouterr().err
   assert "Current thread" in err and re.search(
-      r"\(limit 0\.1 s: train\.watchdog_first_step_s, for saves and evaluations\); stacks of every thread in "
+      r"\(limit 0\.1 s: train\.watchdog_first_step_s=0\.1 s, no bandwidth measured\); stacks of every thread in "
       r"stderr \(cannot write " + re.escape(str(tmp_path / "watchdog")) + r"/stacks-process0-step7-\d{8}-\d{6}"
       r"\.txt: no answer within 0\.3 s\); exiting with code 76$", err.splitlines()[-1]), err[-500:]
 
@@ -225,3 +265,84 @@ def test_a_run_whose_data_read_blocks_ends_with_the_watchdog(tmp_path):
   assert [row["step"] for row in rows] == [1, 2]
   stacks = Path(m[1])
   assert stacks.parent == tmp_path / "r" / "watchdog" and "in __next__" in stacks.read_text()
+
+
+# The embedded corpus (it has an eval split), a tiny model; every save waits for its files (async_save=false), so
+# the save is one phase of the loop; factor 3, step floor 1 s.
+EVAL_RUN = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
+            "model.n_layers=1", "model.remat=none", "model.backend=flax", "data.seq_len=16",
+            "data.global_batch_size=4", "train.log_every=1", "train.eval_every=2", "train.eval_steps=4",
+            "checkpoint.every=2", "checkpoint.async_save=false", "train.watchdog=always", "train.watchdog_factor=3",
+            "train.watchdog_floor_s=1", "run_name=r"]
+
+
+def _launch(tmp_path, cache, *args, **env):
+  e = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
+       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **env,
+       "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+  return subprocess.run([sys.executable, str(ROOT / "tests" / "resume_launcher.py"), f"output_dir={tmp_path}",
+                         *EVAL_RUN, *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+
+
+def _state_bytes(step_dir: Path) -> int:
+  """The bytes of every array a checkpoint step holds, from the shapes and dtypes its meta item records."""
+  arrays = json.loads((step_dir / "meta" / "metadata").read_text())["arrays"]
+  itemsize = {"float32": 4, "bfloat16": 2, "int32": 4, "uint32": 4, "float16": 2}
+  total = 0
+  for shape, dtype, _ in arrays.values():
+    n = 1
+    for d in shape:
+      n *= d
+    total += n * itemsize[dtype]
+  return total
+
+
+def test_long_phases_that_progress_run_on_and_stuck_ones_end_within_their_limits(tmp_path):
+  """Three starts of one run, on the tests' launcher (tests/resume_launcher.py: a slow or stuck eval data source
+  and checkpoint storage):
+  1. a fresh run whose 3rd eval batch read blocks: it ends 1 s after that read began (the step floor: 3 x its
+     eval batches' median of milliseconds is less), with its checkpoint of step 2 saved;
+  2. its resume with an eval batch read of 2.5 s (4 batches: 10 s) and a storage writing a checkpoint in 10 s,
+     under a slow floor of 8 s: before, every save and evaluation had that flat 8 s and this run was ended at its
+     evaluation; now both run to the end (the eval batches are timed one by one; the save's limit is 3 x the
+     checkpoint's bytes over the bandwidth of the probe, which writes to the same slow storage);
+  3. a resume whose storage never completes the save of step 6: ended once 3 x its probe's estimate (far under
+     the 8 s floor) and the floor have passed, the checkpoint of step 4 intact."""
+  cache = tmp_path / "xla-cache"
+  run_dir = tmp_path / "r"
+  r = _launch(tmp_path, cache, "train.steps=2", "train.watchdog_first_step_s=120", MAXLM_TEST_EVAL_HANG="3")
+  assert r.returncode == 76, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+  last = r.stderr.splitlines()[-1]
+  m = re.fullmatch(r"maxlm: error: watchdog: evaluation batch 3 at step 2 has taken ([\d.]+) s \(limit 1\.0 s: 3 x "
+                   r"median eval batch [\d.e-]+ s, floor 1 s\); stacks of every thread in \S+; exiting with code 76",
+                   last)
+  assert m and 1.0 <= float(m[1]) < 1.0 + watchdog.POLL_S + 2.0, last  # 2 s of slack for a loaded host
+  assert "EVAL-HANG 3" in r.stdout and sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2"]
+  first_row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+  compile_known = first_row["lower_s"] + first_row["compile_s"]
+
+  nbytes = _state_bytes(run_dir / "checkpoints" / "2")
+  r = _launch(tmp_path, cache, "train.steps=4", "train.watchdog_first_step_s=8", MAXLM_TEST_EVAL_SLEEP="2.5",
+              MAXLM_TEST_STORAGE=str(nbytes / 10))
+  assert r.returncode == 0, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+  assert "step 4/4 | loss" in r.stdout and " | eval " in r.stdout.split("step 4/4")[1]
+  written = re.search(r"checkpoint step 4 written: .* in ([\d.]+) s", r.stdout)
+  assert written and float(written[1]) >= 10.0, r.stdout[-2000:]  # longer than the 8 s floor
+  limits = re.search(r"maxlm: watchdog: .* after 3x its expected time, at least 8 s .*: compile (\d+) s, restore "
+                     r"(\d+) s, save (\d+) s", r.stdout)
+  assert limits, r.stdout[-3000:]
+  # compile: 3 x the first start's trace, lower and compile (its first row); this start's planner may know more
+  assert int(limits[1]) >= max(8, round(3 * compile_known)) - 1
+  # save: 3 x the bytes / the probe's bandwidth; the probe took bytes / (nbytes / 10 s) in the slow storage, so
+  # the estimate is at least 3 x 10 s, and it is at most that plus 3 x the probe's own write time
+  assert 30 <= int(limits[3]) <= 45 and int(limits[2]) == 8, limits[0]
+
+  r = _launch(tmp_path, cache, "train.steps=6", "train.watchdog_first_step_s=8", MAXLM_TEST_STORAGE="1e12,2")
+  assert r.returncode == 76, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+  last = r.stderr.splitlines()[-1]
+  m = re.fullmatch(r"maxlm: error: watchdog: checkpoint save at step 6 has taken ([\d.]+) s \(limit 8\.0 s: 3 x "
+                   r"[\d.]+ MB written at [\d.e+]+ [MG]B/s \(probe\): [\d.e-]+ s, floor 8 s\); stacks of every "
+                   r"thread in \S+; exiting with code 76", last)
+  assert m and 8.0 <= float(m[1]) < 8.0 + watchdog.POLL_S + 2.0, last
+  assert "STORAGE-STUCK 2" in r.stdout and "step 6/6" not in r.stdout
+  assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]

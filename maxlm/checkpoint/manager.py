@@ -33,6 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from maxlm.checkpoint.disk import SlowStorage, footprint, short_of_space, state_bytes
 from maxlm.checkpoint.verify import (Corrupt, OrbaxNoise, check_files, describe, fingerprint, json_digest,
                                      mismatches, quiet, reason, write_manifest, wrong_checksums)
 from maxlm.config import CheckpointConfig
@@ -90,7 +91,7 @@ def _decode(obj):
   return obj
 
 
-def _gather(obj) -> list:
+def gather_json(obj) -> list:
   """Every process's JSON-able object, in process order (a collective when there are several)."""
   if jax.process_count() == 1:
     return [obj]
@@ -150,10 +151,13 @@ def _sync(name: str) -> None:
 class Checkpointer:
   """One run's checkpoint directory: `save` (async), `poll`/`wait`, `restore_latest`, `close`."""
 
-  def __init__(self, directory: Path, cfg: CheckpointConfig):
+  def __init__(self, directory: Path, cfg: CheckpointConfig, slow_storage: SlowStorage | None = None):
     self.cfg = cfg
     self.directory = Path(directory).absolute()
     self.latest: int | None = None  # last step saved (or being saved) or restored
+    self.last_write_s: float | None = None  # the last finished save's time, its start to its files written
+    self._slow_storage = slow_storage  # tests: a storage slow or stuck on purpose (maxlm/checkpoint/disk.py)
+    self._bytes = 0  # the state bytes of the save in flight
     self._pending: int | None = None  # step of the save in flight
     self._failed = False
     self._t0 = self._blocked = 0.0
@@ -178,10 +182,20 @@ class Checkpointer:
 
   # --- saving ---------------------------------------------------------------------------------
 
+  @property
+  def in_flight(self) -> bool:
+    """A save was started and not yet waited for (it may have finished in the background)."""
+    return self._pending is not None
+
   def _on_finalized(self) -> None:
     """Orbax's save thread, once every item is written (before `<step>` is renamed into place)."""
     step = self._pending
-    if step is None or not _primary():
+    if step is None:
+      return
+    if self._slow_storage is not None:
+      self._slow_storage(self._bytes)
+    self.last_write_s = time.perf_counter() - self._t0
+    if not _primary():
       return
     found = sorted(self.directory.glob(f"{step}.orbax-checkpoint-tmp*")) or [self.directory / str(step)]
     try:
@@ -198,12 +212,14 @@ class Checkpointer:
     """
     self.wait()
     t0 = self._t0 = time.perf_counter()
+    self._bytes = state_bytes(state)
+    self._check_space(step)
     sums, finite, paths = fingerprint(state)
     if not finite.all():
       bad = [p for p, ok in zip(paths, finite) if not ok]
       raise CheckpointError(f"refusing to save checkpoint step {step}: non-finite values in {len(bad)} "
                             f"array(s) ({', '.join(bad[:3])}); {self._kept()}")
-    data = _data_item(_gather(_encode(data_state)))
+    data = _data_item(gather_json(_encode(data_state)))
     meta = {"format": FORMAT, "step": step, "time": time.time(), "process_count": jax.process_count(),
             "arrays": describe(state, sums, paths),
             "digests": {"data": json_digest(data), "config": json_digest(config)}}
@@ -222,6 +238,19 @@ class Checkpointer:
     self.latest = step
     if not self.cfg.async_save:
       self.wait()
+
+  def _check_space(self, step: int) -> None:
+    """CheckpointError, before anything is written, when the save does not fit in the free space (sized as the
+    latest checkpoint's footprint on disk, before any as the state's arrays: maxlm/checkpoint/disk.py). Every
+    process agrees (each may write to a disk of its own)."""
+    steps = complete_steps(self.directory)
+    size = footprint(self.directory / str(steps[-1])) if steps else self._bytes
+    short = [m for m in gather_json(short_of_space(self.directory, size)) if m]
+    if short:
+      self._failed = True
+      raise CheckpointError(f"not enough disk space to save checkpoint step {step} in {self.directory}: {short[0]}; "
+                            f"{self._kept()}; free space there (or resume in a copy of the run directory on "
+                            f"another disk: output_dir=...)")
 
   def _kept(self) -> str:
     steps = complete_steps(self.directory)

@@ -11,6 +11,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from maxlm.checkpoint.disk import SlowStorage
 from maxlm.checkpoint.manager import (CheckpointError, Checkpointer, abstract_like, config_changes)
 from maxlm.checkpoint.paths import step_dir
 from maxlm.checkpoint.verify import mismatches, quiet, reason, wrong_checksums
@@ -73,12 +74,13 @@ class Started:
   checkpointer: Checkpointer | None
 
 
-def start(state, shardings, data, cfg) -> Started:
+def start(state, shardings, data, cfg, slow_storage: SlowStorage | None = None) -> Started:
   """The state a run starts from: its latest usable checkpoint's (state, and `data`'s position set to the
   checkpoint's), else the fresh `state` with `checkpoint.load_params`'s parameters, else `state` itself.
-  `shardings`: the state's. Nothing of the caller's is changed but the data iterator's position."""
+  `shardings`: the state's. Nothing of the caller's is changed but the data iterator's position. `slow_storage`:
+  for tests (maxlm/checkpoint/disk.py)."""
   c = cfg.checkpoint
-  ckpt = Checkpointer(cfg.run_dir / "checkpoints", c) if c.enabled else None
+  ckpt = Checkpointer(cfg.run_dir / "checkpoints", c, slow_storage) if c.enabled else None
   try:
     return Started(_start(state, shardings, data, cfg, ckpt), ckpt)
   except BaseException:

@@ -8,18 +8,25 @@ killed before its first save), to start it over with exactly the config it recor
 other starting weights (`checkpoint.load_params`) than the run started from is another run. Anything else is
 refused in one line before anything is written, so a second run never cuts the metrics of the first or
 replaces its config.yml.
+
+The config history: `config.yml` is the config of the latest start. A resume with changed keys first keeps the
+previous one as `config.to-step-<N>.yml` (it produced the steps up to N, the checkpoint resumed from) and appends
+a line to `config_history.jsonl` ({"step", "time", "changes", "kept"}), so the directory says which settings
+produced which steps (`record_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from maxlm.checkpoint.manager import complete_steps
+from maxlm.checkpoint.manager import complete_steps, config_changes
 from maxlm.config import ConfigError
 
 
@@ -55,6 +62,25 @@ def _metrics_rows(path: Path) -> tuple[int, int | None]:
     except (ValueError, KeyError, TypeError):
       continue
   return len(lines), last
+
+
+def compile_times(run_dir: Path) -> list[float]:
+  """The train step's trace, lower and compile seconds of each earlier start of the run, as the first metrics row
+  of each start records them (metrics.jsonl); [] when none is recorded."""
+  try:
+    lines = (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines()
+  except OSError:
+    return []
+  out = []
+  for line in lines:
+    if '"compile_s"' not in line:  # only a start's first row has it: the others are not parsed
+      continue
+    try:
+      row = json.loads(line)
+      out.append(float(row["lower_s"]) + float(row["compile_s"]))
+    except (ValueError, KeyError, TypeError):
+      continue
+  return out
 
 
 def _recorded_config(path: Path):
@@ -103,3 +129,25 @@ def claim(run_dir: Path, config: dict, checkpoint_enabled: bool) -> Previous:
   why += " (and its config.yml differs from this run's config)"
   raise ConfigError(f"run directory {run_dir} already holds another run ({prev.describe()}) and {why}; "
                     f"give this run its own run_name=..., or remove {run_dir} to start over")
+
+
+def record_config(run_dir: Path, text: str, step: int) -> Path | None:
+  """Write `text` (the resolved config this start trains with, YAML) as `run_dir`/config.yml. When config.yml holds
+  another config (a resume at `step` with changed keys), keep that one first as config.to-step-<step>.yml (unless
+  that file exists: an attempt since then saved no checkpoint, so the steps it trained were dropped) and append
+  the changes to config_history.jsonl. Returns the file kept, or None."""
+  path = run_dir / "config.yml"
+  old, new = _recorded_config(path), yaml.safe_load(text)
+  kept = None
+  if isinstance(old, dict) and old != new:
+    kept = run_dir / f"config.to-step-{step}.yml"
+    if not kept.exists():
+      os.replace(path, kept)
+    entry = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "changes": config_changes(old, new),
+             "kept": kept.name}
+    with open(run_dir / "config_history.jsonl", "a") as f:
+      f.write(json.dumps(entry) + "\n")
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(text)
+  os.replace(tmp, path)  # a reader never sees half a config.yml
+  return kept

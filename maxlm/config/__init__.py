@@ -206,13 +206,15 @@ class TrainConfig:
   watchdog: str = option("auto", "end a process whose run stops making progress, with exit 76, which "
                          "launch/slurm requeues (maxlm/runtime/watchdog.py); auto = for runs of several processes",
                          choices=("auto", "always", "never"))
-  watchdog_factor: float = option(10.0, "watchdog: a phase may take this x the median step time (x the steps "
-                                  "in flight)", within="[1, inf)")
-  watchdog_floor_s: float = option(300.0, "watchdog: the least limit of a phase once step times are known",
-                                   within="(0, inf)")
-  watchdog_first_step_s: float = option(1800.0, "watchdog: the limit before a step time is known (build, "
-                                        "restore, compile, the first logged steps) and for every checkpoint "
-                                        "save and evaluation", within="(0, inf)")
+  watchdog_factor: float = option(10.0, "watchdog: a phase may take this x its expected time, measured by the run "
+                                  "(the median step time x the steps in flight; a save's, an eval batch's, a "
+                                  "compile's; a disk probe's bandwidth)", within="[1, inf)")
+  watchdog_floor_s: float = option(300.0, "watchdog: the least limit of a step phase or an eval batch once its "
+                                   "time is measured", within="(0, inf)")
+  watchdog_first_step_s: float = option(1800.0, "watchdog: the least limit of the slow phases (restore, compile, "
+                                        "checkpoint saves) and of any phase whose time is not measured yet; the "
+                                        "run's measurements raise it (maxlm/runtime/watchdog.py)",
+                                        within="(0, inf)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,15 +21,32 @@ and ends the process with EXIT_HUNG (76); launch/slurm requeues the job on it (l
 No host sync is added: `arm` only records the phase (one tuple assignment) and the thread reads it.
 With asynchronous dispatch the host waits for the device inside later phases (a metrics fetch, a
 dispatch when the device's queue is full, a data read that asks the other processes), so a hang shows
-as one of them not ending. Limits:
+as one of them not ending.
 
-* a step-time median is known (from the trainer's `step_time`, measured between two host syncs: the
-  first comes after the first logged interval): max(train.watchdog_floor_s, train.watchdog_factor x
-  median x n), n the steps dispatched since the host last waited for the device (each of them may still
-  be running when the phase starts, and the phase may wait for all of them);
-* no median yet (restoring a checkpoint, the first step's trace and compile, the steps up to the first
-  metrics row), and always for checkpoint saves and evaluations (`slow=True`):
-  train.watchdog_first_step_s.
+Limits, each from the run's own measurements, with train.watchdog_factor (F, 10) over the expected time and a
+floor (the slow floor S = train.watchdog_first_step_s, 1800 s; the step floor P = train.watchdog_floor_s, 300 s):
+
+* the step phases (data wait, dispatch, metrics fetch), once a step-time median is known (from the trainer's
+  `step_time`, measured between two host syncs: the first comes after the first logged interval):
+  max(P, F x median x n), n the steps dispatched since the host last waited for the device (each of them may
+  still be running when the phase starts, and the phase may wait for all of them). Before a median is known
+  (the first steps): S.
+* compile (the train step, ahead of the first step): max(S, F x the longest compile known at start: the trace,
+  lower and compile of an earlier start of this run (its first metrics row) or this start's planner, which
+  compiled the step to measure it). Nothing known: S.
+* restore: max(S, F x the state's bytes / the read bandwidth of a probe of the checkpoint directory).
+* checkpoint save, the wait at a signal and at the end: max(S, F x one save x n), one save being the last save's
+  own time (its start to its files written: `Checkpointer.last_write_s`), before any the state's bytes / the
+  write bandwidth of the probe; n the saves the phase may wait for (one in flight, and its own).
+* evaluation: every eval batch is its own phase (the loop arms it after each batch), so an evaluation of any
+  length that makes progress is never stopped: max(P, F x median eval-batch time), S before one is timed (not
+  the train step's median: an eval batch's read is not prefetched like the training data's); the first batch of
+  the first evaluation compiles the eval step: the compile limit. An evaluation of N batches may so take up to
+  N x its batch limit: F x eval-batch time x eval steps.
+
+The probe (maxlm/checkpoint/disk.py) writes and reads back at most 16 MiB once at the start, on process 0, which
+hands the numbers to the others. A probe that cannot run (a full disk) leaves the slow floor. `Limits` does the
+arithmetic; the trainer prints its `describe()` at start.
 
 `train.watchdog=auto` turns it on for runs of several processes, the ones a hang holds up and a launcher
 requeues; a one-process run is often interactive (a notebook, a debugger paused on a breakpoint) and has
@@ -39,6 +56,7 @@ no peer to wait for: `train.watchdog=always` watches it too.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import faulthandler
 import os
 import statistics
@@ -75,9 +93,89 @@ class _Phase(NamedTuple):  # a NamedTuple: made 3 times a step, ~4x cheaper than
   step: int
   start: float
   limit: float
-  median: float | None  # None: the slow limit (train.watchdog_first_step_s)
+  median: float | None  # None: a limit of its own (`how` says from what)
   in_flight: int
-  why_slow: str = ""
+  how: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+  """A phase's limit in seconds and, for its line, what it came from."""
+  seconds: float
+  how: str
+
+
+def scaled(factor: float, floor: float, floor_name: str, expected: float | None, what: str) -> Limit:
+  """max(floor, factor x expected); the floor alone when nothing is measured (expected None)."""
+  if expected is None:
+    return Limit(floor, f"{floor_name}={floor:g} s, {what}")
+  return Limit(max(floor, factor * expected), f"{factor:g} x {what} {expected:.3g} s, floor {floor:g} s")
+
+
+class Limits:
+  """The limits of the phases that are not steps (module doc), from what the run measured: `state_bytes` (what a
+  save writes and a restore reads), `bandwidth` (write, read bytes/s of the probe; None: no probe) and
+  `compile_s` (the longest compile known at start; None: none)."""
+
+  def __init__(self, t: TrainConfig, state_bytes: int, bandwidth: tuple[float, float] | None,
+               compile_s: float | None):
+    self.factor, self.step_floor, self.floor = t.watchdog_factor, t.watchdog_floor_s, t.watchdog_first_step_s
+    self.state_bytes, self.bandwidth, self.compile_s = state_bytes, bandwidth, compile_s
+    self._eval: collections.deque[float] = collections.deque(maxlen=SAMPLES)
+    self.eval_median: float | None = None
+
+  def _slow(self, expected: float | None, what: str) -> Limit:
+    return scaled(self.factor, self.floor, "train.watchdog_first_step_s", expected, what)
+
+  def compile(self) -> Limit:
+    return self._slow(self.compile_s, "the compile known at start" if self.compile_s is not None else
+                      "no compile time known at start")
+
+  def compiled(self, seconds: float) -> None:
+    """This start's own trace, lower and compile of the train step (the eval step's first batch compiles)."""
+    self.compile_s = max(self.compile_s or 0.0, seconds)
+
+  def restore(self) -> Limit:
+    if self.bandwidth is None:
+      return self._slow(None, "no bandwidth measured")
+    return self._slow(self.state_bytes / self.bandwidth[1], f"{_gb(self.state_bytes)} read at "
+                      f"{_gb(self.bandwidth[1])}/s (probe):")
+
+  def save(self, saves: int = 1, last_write_s: float | None = None) -> Limit:
+    """A phase that may wait for `saves` saves; `last_write_s`: the last save's own time, if one finished."""
+    n = f" x {saves} saves" if saves > 1 else ""
+    if last_write_s is not None:
+      return self._slow(last_write_s * saves, f"the last save's time{n}:")
+    if self.bandwidth is None:
+      return self._slow(None, "no bandwidth measured")
+    return self._slow(self.state_bytes / self.bandwidth[0] * saves,
+                      f"{_gb(self.state_bytes)} written at {_gb(self.bandwidth[0])}/s (probe){n}:")
+
+  def eval_batch(self, first: bool) -> Limit:
+    """The limit of one eval batch: `first` (the first batch of the first evaluation) compiles the eval step."""
+    if first:
+      return self.compile()
+    if self.eval_median is None:
+      return self._slow(None, "no eval batch timed yet")
+    return scaled(self.factor, self.step_floor, "train.watchdog_floor_s", self.eval_median, "median eval batch")
+
+  def eval_time(self, seconds: float) -> None:
+    """One eval batch's measured time."""
+    self._eval.append(seconds)
+    self.eval_median = statistics.median(self._eval)
+
+  def describe(self) -> str:
+    """The limits at start, in one line."""
+    save = self.save()
+    return (f"watchdog: a phase ends the run (exit {EXIT_HUNG}) after {self.factor:g}x its expected time, at least "
+            f"{self.floor:g} s (train.watchdog_first_step_s; steps and eval batches once timed: "
+            f"{self.step_floor:g} s, train.watchdog_floor_s): compile {self.compile().seconds:.0f} s, restore "
+            f"{self.restore().seconds:.0f} s, save {save.seconds:.0f} s (then from the last save's own time), step "
+            f"{self.factor:g} x median step, eval batch {self.factor:g} x median eval batch")
+
+
+def _gb(n: float) -> str:
+  return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
 
 
 class Watchdog:
@@ -97,20 +195,22 @@ class Watchdog:
     self._thread = threading.Thread(target=self._watch, name="maxlm-watchdog", daemon=True)
     self._thread.start()
 
-  def arm(self, phase: str, step: int | None = None, *, slow: bool = False, dispatch: bool = False,
+  def arm(self, phase: str, step: int | None = None, *, limit: Limit | None = None, dispatch: bool = False,
           sync: bool = False) -> None:
-    """From now on the run is in `phase` of `step` (None: the step of the phase before). `dispatch`: the
-    phase dispatches one more step; `sync`: it waits for every step dispatched so far (a fetch), so the
-    phases after it start with none in flight."""
+    """From now on the run is in `phase` of `step` (None: the step of the phase before). `limit`: the phase's
+    own (`Limits`), else a step phase's. `dispatch`: the phase dispatches one more step; `sync`: it waits for
+    every step dispatched so far (a fetch), so the phases after it start with none in flight."""
     step = (self._phase.step if self._phase else 0) if step is None else step
     self._in_flight += dispatch
     n = max(1, self._in_flight)
     if sync:
       self._in_flight = 0
     now = time.monotonic()
-    if slow or self.median is None:
-      why = "for saves and evaluations" if slow else "no step time is known yet"
-      self._phase = _Phase(phase, step, now, self.slow_s, None, n, why)
+    if limit is not None:
+      self._phase = _Phase(phase, step, now, limit.seconds, None, n, limit.how)
+    elif self.median is None:
+      self._phase = _Phase(phase, step, now, self.slow_s, None, n,
+                           f"train.watchdog_first_step_s={self.slow_s:g} s, no step time is known yet")
     else:
       self._phase = _Phase(phase, step, now, max(self.floor_s, self.factor * self.median * n), self.median, n)
     if not self._armed.is_set():
@@ -149,7 +249,7 @@ class Watchdog:
 
   def message(self, phase: _Phase, taken: float, stacks: str) -> str:
     if phase.median is None:
-      how = f"train.watchdog_first_step_s, {phase.why_slow}"
+      how = phase.how
     else:
       steps = f" x {phase.in_flight} steps in flight" if phase.in_flight > 1 else ""
       how = f"{self.factor:g} x median step {phase.median:.3g} s{steps}, floor {self.floor_s:g} s"
@@ -196,6 +296,7 @@ def _flush_stdout(timeout: float = 1.0) -> None:
 
 class _Off:
   """The watchdog when it is off: every call does nothing."""
+  median = None
 
   def arm(self, *a, **kw) -> None:
     pass
@@ -208,10 +309,7 @@ class _Off:
 
 
 def start(t: TrainConfig, run_dir: Path, process_index: int, process_count: int) -> Watchdog | _Off:
-  """The run's watchdog, armed for the phase "restore" (resuming from a checkpoint); `_Off` when
-  train.watchdog is off for this run."""
+  """The run's watchdog (its thread waits for the first `arm`); `_Off` when train.watchdog is off for this run."""
   if not enabled(t, process_count):
     return _Off()
-  wd = Watchdog(t, Path(run_dir) / "watchdog", process_index)
-  wd.arm("restore", 0)
-  return wd
+  return Watchdog(t, Path(run_dir) / "watchdog", process_index)

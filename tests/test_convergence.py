@@ -117,8 +117,10 @@ cases:
 
 def test_shipped_suites_load():
   cpu, gpu = load_suite("cpu"), load_suite("gpu")
-  assert [c.name for c in cpu.cases] == ["tiny_te", "tiny_flax", "default"]
-  others = ("fp8_delayed", "fp8_current", "fp8_delayed_head", "fp16", "bf16_moments")
+  assert [c.name for c in cpu.cases] == ["tiny_te", "tiny_flax", "default", "tiny_b2_999", "tiny_b2_999_bf16"]
+  assert [(r.case, r.reference, r.metric, r.step, r.max_rel) for r in cpu.rules] == [
+      ("tiny_b2_999_bf16", "tiny_b2_999", "eval_loss", 600, 0.01)]  # issue 40: bf16 moments at b2 = 0.999
+  others = ("fp8_delayed", "fp8_current", "fp8_delayed_head", "fp16", "bf16_moments", "bf16_moments_sr")
   assert {c.name for c in gpu.cases} == {"bf16", *others}
   assert {(r.case, r.reference, r.max_rel) for r in gpu.rules} == {(c, "bf16", 0.01) for c in others}
   assert [(c.name, c.margin) for c in cpu.cases if c.margin is not None] == [("default", 0.3)]

@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import linen as nn
 
+from maxlm import plan
 from maxlm.checkpoint import Checkpointer, abstract_like
 from maxlm.config import MeshConfig, ModelConfig, OptimConfig, load_config, to_dict
 from maxlm.layers import check_precision, precision_scope, supported_precisions
@@ -23,6 +24,8 @@ from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding
+from maxlm.plan.measure import measure
+from maxlm.plan.sizing import estimate
 from maxlm.step import make_train_step
 from maxlm.train_state import create_train_state, threefry_kernel
 from maxlm.trainer import Trainer
@@ -301,3 +304,29 @@ def test_pipelined_te_steps_match_fsdp_on_two_gpus(precision):
     assert np.isfinite([loss, norm]).all()
     np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
   assert got[-1][0] < got[0][0]  # it learns
+
+
+@pytest.mark.parametrize("extra", [
+    ["model.remat=full", "train.grad_accum=1"], ["model.remat=full", "train.grad_accum=8"],
+    ["model.remat=save_attn", "train.grad_accum=1", "optim.mu_dtype=bfloat16", "optim.nu_dtype=bfloat16"],
+    ["model.remat=full", "train.grad_accum=2", "model.loss_chunk=0", "data.global_batch_size=4"],
+], ids=["full", "accum8", "save_attn-bf16", "accum2-unchunked"])
+def test_lower_bound_is_below_xla_gpus_peak(extra):
+  """sizing's lower_bound (the planner's certain bytes, what it prunes by) never exceeds XLA:GPU's own peak of the
+  compiled step, for the 8B cut to 4 layers at sequence 8192 (issue 40: the former certain bytes were 33.92 GB
+  against 33.05 measured)."""
+  cfg = load_config(["config=llama8b.yml", "model.n_layers=4", *extra])
+  got = measure(cfg)["device"]
+  assert estimate(cfg, jax.device_count())["lower_bound"] <= got
+
+
+def test_planner_times_the_candidates_that_fit_and_takes_the_fastest(tmp_path):
+  """On the GPU at hand the planner runs the first plan.timed candidates that fit for a few steps each and
+  chooses the fastest measured (maxlm/plan/timing.py); the line says so. The 8B cut to 4 layers, remat levers
+  only, in a memory (the allocator's limit) where all of them fit."""
+  cfg = load_config(["config=llama8b.yml", "model.n_layers=4", "data.global_batch_size=2", "plan.levers=model.remat",
+                     "plan.timed=3", f"output_dir={tmp_path}"])
+  p = plan.choose(cfg)
+  timed = [r for r in p.rows if r.seconds is not None]
+  assert len(timed) == 3 and p.chosen is min(timed, key=lambda r: r.seconds)
+  assert "s measured, the fastest of 3 timed" in p.line()

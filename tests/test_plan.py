@@ -152,7 +152,7 @@ def test_llama70b_bytes_per_device_match_a_small_compile():
 
 def test_llama70b_on_one_gpu_names_the_smallest_device_count(tmp_path, monkeypatch, capsys):
   # The trainer on one (faked) H200: nothing fits; the doubling skips 2 and 4 devices by the certain bytes and
-  # measures 8 and 16, here with a made-up XLA that needs 35 GiB over the certain bytes (8 do not fit, 16 do)
+  # measures 8 and 16, here with a made-up XLA that needs 70 GiB over the certain bytes (8 do not fit, 16 do)
   h200 = Target(1, 1, "NVIDIA H200", plan_measure.DEFAULT_GPU[1], 0.95, False)
   monkeypatch.setattr(plan, "gpu_here", lambda: True)
   monkeypatch.setattr(plan, "make_target", lambda *a, **k: h200)
@@ -160,7 +160,7 @@ def test_llama70b_on_one_gpu_names_the_smallest_device_count(tmp_path, monkeypat
 
   def fake_measure(self, c):
     seen.append(self.n_devices)
-    return {"device": plan.certain_bytes(c, self)["certain"] + 35 * 2**30, "how": "measured"}
+    return {"device": plan.certain_bytes(c, self)["certain"] + 70 * 2**30, "how": "measured"}
   monkeypatch.setattr(Target, "measure", fake_measure)
   assert train_main(["config=llama70b.yml", f"output_dir={tmp_path}", "model.backend=flax"]) == 2
   err = capsys.readouterr().err
@@ -188,7 +188,8 @@ def fake_target(usable: int) -> Target:
 def test_search_is_deterministic_and_compiles_only_what_it_must():
   cfg = load_config(BASE)
   probe = fake_target(2**30)
-  base = plan.certain_bytes(cfg, probe)["certain"]
+  first = plan.candidates(cfg, probe, "flax")[0]  # the roofline's fastest (bfloat16 moments: less HBM traffic)
+  base = plan.certain_bytes(plan.apply(cfg, first), probe)["certain"]
   target = fake_target(base + 5 * 2**20)
   # Made-up peaks above each candidate's certain bytes (MiB): none and save_dots_attn never fit, save_dots
   # runs XLA out of memory, the others fit; an offloaded state costs 1 MiB more.
@@ -329,3 +330,64 @@ def test_bad_input_is_one_line_exit_2(capsys):
   assert cli_main(["plan", *BASE, "plan.levers=train.grad_accum", "--device-memory-gb", "0.001"]) == 2
   out, err = capsys.readouterr()
   assert err.count("\n") == 1 and err.startswith("maxlm: error: no setting of plan.levers (train.grad_accum) fits")
+
+
+def test_the_choice_follows_measured_step_times():
+  """With a timer (on GPUs at hand: maxlm/plan/timing.py; here a fake one), the first `timed` candidates that fit
+  are timed and the fastest measured is chosen, whatever the roofline's order; a candidate whose step runs out of
+  memory when run (timer: None) does not fit after all; nothing after the timed ones is compiled or timed."""
+  cfg = load_config([*BASE, "plan.levers=model.remat"])
+  target = fake_target(2**40)  # everything fits
+  order = [o["model.remat"] for o in plan.candidates(cfg, target, "flax")]
+  compiled, timed = [], []
+
+  def measure(c):
+    compiled.append(c.model.remat)
+    return {"device": plan.certain_bytes(c, target)["certain"], "how": "measured"}
+
+  def timer_for(seconds):
+    def timer(c):
+      timed.append(c.model.remat)
+      return seconds[c.model.remat]
+    return timer
+
+  # measured times the reverse of the estimate: the third is fastest
+  seconds = {r: 1.0 + 0.1 * (3 - i) for i, r in enumerate(order)}
+  p = plan.search(cfg, target, measure, "flax", timer=timer_for(seconds), timed=3)
+  assert compiled == timed == order[:3] and p.chosen.overrides == {**p.chosen.overrides, "model.remat": order[2]}
+  assert [r.seconds for r in p.rows[:3]] == [seconds[r] for r in order[:3]] and p.rows[3].status == "not tried"
+  assert f"step {seconds[order[2]]:.3g} s measured, the fastest of 3 timed" in p.line()
+  # the second is fastest; the first ran out of memory running
+  compiled.clear(), timed.clear()
+  seconds = {**seconds, order[0]: None, order[1]: 0.5}
+  p = plan.search(cfg, target, measure, "flax", timer=timer_for(seconds), timed=2)
+  assert timed == order[:2] and p.chosen is p.rows[1] and p.rows[0].status == "too big"
+  assert p.rows[0].note == "ran out of device memory running the step"
+  # without a timer: the first that fits by the estimate, and the line says so
+  p = plan.search(cfg, target, measure, "flax")
+  assert p.chosen is p.rows[0] and p.rows[0].seconds is None
+  assert "estimated (roofline), not measured" in p.line()
+
+
+def test_only_the_gpus_at_hand_of_one_process_are_timed():
+  cfg = load_config(BASE)
+  here = Target(1, 1, "NVIDIA H200", 141 * 10**9, 0.95, False, jax.devices()[:1])
+  assert plan.timer(cfg, here) is not None
+  assert plan.timer(plan.apply(cfg, {"plan.timed": 0}), here) is None
+  assert plan.timer(cfg, fake_target(2**30)) is None  # simulated
+  assert plan.timer(cfg, Target(8, 1, "cpu", 2**30, None, False, jax.devices())) is None  # CPU devices
+
+
+def test_every_candidate_pruned_says_nothing_was_compiled():
+  """Where the analytic model prunes every candidate the message says so, and does not claim XLA measured."""
+  cfg = load_config([*BASE, "plan.levers=train.grad_accum"])
+  target = Target(8, 1, "cpu", 1000, None, False, jax.devices())
+
+  def measure(c):
+    raise AssertionError("nothing may be compiled")
+  p = plan.search(cfg, target, measure, "flax")
+  msg = plan.no_fit_message(cfg, p)
+  assert p.chosen is None and all(r.status == "pruned" for r in p.rows)
+  assert "usable per device; pruned by the analytic model, nothing compiled; the least of the 2 candidates pruned " \
+         "is remat=none, grad_accum=" in msg
+  assert "measured by XLA" not in msg

@@ -6,6 +6,7 @@ import time
 import pytest
 
 from maxlm.config import ConfigError, load_config
+from maxlm.plan.measure import measure
 from maxlm.plan.sizing import check_fits, estimate, human_bytes
 
 GiB = 2**30
@@ -17,6 +18,7 @@ TINY_PARAMS = 2 * TINY_LAYER + (2 * 2 + 1) * 128 + 2 * 8192 * 128  # + norms + e
 L8_LAYER = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336  # 218103808
 L8_PARAMS = 32 * L8_LAYER + 65 * 4096 + 2 * 128256 * 4096  # 8030261248 (the published 8.03B)
 L8_LOGITS_ROW = 8192 * 128256 * (4 + 2)  # one row of [S, V] in fp32 for the loss + the bf16 copy
+L8_HEAD_ROW = 8192 * 128256 * 2  # one row of the LM head's bf16 output alone
 
 
 def with_(cfg, **sections):
@@ -30,8 +32,11 @@ def test_tiny_on_one_device():
   assert est["params"] == 4 * TINY_PARAMS and est["gradients"] == 4 * TINY_PARAMS  # fp32
   assert est["optimizer"] == 2 * 4 * TINY_PARAMS  # Adam mu and nu in fp32
   assert est["logits"] == 8 * 128 * 8192 * (4 + 2)  # batch 8, seq 128, vocab 8192
-  assert est["lower_bound"] == 16 * TINY_PARAMS + 8 * 128 * 8192 * 6
-  assert est["total"] == est["lower_bound"] + est["activations"] and est["activations"] > 0
+  assert est["head"] == 8 * 128 * 8192 * 2  # the LM head's bf16 output: more than the gradients here
+  # held at once: params + moments, and the larger of the gradients (16 * TINY_PARAMS / 4 = 10.0e6 B) and the
+  # head's output (16.8e6 B); the total adds up every part
+  assert est["lower_bound"] == 12 * TINY_PARAMS + 8 * 128 * 8192 * 2
+  assert est["total"] == 16 * TINY_PARAMS + est["logits"] + est["activations"] and est["activations"] > 0
 
 
 def test_llama8b_on_8_devices_fsdp():
@@ -41,10 +46,11 @@ def test_llama8b_on_8_devices_fsdp():
   assert L8_PARAMS == 8030261248
   assert est["params"] == 4 * L8_PARAMS // 8 and est["optimizer"] == 8 * L8_PARAMS // 8
   assert est["logits"] == 1 * L8_LOGITS_ROW
-  assert est["lower_bound"] == 16 * L8_PARAMS // 8 + L8_LOGITS_ROW  # 22364561408 B = 20.8 GiB
+  # gradients (4.0e9 B) outweigh one row's head output (2.1e9 B): params, moments and gradients, 14.96 GiB
+  assert est["head"] == L8_HEAD_ROW and est["lower_bound"] == 16 * L8_PARAMS // 8
   check_fits(cfg, 8, 80 * 10**9)
-  with pytest.raises(ConfigError, match="needs at least 20.8 GiB per device"):
-    check_fits(cfg, 8, 20 * GiB)
+  with pytest.raises(ConfigError, match="needs at least 15.0 GiB per device"):
+    check_fits(cfg, 8, 14 * GiB)
 
 
 def test_mesh_degrees_divide_the_right_parts():
@@ -89,30 +95,34 @@ def test_activations_follow_the_remat_policy():
 
 def test_llama8b_refused_on_one_80gb_device_with_its_numbers():
   cfg = load_config(["config=llama8b", "model.loss_chunk=0"])
-  # 4 B x 8030261248 = 29.9 GiB params, 59.8 GiB moments, 29.9 GiB gradients;
-  # logits 8 rows x 8192 x 128256 x 6 B = 47.0 GiB; a device 80e9 B = 74.5 GiB.
+  # 4 B x 8030261248 = 29.9 GiB params, 59.8 GiB moments, 29.9 GiB gradients; the head's output 8 rows x 8192 x
+  # 128256 x 2 B = 15.7 GiB, less than the gradients: 119.7 GiB; a device 80e9 B = 74.5 GiB.
   with pytest.raises(ConfigError) as e:
     check_fits(cfg, 1, 80 * 10**9)
   msg = str(e.value)
   assert "\n" not in msg
-  assert ("model needs at least 166.6 GiB per device (params 29.9 GiB, optimizer 59.8 GiB, "
-          "gradients 29.9 GiB, logits 47.0 GiB) on 1 device(s) with mesh data 1 x fsdp 1 x tensor 1, but a "
-          "device has 74.5 GiB; reduce model.n_layers/d_model/vocab_size") in msg
+  assert ("model needs at least 119.7 GiB per device (params 29.9 GiB, optimizer 59.8 GiB, gradients 29.9 GiB or "
+          "the LM head's output 15.7 GiB, whichever is larger) on 1 device(s) with mesh data 1 x fsdp 1 x tensor 1, "
+          "but a device has 74.5 GiB; reduce model.n_layers/d_model/vocab_size") in msg
+  acc = load_config(["config=llama8b", "model.loss_chunk=0", "train.grad_accum=2"])  # 4 rows of head output
+  with pytest.raises(ConfigError, match=r"at least 127\.5 GiB per device \(params 29\.9 GiB, optimizer 59\.8 GiB, "
+                     r"the gradient sum 29\.9 GiB and the LM head's output 7\.8 GiB\)"):
+    check_fits(acc, 1, 80 * 10**9)
   small = load_config(["config=llama8b", "model.n_layers=4", "data.global_batch_size=1"])
   check_fits(small, 1, 80 * 10**9)  # 16 B x 1.92B params = 30.8 GB + one row of logits 6.3 GB
 
 
 @pytest.mark.parametrize("change,numbers", [
     # 10**8 layers: P = 1e8 x 196608 + (2e8 + 1) x 128 + 2 x 8192 x 128 = 19686402097280 params;
-    # 4P = 71.6 TiB, 8P = 143.2 TiB, logits 8 x 128 x 8192 x 6 = 48 MiB, 16P + logits = 286.5 TiB.
+    # 4P = 71.6 TiB, 8P = 143.2 TiB, head output 8 x 128 x 8192 x 2 = 16 MiB < 4P: 16P = 286.5 TiB.
     ({"model": {"n_layers": 10**8}}, "at least 286.5 TiB per device (params 71.6 TiB, optimizer 143.2 TiB, "
-                                     "gradients 71.6 TiB, logits 48.0 MiB)"),
-    # vocab 2**40: embedding + head 2 x 2**40 x 128 x 4 B = 1.0 PiB; logits 8 x 128 x 2**40 x 6 B = 6 PiB.
-    ({"model": {"vocab_size": 2**40}}, "at least 10.0 PiB per device (params 1.0 PiB, optimizer 2.0 PiB, "
-                                       "gradients 1.0 PiB, logits 6.0 PiB)"),
-    # seq_len 2**40: logits 8 x 2**40 x 8192 x 6 B = 384 PiB; params 4 x 2491008 B = 9.5 MiB.
-    ({"data": {"seq_len": 2**40}}, "at least 384.0 PiB per device (params 9.5 MiB, optimizer 19.0 MiB, "
-                                   "gradients 9.5 MiB, logits 384.0 PiB)"),
+                                     "gradients 71.6 TiB or the LM head's output 16.0 MiB, whichever is larger)"),
+    # vocab 2**40: embedding + head 2 x 2**40 x 128 x 4 B = 1.0 PiB; head output 8 x 128 x 2**40 x 2 B = 2 PiB.
+    ({"model": {"vocab_size": 2**40}}, "at least 5.0 PiB per device (params 1.0 PiB, optimizer 2.0 PiB, "
+                                       "gradients 1.0 PiB or the LM head's output 2.0 PiB, whichever is larger)"),
+    # seq_len 2**40: head output 8 x 2**40 x 8192 x 2 B = 128 PiB; params 4 x 2491008 B = 9.5 MiB.
+    ({"data": {"seq_len": 2**40}}, "at least 128.0 PiB per device (params 9.5 MiB, optimizer 19.0 MiB, "
+                                   "gradients 9.5 MiB or the LM head's output 128.0 PiB, whichever is larger)"),
 ])
 def test_absurd_sizes_are_refused_at_once(change, numbers):
   cfg = with_(load_config([]), **change)
@@ -143,7 +153,7 @@ def test_fp8_delayed_metadata():
   # scale for each of input, kernel and gradient: tiny (2 layers, history 1024) = 8 x 3 x 1025 x 4 B.
   est = estimate(load_config(["model.precision=fp8_delayed"]), 1)
   assert est["fp8_meta"] == 8 * 3 * 1025 * 4
-  assert est["lower_bound"] == 16 * TINY_PARAMS + 8 * 128 * 8192 * 6 + 8 * 3 * 1025 * 4
+  assert est["lower_bound"] == 12 * TINY_PARAMS + 8 * 128 * 8192 * 2 + 8 * 3 * 1025 * 4
   head = estimate(load_config(["model.precision=fp8_delayed", "model.fp8_lm_head=true"]), 8)
   assert head["fp8_meta"] == 9 * 3 * 1025 * 4  # + the LM head; replicated, so not divided by 8 devices
   for args in (["model.precision=fp8_current"], ["model.precision=mxfp8"], []):
@@ -188,3 +198,35 @@ def test_optimizer_state_dtype_and_host_offload():
   state = {"params": 100, "optimizer": 208, "fp8_meta": 0}
   off = estimate(with_(base, optim={"offload": "host"}), 1, state=state)
   assert (off["params"], off["gradients"], off["optimizer"], off["host"]) == (100, 100, 0, 208)
+
+
+# Small shapes where each term of the lower bound leads (n_layers 1, vocab 65536: the embedding and the head are
+# most of the 33.7M parameters), compiled on the 8 CPU devices (FSDP over 8).
+BOUND = ["model.backend=flax", "data.type=synthetic", "model.n_layers=1", "model.d_model=256", "model.ffn_dim=512",
+         "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=64", "model.vocab_size=65536", "data.seq_len=64",
+         "model.remat=full", "model.loss_chunk=0"]
+
+
+@pytest.mark.parametrize("extra,leads", [
+    (["data.global_batch_size=8"], "gradients"),  # 1 row per device: head output 8.4 MB < gradients 16.8 MB
+    (["data.global_batch_size=32"], "head"),  # 4 rows: 33.6 MB of head output
+    (["data.global_batch_size=32", "train.grad_accum=2", "model.loss_chunk=16"], "both"),
+    (["data.global_batch_size=8", "optim.mu_dtype=bfloat16", "optim.nu_dtype=bfloat16", "model.param_dtype=bfloat16",
+      "optim.clip_grad_norm=0"], "gradients"),
+    (["data.global_batch_size=32", "model.tie_embeddings=true", "model.dtype=float32"], "head"),
+], ids=["gradients", "head", "accumulating", "bf16-state", "tied-fp32"])
+def test_lower_bound_is_below_xlas_peak(extra, leads):
+  """sizing's lower_bound against XLA's own per-device bytes of the compiled step (arguments + outputs +
+  temporaries - aliased), on XLA:CPU as it is and with the GPU stand-ins (bf16 kept, fused attention's
+  footprint: what simulated plans measure). A lower bound must never exceed either: the planner prunes a
+  candidate without compiling it when it does not fit. `leads`: which term the bound takes (the test's shapes
+  are chosen so that each does), so the bound is not trivially small."""
+  cfg = load_config(BOUND + extra)
+  est = estimate(cfg, 8)
+  state = est["params"] + est["optimizer"] + est["fp8_meta"]
+  want = {"gradients": state + est["gradients"], "head": state + est["head"],
+          "both": state + est["gradients"] + est["head"]}[leads]
+  assert est["lower_bound"] == want
+  for gpu_footprint in (False, True):
+    got = measure(cfg, gpu_footprint=gpu_footprint)["device"]
+    assert est["lower_bound"] <= got, (gpu_footprint, est["lower_bound"], got)

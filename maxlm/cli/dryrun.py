@@ -241,7 +241,8 @@ def render(p: dict) -> str:
            else f"rough: what remat={mem['remat']} keeps per layer + one layer recomputed")]
   for key, why in rows:
     lines.append(f"  {key:<12}{_gib(est[key]):>11}   {why}")
-  lines.append(f"  {'lower bound':<12}{_gib(est['lower_bound']):>11}   all but the activations: certainly needed "
+  lines.append(f"  {'lower bound':<12}{_gib(est['lower_bound']):>11}   certainly held at once: the state, and the "
+               f"gradients or the LM head's output ({_gib(est['head'])}), both when accumulating "
                f"({est['lower_bound'] / 1e9:.1f} GB)")
   lines.append(f"  {'total':<12}{_gib(est['total']):>11}   ({est['total'] / 1e9:.1f} GB, the unit of peak_memory_gb)")
   if est["host"]:

@@ -44,12 +44,13 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
   tokens = cfg.data.global_batch_size * cfg.data.seq_len
   lines = [f"maxlm plan: {cfg.model.name} on {t.describe()}",
            f"{'':2}{'#':>4}  {'model.remat':<19}{'grad_accum':>10}  {'offload':<8}{'mu':<9}{'nu':<9}"
-           f"{'certain':>11}{'measured':>12}{'est. step':>11}{'est. tok/s':>12}  status"]
+           f"{'certain':>11}{'measured':>12}{'step':>12}{'tok/s':>12}  status"]
   written = plan.current(cfg)
   shown = [(i, r) for i, r in enumerate(p.rows, 1) if everything or r.measured is not None or r is p.chosen]
   for i, r in shown:
-    o, s = r.overrides, r.time["total_s"]
-    timing = f"{s:>10.3g}s{tokens / s:>12,.0f}" if t.gpu else f"{'-':>11}{'-':>12}"  # no CPU model
+    o, s = r.overrides, (r.seconds if r.seconds is not None else r.time["total_s"])
+    how = "m" if r.seconds is not None else "e"  # measured here, or the roofline's estimate
+    timing = f"{s:>10.3g}s{how}{tokens / s:>12,.0f}" if t.gpu else f"{'-':>12}{'-':>12}"  # no CPU roofline
     status = r.status + (f": {r.note}" if r.note else "") + ("" if r.how in ("", "measured") else f" ({r.how})")
     status += "; the config as written" if r.overrides == written else ""
     lines.append(f"{'*' if r is p.chosen else '':2}{i:>4}  {o['model.remat']:<19}{o['train.grad_accum']:>10}  "
@@ -60,8 +61,9 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
     lines.append(f"      not shown: {counts['pruned']} pruned by the analytic model (certain bytes + a share of the "
                  f"rough activations over the usable memory), {counts['not tried']} after the choice; --all lists "
                  "every candidate and compiles each one not pruned")
-  lines.append("est. step / tok/s: estimates (FLOPs + remat recompute at 57% of the bf16 peak, FSDP traffic, "
-               "host transfers), never measured here")
+  lines.append("step / tok/s: m = measured on the devices at hand (a few steps each, the first plan.timed "
+               "candidates that fit); e = estimated by a roofline (peak FLOP/s, HBM, link and host bandwidths: an "
+               "optimistic bound, maxlm/plan/cost.py)")
   if p.chosen is not None:
     lines.append("chosen: " + " ".join(f"{k}={v}" for k, v in p.chosen.overrides.items())
                  + f"  (plan.mode=auto applies it; {p.line()})")
@@ -72,7 +74,8 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
 
 def as_json(p: plan.Plan) -> str:
   rows = [{"levers": r.overrides, "status": r.status, "certain_bytes": r.certain, "measured_bytes": r.measured,
-           "how": r.how, "note": r.note, "step_time_s": r.time["total_s"], "chosen": r is p.chosen,
+           "how": r.how, "note": r.note, "estimated_step_s": r.time["total_s"], "measured_step_s": r.seconds,
+           "chosen": r is p.chosen,
            "xla": r.stats}
           for r in p.rows]
   t = p.target

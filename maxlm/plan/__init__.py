@@ -10,21 +10,19 @@ first whose measured peak fits the usable memory wins, so the choice is determin
 default) = on the GPUs at hand, the config as written when XLA measures it to fit, else the search's choice
 (each said in one line).
 
-* Order. By `step_time` (an estimate, below), fastest first; on a tie the fewer bfloat16 moments first (float32
-  both, then bfloat16 mu (MaxText's mu_dtype), then both), then lever order. A bfloat16 moment is rounded
-  (stochastically by default, optim.moment_rounding; the update math stays fp32): it wins only when it is
-  expected to be faster, as it is for the 8B on one H200, where the exact alternative (moments
-  offloaded to the host, 4 micro-batches) measured 7.7k tokens/s against 9.6k (benchmarks/README.md).
-  DeepSeek-V3 trained with bf16 moments "without observable performance degradation" (its report, sec. 3.3);
-  `plan.levers` without optim.mu_dtype / optim.nu_dtype keeps the config's dtype, and the plan line names the
-  choice.
+* Order. By the roofline estimate (maxlm/plan/cost.py), fastest first; on a tie the fewer bfloat16 moments
+  first (float32 both, then bfloat16 mu (MaxText's mu_dtype), then both: maxlm/plan/moments.py, which also
+  leaves out a bfloat16 moment the configured decay would make lossy), then lever order.
+* Choice. On the GPUs at hand (one process) the first `plan.timed` candidates that fit are run for a few
+  steps each (maxlm/plan/timing.py) and the fastest measured wins; elsewhere (simulated devices, several
+  processes, plan.timed=0) the first that fits, by the estimate, and the line says "estimated". The line
+  also says which moment dtypes were chosen, how they are rounded, and which were not tried and why.
 * Pruning (the analytic model, maxlm/plan/sizing.py, only prunes). A candidate is not compiled when the bytes
-  it certainly needs (params, gradients (twice when accumulating: the sum and a micro-batch's), logits,
-  FP8 state, the moments unless offloaded) plus a share of sizing's rough activations exceed the usable
+  it certainly needs (sizing's lower_bound: the state, and the gradients or the logits, both when
+  accumulating; a true lower bound of XLA's peak) plus a share of sizing's rough activations exceed the usable
   memory. The share starts at one half, then is the least (measured - certain) / activations seen so far,
-  at most 1: calibrated on XLA's own numbers, so that a big model compiles few candidates (4 for the 8B
-  shape on one H200, 100 s).
-* Step time: maxlm/plan/cost.py (an estimate, never measured).
+  at most 1: calibrated on XLA's own numbers, so that a big model compiles few candidates. Where every
+  candidate was pruned the message says so: nothing was compiled.
 * Usable memory: device memory x `xla.mem_fraction` (0.95 on a GPU by default; XLA's own default is 0.75),
   less a margin of 2%: XLA's estimate equalled the allocator's measured peak on the H200 (41.8 and 38.7 GB,
   benchmarks/README.md), and the margin covers fragmentation of XLA's memory pool.
@@ -42,7 +40,7 @@ import jax
 
 from maxlm.config import Config, ConfigError, load_config
 from maxlm.layers import resolve_backend
-from maxlm.plan import sizing
+from maxlm.plan import moments, sizing, timing
 from maxlm.plan.cost import degrees, step_time
 from maxlm.plan.measure import Target, make_target
 from maxlm.runtime import warm_start
@@ -51,10 +49,7 @@ from maxlm.runtime.env import fraction_in_environment
 
 # remat policies from the most kept to the least (what each keeps per layer: maxlm/layers remat_policy)
 REMAT_ORDER = ("none", "recompute_norm_act", "save_dots_attn", "save_dots", "save_qkv_attn", "save_attn", "full")
-LEVERS = ("model.remat", "train.grad_accum", "optim.offload", "optim.mu_dtype", "optim.nu_dtype")
-MOMENTS = ("optim.mu_dtype", "optim.nu_dtype")
-# the (mu, nu) dtypes the planner tries, most exact first: float32 both, bfloat16 mu (MaxText's mu_dtype), both
-MOMENT_ORDER = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))
+LEVERS = ("model.remat", "train.grad_accum", "optim.offload", *moments.KEYS)
 
 
 def parse_levers(text: str) -> tuple[str, ...]:
@@ -91,38 +86,35 @@ def lever_values(cfg: Config, target: Target, backend: str) -> dict[str, tuple]:
   accums = tuple(a for a in powers if batch % a == 0 and (batch // a) % dp == 0 and a >= deg["pipeline"])
   remats = tuple(r for r in REMAT_ORDER if r != "recompute_norm_act" or backend == "te")
   offloads = ("none", "host") if target.gpu else ("none",)  # a CPU has one memory: host offload saves nothing
+  pairs = moments.settings(cfg, chosen)  # in their order, none lossy (maxlm/plan/moments.py)
   values = {"model.remat": remats, "train.grad_accum": accums, "optim.offload": offloads,
-            "optim.mu_dtype": ("float32", "bfloat16"), "optim.nu_dtype": ("float32", "bfloat16")}
+            **{k: tuple(dict.fromkeys(p[i] for p in pairs)) for i, k in enumerate(moments.KEYS)}}
   now = current(cfg)
   return {k: (values[k] if k in chosen else (now[k],)) for k in LEVERS}
 
 
 def candidates(cfg: Config, target: Target, backend: str) -> list[dict]:
-  """Every combination of lever values (a bfloat16 nu only with a bfloat16 mu, unless the config has it), in
-  search order: by estimated step time, the fewer bfloat16 moments first on a tie, then lever order
-  (deterministic)."""
+  """Every combination of lever values (the moment dtypes as maxlm/plan/moments.py pairs them), in search
+  order: by estimated step time, the fewer bfloat16 moments first on a tie, then lever order (deterministic)."""
   values = lever_values(cfg, target, backend)
-  written = tuple(current(cfg)[k] for k in MOMENTS)
+  pairs = moments.settings(cfg, parse_levers(cfg.plan.levers))
   rows = [o for o in (dict(zip(LEVERS, combo)) for combo in itertools.product(*values.values()))
-          if tuple(o[k] for k in MOMENTS) in (written, *MOMENT_ORDER)]
+          if tuple(o[k] for k in moments.KEYS) in pairs]
   rank = {k: {v: i for i, v in enumerate(vs)} for k, vs in values.items()}
 
   def key(o):
     t = round(step_time(apply(cfg, o), target)["total_s"], 9)  # rounding: ties broken by lever order
-    return (t, sum(o[k] == "bfloat16" for k in MOMENTS), [rank[k][o[k]] for k in LEVERS])
+    return (t, sum(o[k] == "bfloat16" for k in moments.KEYS), [rank[k][o[k]] for k in LEVERS])
   return sorted(rows, key=key)
 
 
 def certain_bytes(cfg: Config, target: Target) -> dict:
-  """Bytes per device: "certain" = sizing's params, gradients (twice when accumulating), FP8 state, logits
-  and the moments in optim.mu_dtype / nu_dtype unless offloaded; "activations" = sizing's rough activations."""
+  """Bytes per device: "certain" = sizing's lower_bound (what the step certainly holds at once: the state, and
+  the gradients or the logits, both when accumulating; maxlm/plan/sizing.py says why it is a lower bound of
+  XLA's peak), the moments left out when offloaded (streamed a few parameters at a time); "activations" =
+  sizing's rough activations."""
   est = sizing.estimate(cfg, target.n_devices, target.n_nodes)
-  per_param = sizing.DTYPE_BYTES[cfg.model.param_dtype]
-  moments = 0 if cfg.optim.offload == "host" else (  # offloaded: streamed a few parameters at a time
-      est["params"] // per_param * sizing.moment_bytes(cfg.optim))
-  grads = est["gradients"] * (2 if cfg.train.grad_accum > 1 else 1)  # accumulating: the sum + a micro-batch's
-  certain = est["params"] + grads + est["fp8_meta"] + est["logits"] + moments
-  return {"certain": certain, "activations": est["activations"]}
+  return {"certain": est["lower_bound"], "activations": est["activations"]}
 
 
 @dataclasses.dataclass
@@ -132,10 +124,11 @@ class Row:
   certain: int
   measured: int | None = None  # XLA's per-device bytes
   how: str = ""  # "measured" or the arithmetic used
-  time: dict | None = None
+  time: dict | None = None  # the roofline estimate (maxlm/plan/cost.py)
   note: str = ""
   stats: dict | None = None  # everything the measurement returned
   plausible: int | None = None  # what the analytic model took as plausible, where it pruned
+  seconds: float | None = None  # the step time measured on the devices at hand (maxlm/plan/timing.py)
 
 
 @dataclasses.dataclass
@@ -144,6 +137,7 @@ class Plan:
   rows: list[Row]
   chosen: Row | None
   cfg: Config  # the config with the chosen levers (the input config when none fits)
+  moments: str = ""  # what the line says about the moment dtypes (maxlm/plan/moments.py)
 
   def line(self) -> str:
     """The one line the trainer prints."""
@@ -152,25 +146,57 @@ class Plan:
     c = self.chosen
     levers = ", ".join(f"{k}={v}" for k, v in c.overrides.items())
     n = sum(r.measured is not None or r.note.startswith("XLA ran out") for r in self.rows)
+    where = "simulated CPU devices" if self.target.simulated else "the devices at hand"
+    how = (f"measured by XLA on {where}" if c.how == "measured" else f"{c.how}, on {where}")
+    timed = [r for r in self.rows if r.seconds is not None]
+    speed = (f"; step {c.seconds:.3g} s measured, the fastest of {len(timed)} timed" if c.seconds is not None
+             else f"; step {c.time['total_s']:.3g} s estimated (roofline), not measured" if self.target.gpu
+             else "")  # CPU devices: no roofline, nothing timed
     return (f"plan: {levers} (peak {sizing.human_bytes(c.measured)} of {sizing.human_bytes(self.target.usable)} "
-            f"usable per device; measured by XLA on "
-            f"{'simulated CPU devices' if self.target.simulated else 'the devices at hand'}"
-            f"; {n} compiled, {len(self.rows) - n} not)")
+            f"usable per device; {how}{speed}; {n} compiled, {len(self.rows) - n} not)"
+            + (f"; {self.moments}" if self.moments else ""))
+
+
+def _fits(cfg, target, row, need, measured, share, rows) -> float:
+  """Record `measured` (plan.measure's dict) in `row`; the calibrated share of the activations after it."""
+  if "oom" in measured:
+    row.status, row.note = "too big", f"XLA ran out of memory compiling: {measured['oom']}"
+    return share
+  row.measured, row.how, row.stats = measured["device"], measured.get("how", "measured"), measured
+  if need["activations"] > 0:  # calibrated: the least share seen, at most 1
+    seen = max(0, row.measured - need["certain"]) / need["activations"]
+    share = min(share if any(r.measured for r in rows[:-1]) else 1.0, seen)
+  row.status = "fits" if row.measured <= target.usable else "too big"
+  return share
+
+
+def _fastest(cfg: Config, fits: list[Row], timer) -> Row | None:
+  """The row of `fits` whose step `timer` measured fastest (the first on a tie); a row whose step ran out of
+  memory (timer: None) does not fit after all."""
+  for r in fits:
+    r.seconds = timer(apply(cfg, r.overrides))
+    if r.seconds is None:
+      r.status, r.note = "too big", "ran out of device memory running the step"
+  timed = [r for r in fits if r.seconds is not None]
+  return min(timed, key=lambda r: r.seconds) if timed else None
 
 
 def search(cfg: Config, target: Target, measure, backend: str, everything: bool = False,
-           known: dict | None = None) -> Plan:
-  """Walk the candidates in order; `measure(cfg) -> plan_measure.measure's dict`; `known`: measurements made
-  already, by lever values (never pruned, never compiled again). everything=True measures every plausible
-  candidate (for the table) but still chooses the first that fits."""
-  rows, chosen = [], None
+           known: dict | None = None, timer=None, timed: int = 1) -> Plan:
+  """Walk the candidates in order; `measure(cfg) -> plan.measure's dict`; `known`: measurements made
+  already, by lever values (never pruned, never compiled again). With `timer(cfg) -> seconds per step` (the
+  devices at hand: maxlm/plan/timing.py), the first `timed` candidates that fit are timed and the fastest
+  measured is chosen; without, the first that fits (by the roofline's order). everything=True measures every
+  plausible candidate (for the table) but still chooses among the first that fit."""
+  rows, fits = [], []
+  want = max(1, timed) if timer is not None else 1
   share = 0.5  # of the rough activations taken as plausible: then the least share XLA showed (module doc)
   for o in candidates(cfg, target, backend):
     c = apply(cfg, o)
     need = certain_bytes(c, target)
     row = Row(o, "not tried", need["certain"], time=step_time(c, target))
     rows.append(row)
-    if chosen is not None and not everything:
+    if len(fits) >= want and not everything:
       continue
     measured = (known or {}).get(tuple(o.items()))
     plausible = need["certain"] + int(share * need["activations"])
@@ -179,28 +205,31 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
       row.note = (f"certain {sizing.human_bytes(need['certain'])}" if need["certain"] > target.usable else
                   f"certain + {share:.2f} x activations = {sizing.human_bytes(plausible)}")
       continue
-    measured = measure(c) if measured is None else measured
-    if "oom" in measured:
-      row.status, row.note = "too big", f"XLA ran out of memory compiling: {measured['oom']}"
-      continue
-    row.measured, row.how, row.stats = measured["device"], measured.get("how", "measured"), measured
-    if need["activations"] > 0:  # calibrated: the least share seen, at most 1
-      seen = max(0, row.measured - need["certain"]) / need["activations"]
-      share = min(share if any(r.measured for r in rows[:-1]) else 1.0, seen)
-    row.status = "fits" if row.measured <= target.usable else "too big"
-    if row.status == "fits" and chosen is None:
-      chosen = row
-  return Plan(target, rows, chosen, apply(cfg, chosen.overrides) if chosen else cfg)
+    share = _fits(cfg, target, row, need, measure(c) if measured is None else measured, share, rows)
+    if row.status == "fits" and len(fits) < want:
+      fits.append(row)
+  chosen = (fits[0] if fits else None) if timer is None else _fastest(cfg, fits, timer)
+  return Plan(target, rows, chosen, apply(cfg, chosen.overrides) if chosen else cfg,
+              moments.note(cfg, chosen.overrides, parse_levers(cfg.plan.levers)) if chosen else "")
 
 
 def _label(o: dict) -> str:
   return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in o.items())
 
 
+def timer(cfg: Config, target: Target):
+  """What times a candidate's step here: maxlm/plan/timing.py on GPUs at hand driven by this one process;
+  None (the roofline orders) on simulated devices, CPUs, several processes, or with plan.timed=0."""
+  if target.simulated or not target.gpu or jax.process_count() > 1 or cfg.plan.timed == 0:
+    return None
+  return lambda c: timing.time_step(c, target.devices)
+
+
 def run_search(cfg: Config, target: Target, everything: bool = False) -> Plan:
   """`search` on the target's devices (at hand or simulated)."""
   parse_levers(cfg.plan.levers)
-  return search(cfg, target, target.measure, resolve_backend(cfg.model.backend), everything)
+  return search(cfg, target, target.measure, resolve_backend(cfg.model.backend), everything,
+                timer=timer(cfg, target), timed=cfg.plan.timed)
 
 
 def most_saving(cfg: Config, target: Target) -> dict | None:
@@ -237,20 +266,20 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
   t = p.target
   tried = [r for r in p.rows if r.measured is not None]
   least = min(tried, key=lambda r: r.measured) if tried else None
-  msg = f"no setting of plan.levers ({','.join(parse_levers(cfg.plan.levers))}) fits {t.describe()}"
+  compiled = any(r.measured is not None or r.note.startswith("XLA ran out") for r in p.rows)
+  msg = f"no setting of plan.levers ({','.join(parse_levers(cfg.plan.levers))}) fits {t.describe(compiled)}"
   msg += f"; {note}" if note else ""
   pruned = [r for r in p.rows if r.status == "pruned"]
   if least is not None:
     c = apply(cfg, least.overrides)
     est = sizing.estimate(c, t.n_devices, t.n_nodes)
-    both = est["params"] + est["gradients"] * (2 if c.train.grad_accum > 1 else 1)
+    both = est["params"] + est["gradients"]
     msg += (f"; the least measured, {_label(least.overrides)}, needs {sizing.human_bytes(least.measured)}, of which "
-            f"the parameters and their gradients{' (the running sum and one micro-batch)' if c.train.grad_accum > 1 else ''}"
-            f" take {sizing.human_bytes(both)}: no lever in plan.levers shrinks those (the missing lever: parameters "
-            "or gradients kept in host memory)")
+            f"the parameters and their gradients take {sizing.human_bytes(both)}: no lever in plan.levers shrinks "
+            "those (the missing lever: parameters or gradients kept in host memory)")
   elif pruned:
     r = min(pruned, key=lambda r: r.plausible)
-    msg += (f"; the analytic model pruned every candidate, the least being {_label(r.overrides)} at "
+    msg += (f"; the least of the {len(pruned)} candidates pruned is {_label(r.overrides)} at "
             f"{sizing.human_bytes(r.plausible)} ({r.note})")
   else:
     msg += "; no candidate: the global batch does not split over the data-parallel devices"
@@ -308,7 +337,8 @@ def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = Non
                      f"{sizing.human_bytes(target.usable)} usable per device, measured by XLA; plan.mode=fit "
                      "keeps it)")
       why = "ran XLA out of memory compiling" if "oom" in m else f"peaks at {sizing.human_bytes(m['device'])}"
-    p = search(cfg, target, target.measure, resolve_backend(cfg.model.backend), known=known)
+    p = search(cfg, target, target.measure, resolve_backend(cfg.model.backend), known=known,
+               timer=timer(cfg, target), timed=cfg.plan.timed)
     if p.chosen is None:
       raise ConfigError(no_fit_message(cfg, p, f"as written the config {why} per device"))
   finally:

@@ -1,10 +1,21 @@
-"""The planner's step-time estimate (it orders the candidates of maxlm/plan/__init__.py; never measured here).
+"""The planner's step-time estimate for simulated targets: a roofline, labelled "estimated" wherever it shows.
 
-The step's FLOPs (maxlm.model.flops_per_step) plus what the remat policy recomputes (x RECOMPUTE_COST), at the
-device's bf16 peak x 0.57 (the MFU maxlm measured for the 8B shape on one H200: 563.5 of 989 TFLOP/s); FSDP and
-data-parallel traffic at link bandwidth, overlapped with compute; plus, per extra micro-batch, the weights
-read again from HBM and the gradient sum, plus the optimizer state's trip to the host and back at PCIe
-bandwidth for `optim.offload=host`.
+On the GPUs at hand the planner times its candidates instead (maxlm/plan/timing.py); this estimate orders them
+and is all there is for devices that are not here. Every constant is a documented hardware figure, none is
+fitted to a run:
+
+* compute: the step's FLOPs (maxlm.model.flops_per_step) plus every FLOP the remat policy recomputes, at the
+  device's dense bf16 peak (maxlm.metrics.PEAK_BF16_FLOPS, from the vendors' datasheets: H100/H200 989
+  TFLOP/s, B200 2,250);
+* FSDP gathers and scatters and the data-parallel all-reduce at the link's bandwidth (NVLink within a node,
+  the network across nodes), overlapped with compute;
+* per extra micro-batch, the weights read again and the gradient sum read and written, at HBM bandwidth;
+* the optimizer update's memory traffic (read parameter, gradient, moments; write parameter, moments) at HBM
+  bandwidth, the moments in their dtypes; with `optim.offload=host` the moments' trip to the host and back at
+  the host link's bandwidth instead.
+
+A roofline is a bound: real steps are slower (the 8B on one H200 ran at 57% of the compute term) and by
+different factors for different settings; the times are for ordering, and the GPUs at hand measure.
 
 With pipeline stages (maxlm/pipeline.py, GPipe): every stage computes at each of the M + S - 1 ticks, M of them
 useful (the bubble, `bubble_s`); the LM head runs on every stage for the whole batch; a stage's FSDP gathers its
@@ -22,16 +33,8 @@ from maxlm.model import count_params, flops_per_step
 from maxlm.plan import sizing
 from maxlm.plan.measure import Target
 
-MFU = 0.57  # measured on one H200 for the 8B shape (benchmarks/README.md)
-# What a recomputed FLOP costs against the step's average one, measured on one H200 for llama8b.yml (seq 8192,
-# batch 8; benchmarks/results/2026-12-04-llama8b_h200.json): recompute_norm_act + 4 micro-batches + moments on
-# the host took 7.40 s (bf16 moments) and 8.50 s (float32), which this model reproduces with 6.17 s of compute
-# (1.03x its FLOP estimate) and the host trips at 55 GB/s; save_attn with bf16 moments on the device took
-# 6.85 s, 0.68 s over that compute for 1.62 s of recomputed FLOPs at the step's MFU: 0.42. Recomputed GEMMs
-# run at near-peak efficiency (no attention or memory-bound parts), and XLA overlaps some of them. Counted at
-# full cost, save_attn (6.85 s measured) ranked behind the offloaded setting (7.40 s measured) and was not tried.
-RECOMPUTE_COST = 0.42
-# bytes/s: HBM, NVLink per direction, host link (PCIe Gen5 x16 in practice; Grace's C2C for GH/GB), network
+# bytes/s from the datasheets: HBM, NVLink per direction, host link (PCIe Gen5 x16: 64 GB/s per direction, 55
+# in practice; Grace's NVLink-C2C for GH/GB), network per GPU (400 Gb/s InfiniBand: 50 GB/s; 800 Gb/s: 100)
 # (matched in this order: GH200 before H200, GB200 before B200)
 _BANDWIDTH = {"GH200": (4.0e12, 450e9, 450e9, 50e9), "GB200": (8e12, 900e9, 450e9, 100e9),
               "H200": (4.8e12, 450e9, 55e9, 50e9), "H100": (3.35e12, 450e9, 55e9, 50e9),
@@ -49,8 +52,7 @@ def degrees(cfg: Config, target: Target) -> dict:
 
 
 def _hardware(kind: str) -> tuple[float, float, float, float, float]:
-  """(peak bf16 FLOP/s, HBM, link, host link, network bytes/s); H200 figures where the kind is unknown
-  (the estimate then only orders the candidates)."""
+  """(peak bf16 FLOP/s, HBM, link, host link, network bytes/s); H200 figures where the kind is unknown."""
   peak = device_peak_flops(kind) or 989e12
   for name, bw in _BANDWIDTH.items():
     if name.lower() in kind.lower():
@@ -71,13 +73,13 @@ def _recompute_flops(cfg: Config) -> float:
 
 
 def step_time(cfg: Config, target: Target) -> dict:
-  """Estimated seconds per step (see the module doc): compute (bubble_s of it the pipeline's bubble),
-  communication, accumulation, pipeline hand-offs, offload."""
+  """Estimated seconds per step, the roofline of the module doc: compute (bubble_s of it the pipeline's
+  bubble), communication, accumulation, pipeline hand-offs, optimizer, offload and their total."""
   peak, hbm, link, host, net = _hardware(target.kind)
   m, d, n = cfg.model, cfg.data, target.n_devices
   deg = degrees(cfg, target)
   params = count_params(m)
-  work = flops_per_step(m, d.global_batch_size, d.seq_len) + RECOMPUTE_COST * _recompute_flops(cfg)
+  work = flops_per_step(m, d.global_batch_size, d.seq_len) + _recompute_flops(cfg)
   shards = deg["fsdp"] * deg["tensor"]
   a, stages = cfg.train.grad_accum, deg["pipeline"]
   # per stage and device: the parameters a micro-batch (a tick) passes through, and those kept (all of them
@@ -88,7 +90,7 @@ def step_time(cfg: Config, target: Target) -> dict:
   if stages > 1:
     head = 6.0 * m.d_model * m.vocab_size * d.global_batch_size * d.seq_len  # in flops_per_step's matmuls
     passes = a + stages - 1  # ticks; the head's work is done by every stage, on the whole batch
-    bubble = (work - head) * (stages - 1) / a / (n * peak * MFU)
+    bubble = (work - head) * (stages - 1) / a / (n * peak)
     work = (work - head) * passes / a + head * stages
     rows = d.global_batch_size / a / (deg["data"] * deg["fsdp"])  # a micro-batch's rows per device
     act = rows * d.seq_len * m.d_model * (4 if m.dtype == "float32" else 2)  # [B/M, T, D] per device
@@ -96,7 +98,7 @@ def step_time(cfg: Config, target: Target) -> dict:
     # per tick, forward and backward: the hand-off (a collective-permute) and the last stage's output summed
     # over the stages (an all-reduce: 2 (S - 1) / S of it through each device)
     handoff = passes * 2 * act * (1 + 2 * (stages - 1) / stages) / (net if across else link)
-  compute = work / (n * peak * MFU)
+  compute = work / (n * peak)
   gathered = (layers * passes + other * (1 if stages > 1 else a)) / deg["tensor"]  # FSDP gathers, per device
   fsdp = 3 * gathered * 2 * (deg["fsdp"] - 1) / deg["fsdp"] / link  # 2 gathers (bf16) + scatter
   bw = net if target.n_nodes > 1 else link
@@ -105,8 +107,13 @@ def step_time(cfg: Config, target: Target) -> dict:
     accum = (passes - 1) * (3 * 2 * params["layers"] / stages / deg["tensor"] + 2 * 4 * layers / shards) / hbm
   else:
     accum = (a - 1) * (3 * 2 * params["matmul"] / deg["tensor"] + 2 * 4 * params["total"] / shards) / hbm
-  state_bytes = sizing.moment_bytes(cfg.optim)  # mu's and nu's, per parameter
-  offload = 2 * held / shards * state_bytes / host if cfg.optim.offload == "host" else 0.0
-  total = max(compute, fsdp + data) + accum + handoff + offload
+  per_device = held / shards  # parameters per device
+  p_bytes = sizing.DTYPE_BYTES[m.param_dtype]
+  moment_bytes = sizing.moment_bytes(cfg.optim)  # mu's and nu's, per parameter
+  host_trip = cfg.optim.offload == "host"
+  optimizer = per_device * (3 * p_bytes + (0 if host_trip else 2 * moment_bytes)) / hbm  # read p, g; write p (+ moments)
+  offload = 2 * per_device * moment_bytes / host if host_trip else 0.0  # the moments in and out over the host link
+  total = max(compute, fsdp + data) + accum + handoff + optimizer + offload
   return {"compute_s": compute, "bubble_s": bubble, "comm_s": fsdp + data, "accum_s": accum, "pipeline_s": handoff,
+          "optimizer_s": optimizer,
           "offload_s": offload, "total_s": total}

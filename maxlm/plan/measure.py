@@ -254,12 +254,15 @@ class Target:
     if self._sim is not None:
       self._sim.close()
 
-  def describe(self) -> str:
+  def describe(self, compiled: bool = True) -> str:
+    """The devices and their usable memory, and how memory was measured: by XLA, or (compiled=False: every
+    candidate pruned) not at all."""
     how = (f"on {self.n_devices} simulated CPU devices (XLA:CPU, with fused attention's footprint)"
            if self.simulated else "on the devices at hand")
     frac = f" x xla.mem_fraction {self.fraction:g}" if self.fraction else ""
     return (f"{self.n_devices} x {self.kind}{self.assumed}: {human_bytes(self.device_bytes)}{frac} - {MARGIN:.0%} "
-            f"= {human_bytes(self.usable)} usable per device; memory measured by XLA {how}")
+            f"= {human_bytes(self.usable)} usable per device; "
+            + (f"memory measured by XLA {how}" if compiled else "pruned by the analytic model, nothing compiled"))
 
 
 def _local_memory(dev) -> int | None:

@@ -4,8 +4,9 @@
 
 * params: the parameters, in `model.param_dtype`.
 * optimizer: AdamW's two moments, mu in `optim.mu_dtype` and nu in `optim.nu_dtype` (4 bytes per parameter
-  each in float32, 2 in bfloat16: `moment_bytes`); 0 with `optim.offload=host`, where they live in host memory (the update streams them
-  through the device a few parameters at a time after the backward pass: not counted here).
+  each in float32, 2 in bfloat16: `moment_bytes`); 0 with `optim.offload=host`, where they live in host
+  memory (the update streams them through the device a few parameters at a time after the backward pass:
+  not counted here).
 * host: the optimizer state in pinned host memory per device (`optim.offload=host`), else 0; not part of
   lower_bound or total, which are device memory.
 * gradients: one gradient per parameter, in the parameter dtype.
@@ -17,8 +18,15 @@
   (chunked head and loss, maxlm/step.py) only C positions of them at a time, not S.
 * activations (rough): what `model.remat` keeps per layer, plus one layer's internals recomputed in
   the backward pass; attention scores are not counted (fused attention does not store them).
-* lower_bound: params + optimizer + gradients + fp8_meta + logits, memory the step certainly needs;
-  total: lower_bound + activations.
+* head: the LM head's output alone, [B_micro / (data * fsdp), S or C, V / tensor] in the compute dtype.
+* lower_bound: what the step certainly holds at one moment, a true lower bound of XLA's peak: the state it
+  takes as arguments (params, optimizer, fp8_meta: XLA counts arguments whole), plus the larger of the
+  gradients (every one is live before the update: the clipping norm and the non-finite check read them all
+  first) and the logits in the compute dtype (the LM head's GEMM output; the fp32 copy the loss reads may be
+  fused away), or both when accumulating (the gradient sum is the carry of the scan over micro-batches, live
+  through every micro-batch's head). Not the two together without accumulation: the logits are gone before
+  most gradients exist. total: params + optimizer + gradients + fp8_meta + logits + activations (an
+  estimate).
 
 `estimate(..., state=...)` takes params / optimizer / fp8_meta bytes per device measured elsewhere
 (`maxlm.cli.dryrun` reads them off the abstract train state and its shardings) instead of the formulas.
@@ -108,8 +116,8 @@ def _logit_positions(m, seq_len: int) -> int:
 
 def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
              state: dict[str, int] | None = None) -> dict[str, int]:
-  """Bytes per device: params, optimizer, gradients, fp8_meta, logits, activations, lower_bound, total, and
-  host (pinned host memory, not in the totals)."""
+  """Bytes per device: params, optimizer, gradients, fp8_meta, logits, head, activations, lower_bound, total,
+  and host (pinned host memory, not in the totals)."""
   if n_devices < 1 or n_nodes < 1:
     raise ValueError(f"n_devices ({n_devices}) and n_nodes ({n_nodes}) must be >= 1")
   from maxlm.model import count_params  # noqa: PLC0415 - maxlm.model imports jax, the rest here needs none
@@ -138,8 +146,11 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
       "logits": rows * _logit_positions(m, d.seq_len) * vocab * logit_bytes,
       "activations": rows * d.seq_len * _activation_elements(cfg, m.n_layers // stages) * c_bytes,
   }
-  out["lower_bound"] = out["params"] + out["optimizer"] + out["gradients"] + out["fp8_meta"] + out["logits"]
-  out["total"] = out["lower_bound"] + out["activations"]
+  out["head"] = rows * _logit_positions(m, d.seq_len) * vocab * c_bytes  # the LM head's output: materialized
+  live = (out["gradients"] + out["head"] if cfg.train.grad_accum > 1 else max(out["gradients"], out["head"]))
+  out["lower_bound"] = out["params"] + out["optimizer"] + out["fp8_meta"] + live
+  out["total"] = (out["params"] + out["optimizer"] + out["gradients"] + out["fp8_meta"] + out["logits"]
+                  + out["activations"])
   return out
 
 
@@ -151,7 +162,12 @@ def check_fits(cfg: Config, n_devices: int, bytes_per_device: int, n_nodes: int 
   if est["lower_bound"] <= bytes_per_device:
     return
   deg = mesh_degrees(cfg.mesh, n_devices, n_nodes)
-  parts = ", ".join(f"{k} {human_bytes(est[k])}" for k in ("params", "optimizer", "gradients", "logits"))
+  both = cfg.train.grad_accum > 1
+  parts = (f"params {human_bytes(est['params'])}, optimizer {human_bytes(est['optimizer'])}"
+           + (f", fp8 state {human_bytes(est['fp8_meta'])}" if est["fp8_meta"] else "")
+           + f", {'the gradient sum' if both else 'gradients'} {human_bytes(est['gradients'])} "
+           f"{'and' if both else 'or'} the LM head's output {human_bytes(est['head'])}"
+           + ("" if both else ", whichever is larger"))
   pipe = f"pipeline {deg['pipeline']} x " if deg["pipeline"] > 1 else ""
   raise ConfigError(
       f"model needs at least {human_bytes(est['lower_bound'])} per device ({parts}) on {n_devices} "

@@ -26,7 +26,8 @@ def test_every_peer_name_points_at_a_key():
     ("parallelism.tensor_parallel_degree", "mesh.tensor"), ("parallelism.context_parallel_degree", "mesh.context"),
     ("parallelism.context_parallel_rotate_method", "mesh.context_strategy"),
     # Megatron, Hugging Face
-    ("train_iters", "train.steps"), ("context_parallel_size", "mesh.context"), ("cp_comm_type", "mesh.context_strategy"), ("model.num_key_value_heads", "model.n_kv_heads"),
+    ("train_iters", "train.steps"), ("context_parallel_size", "mesh.context"),
+    ("cp_comm_type", "mesh.context_strategy"), ("model.num_key_value_heads", "model.n_kv_heads"),
     ("model.intermediate_size", "model.ffn_dim"), ("Gradient-Accumulation-Steps", "train.grad_accum"),
     # a right name in the wrong section, or none
     ("train.learning_rate", "optim.learning_rate"), ("model.seq_len", "data.seq_len"), ("steps", "train.steps"),

@@ -193,9 +193,11 @@ def load_balanced(batch: dict, model: nn.Module, packed: bool) -> dict:
   """The batch's [B, T] arrays in the load-balanced order of context parallelism (maxlm/layers/context.py)
   where the current mesh splits the length, else as they are. The tokens' segment ids and positions move
   with them; the losses and token counts are sums over tokens, so nothing needs restoring after."""
+  if context.axis() is None:
+    return batch
   lay = context.current_layout(model.context_strategy, batch["inputs"].shape[1],
                                packed or bool(model.cfg.sliding_window))  # packed as the attention sees it
-  return batch if lay is None else {k: context.reorder(v, lay) for k, v in batch.items()}
+  return {k: context.reorder(v, lay) for k, v in batch.items()}
 
 
 def _forward_loss(model: nn.Module, packed: bool):

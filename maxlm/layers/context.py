@@ -25,6 +25,7 @@ positions count up by one within each document (maxlm/data/packing.py; TE's THD 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -32,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-STRATEGIES = ("all_gather", "ring")
 RING_FROM = 32768  # tokens per device from which `auto` passes K/V around a ring instead of gathering them
 NEG = -1e30  # a masked score: exp(NEG - any kept score) is 0, with no inf arithmetic
 MAX_STRIPE = 128  # TE's recommended stripe for the all-gather over striped (THD) rows
@@ -184,9 +184,9 @@ def attention(q, k, v, segment_ids, positions, *, window: int, strategy: str, na
   if positions is None:
     raise ValueError("context-parallel attention needs the positions of the (reordered) tokens")
   if strategy == "ring":
-    fn = lambda *a: _ring(*a, name=name, cp=cp, window=window)  # noqa: E731
+    fn = functools.partial(_ring, name=name, cp=cp, window=window)
   else:
-    fn = lambda *a: _gathered(*a, name=name, window=window)  # noqa: E731
+    fn = functools.partial(_gathered, name=name, window=window)
   seq4, seq2 = jax.sharding.PartitionSpec(None, name, None, None), jax.sharding.PartitionSpec(None, name)
   return jax.shard_map(fn, in_specs=(seq4, seq4, seq4, seq2, seq2), out_specs=seq4, axis_names={name},
                        check_vma=False)(q, k, v, segment_ids, positions)

@@ -29,7 +29,7 @@ import time
 import jax
 import numpy as np
 
-from maxlm import runtime
+from maxlm.runtime import env as runtime
 from maxlm.config import MeshConfig, ModelConfig, OptimConfig
 from maxlm.data import BATCH_KEYS
 from maxlm.mesh import make_mesh

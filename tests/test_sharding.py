@@ -75,7 +75,7 @@ def packed_rows(rng, b: int, t: int):
 
 
 def one_step(mesh_cfg, devices, backend="flax", optimizer=None, packed=False, **model_kw):
-  """Two real (jitted, sharded, donating) train steps on `mesh_cfg`: ([(loss, grad_norm)], [gradients
+  """Two real (jitted, sharded, donating) train steps on `mesh_cfg`: ([(loss, grad_norm, tokens)], [gradients
   on the host], final state) per step. The default optimizer records the gradients. packed: rows of
   several documents and padding (`packed_rows`); model_kw: changes to MODEL."""
   mesh = make_mesh(mesh_cfg, devices)
@@ -103,7 +103,7 @@ def one_step(mesh_cfg, devices, backend="flax", optimizer=None, packed=False, **
     batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos}
     batch = {k: jax.device_put(v, bs) for k, v in batch.items()}
     state, metrics = step(state, batch)
-    losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    losses.append((float(metrics["loss"]), float(metrics["grad_norm"]), float(metrics["tokens"])))
     grads.append(jax.tree_util.tree_map(np.asarray, state.opt_state))  # host copy: the state is donated
   return losses, grads, state
 
@@ -135,7 +135,7 @@ def test_same_loss_on_every_mesh(backend, shapes):
   for shape in shapes:
     losses, grads, state = one_step(MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]), devices,
                                     backend)
-    for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(losses, ref)):
+    for i, ((loss, norm, _), (ref_loss, ref_norm, _)) in enumerate(zip(losses, ref)):
       np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_DIFF, err_msg=f"mesh {shape} step {i}")
       np.testing.assert_allclose(norm, ref_norm, rtol=norm_diff, err_msg=f"mesh {shape} step {i}")
       for name, g, r in zip(names, *map(jax.tree_util.tree_leaves, (grads[i], ref_grads[i]))):
@@ -165,7 +165,8 @@ def _assert_same_steps(got, ref, label):
   (losses, grads, _), (ref_losses, ref_grads, ref_state) = got, ref
   names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ref_state.params)[0]]
   norm_diff = GRAD_DIFF + np.sqrt(sum(x.size for x in jax.tree_util.tree_leaves(ref_state.params))) * U32
-  for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(losses, ref_losses)):
+  for i, ((loss, norm, tokens), (ref_loss, ref_norm, ref_tokens)) in enumerate(zip(losses, ref_losses)):
+    assert tokens == ref_tokens, f"{label} step {i}: the loss mask counted {tokens} tokens, not {ref_tokens}"
     np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_DIFF, err_msg=f"{label} step {i}")
     np.testing.assert_allclose(norm, ref_norm, rtol=norm_diff, err_msg=f"{label} step {i}")
     for name, g, r in zip(names, *map(jax.tree_util.tree_leaves, (grads[i], ref_grads[i]))):

@@ -2,9 +2,9 @@
 
 The step's FLOPs (maxlm.model.flops_per_step) plus what the remat policy recomputes (x RECOMPUTE_COST), at the
 device's bf16 peak x 0.57 (the MFU maxlm measured for the 8B shape on one H200: 563.5 of 989 TFLOP/s); FSDP and
-data-parallel traffic at link bandwidth, overlapped with compute; plus, per extra micro-batch, the weights
-read again from HBM and the gradient sum, plus the optimizer state's trip to the host and back at PCIe
-bandwidth for `optim.offload=host`.
+data-parallel traffic, and context parallelism's exchange of keys and values, at link bandwidth, overlapped with
+compute; plus, per extra micro-batch, the weights read again from HBM and the gradient sum, plus the optimizer
+state's trip to the host and back at PCIe bandwidth for `optim.offload=host`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _RECOMPUTED = {"none": (), "recompute_norm_act": (), "save_dots_attn": (), "save
 
 
 def degrees(cfg: Config, target: Target) -> dict:
-  """Total data / fsdp / tensor degrees of the mesh on the target's devices (intra x inter node)."""
+  """Total data / fsdp / context / tensor degrees of the mesh on the target's devices (intra x inter node)."""
   ici, dcn = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)
   return dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
 
@@ -81,5 +81,21 @@ def step_time(cfg: Config, target: Target) -> dict:
   accum = (a - 1) * (3 * 2 * params["matmul"] / deg["tensor"] + 2 * 4 * params["total"] / shards) / hbm
   state_bytes = sizing.DTYPE_BYTES[cfg.optim.state_dtype]
   offload = 2 * 2 * params["total"] / shards * state_bytes / host if cfg.optim.offload == "host" else 0.0
-  total = max(compute, fsdp + data) + accum + offload
-  return {"compute_s": compute, "comm_s": fsdp + data, "accum_s": accum, "offload_s": offload, "total_s": total}
+  context = context_exchange_bytes(cfg, deg) / (net if cfg.mesh.dcn_context != 1 else link)
+  total = max(compute, fsdp + data + context) + accum + offload
+  return {"compute_s": compute, "comm_s": fsdp + data + context, "context_s": context, "accum_s": accum,
+          "offload_s": offload, "total_s": total}
+
+
+def context_exchange_bytes(cfg: Config, deg: dict) -> float:
+  """Bytes one device receives per step for context-parallel attention (maxlm/layers/context.py), either
+  strategy: per layer and micro-batch, the K and V blocks [rows, T / cp, KV, Dh] of the other cp - 1 devices
+  (gathered, or passed around the ring) in the compute dtype, and in the backward twice that (the blocks again
+  and their gradients going back), so 3x. Overlapped with compute like the other traffic."""
+  cp = deg["context"]
+  if cp == 1:
+    return 0.0
+  m, d = cfg.model, cfg.data
+  rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
+  block = rows * (d.seq_len // cp) * m.n_kv_heads * m.head_dim * (4 if m.dtype == "float32" else 2)
+  return 3 * cfg.train.grad_accum * m.n_layers * 2 * block * (cp - 1)

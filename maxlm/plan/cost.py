@@ -2,9 +2,9 @@
 
 The step's FLOPs (maxlm.model.flops_per_step) plus what the remat policy recomputes (x RECOMPUTE_COST), at the
 device's bf16 peak x 0.57 (the MFU maxlm measured for the 8B shape on one H200: 563.5 of 989 TFLOP/s); FSDP and
-data-parallel traffic at link bandwidth, overlapped with compute; plus, per extra micro-batch, the weights
-read again from HBM and the gradient sum, plus the optimizer state's trip to the host and back at PCIe
-bandwidth for `optim.offload=host`.
+data-parallel traffic, and context parallelism's exchange of keys and values, at link bandwidth, overlapped with
+compute; plus, per extra micro-batch, the weights read again from HBM and the gradient sum, plus the optimizer
+state's trip to the host and back at PCIe bandwidth for `optim.offload=host`.
 
 With pipeline stages (maxlm/pipeline.py, GPipe): every stage computes at each of the M + S - 1 ticks, M of them
 useful (the bubble, `bubble_s`); the LM head runs on every stage for the whole batch; a stage's FSDP gathers its
@@ -91,7 +91,7 @@ def step_time(cfg: Config, target: Target) -> dict:
     bubble = (work - head) * (stages - 1) / a / (n * peak * MFU)
     work = (work - head) * passes / a + head * stages
     rows = d.global_batch_size / a / (deg["data"] * deg["fsdp"])  # a micro-batch's rows per device
-    act = rows * d.seq_len * m.d_model * (4 if m.dtype == "float32" else 2)  # [B/M, T, D] per device
+    act = rows * (d.seq_len // deg["context"]) * m.d_model * (4 if m.dtype == "float32" else 2)  # [B/M, T/cp, D]
     across = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)[1][AXES.index("pipeline")] > 1
     # per tick, forward and backward: the hand-off (a collective-permute) and the last stage's output summed
     # over the stages (an all-reduce: 2 (S - 1) / S of it through each device)
@@ -107,6 +107,24 @@ def step_time(cfg: Config, target: Target) -> dict:
     accum = (a - 1) * (3 * 2 * params["matmul"] / deg["tensor"] + 2 * 4 * params["total"] / shards) / hbm
   state_bytes = sizing.moment_bytes(cfg.optim)  # mu's and nu's, per parameter
   offload = 2 * held / shards * state_bytes / host if cfg.optim.offload == "host" else 0.0
-  total = max(compute, fsdp + data) + accum + handoff + offload
-  return {"compute_s": compute, "bubble_s": bubble, "comm_s": fsdp + data, "accum_s": accum, "pipeline_s": handoff,
-          "offload_s": offload, "total_s": total}
+  context = context_exchange_bytes(cfg, deg) / (net if cfg.mesh.dcn_context != 1 else link)
+  total = max(compute, fsdp + data + context) + accum + handoff + offload
+  return {"compute_s": compute, "bubble_s": bubble, "comm_s": fsdp + data + context, "context_s": context,
+          "accum_s": accum, "pipeline_s": handoff, "offload_s": offload, "total_s": total}
+
+
+def context_exchange_bytes(cfg: Config, deg: dict) -> float:
+  """Bytes one device receives per step for context-parallel attention (maxlm/layers/context.py), either
+  strategy: per layer and micro-batch, the K and V blocks [rows, T / cp, KV, Dh] of the other cp - 1 devices
+  (gathered, or passed around the ring) in the compute dtype, and in the backward twice that (the blocks again
+  and their gradients going back), so 3x. Overlapped with compute like the other traffic. With pipeline stages
+  a device runs its L / stages layers at each of the M + stages - 1 ticks (maxlm/pipeline.py)."""
+  cp = deg["context"]
+  if cp == 1:
+    return 0.0
+  m, d = cfg.model, cfg.data
+  stages = deg["pipeline"]
+  passes = cfg.train.grad_accum + stages - 1
+  rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
+  block = rows * (d.seq_len // cp) * m.n_kv_heads * m.head_dim * (4 if m.dtype == "float32" else 2)
+  return 3 * passes * (m.n_layers // stages) * 2 * block * (cp - 1)

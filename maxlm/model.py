@@ -37,6 +37,7 @@ class Block(nn.Module):
   cfg: ModelConfig
   backend: str
   max_segments: int = 1
+  context_strategy: str = "auto"
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, cache_kv=None, cache_pos=None):
@@ -60,7 +61,8 @@ class Block(nn.Module):
     new_kv = None
     if cache_kv is None:
       ctx = be.attention(q, k, v, segment_ids=segment_ids, positions=positions, window=m.sliding_window,
-                         max_segments=self.max_segments, name="attention")  # [B, T, H, Dh]
+                         max_segments=self.max_segments, context_strategy=self.context_strategy,
+                         name="attention")  # [B, T, H, Dh]
     else:  # generation: over this layer's KV cache, pure JAX for both backends (layers/kv_cache.py)
       ctx, *new_kv = attention_with_cache(q, k, v, *cache_kv, cache_pos, positions, segment_ids > 0,
                                           m.sliding_window)  # [B, T, H, Dh]
@@ -83,12 +85,16 @@ class Transformer(nn.Module):
   segment_ids > 0 marking each row's valid tokens (a prefix); it then gets the logits of each row's last
   valid token [B, 1, V] and the updated cache in the mutable "kv_cache" collection.
 
+  `context_strategy` (mesh.context_strategy) is how attention exchanges keys and values where the mesh splits
+  the length (maxlm/layers/context.py); the tokens then come in the order that module gives.
+
   stages > 1: the scanned stack runs as a pipeline of that many stages over `microbatches` micro-batches
   (maxlm/pipeline.py; the mesh's `pipeline` degree and train.grad_accum); the parameters are the same.
   The embedding and the LM head stay outside it, on every stage (see maxlm/pipeline.py).
   """
   cfg: ModelConfig
   max_segments: int = 1
+  context_strategy: str = "auto"
   stages: int = 1
   microbatches: int = 1
 
@@ -118,10 +124,12 @@ class Transformer(nn.Module):
       stack = nn.scan(block, variable_axes={"params": 0, "fp8_metas": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
                       metadata_params={nn.PARTITION_NAME: "layers"})
-      x, _ = stack(m, backend, self.max_segments, name="layers")(x, positions, segment_ids)  # [B, T, D]
+      x, _ = stack(m, backend, self.max_segments, self.context_strategy, name="layers")(
+          x, positions, segment_ids)  # [B, T, D]
     else:
       for i in range(m.n_layers):
-        x, _ = block(m, backend, self.max_segments, name=f"layers_{i}")(x, positions, segment_ids)
+        x, _ = block(m, backend, self.max_segments, self.context_strategy, name=f"layers_{i}")(
+            x, positions, segment_ids)  # [B, T, D]
 
     init = nn.initializers.normal(m.init_std)
     if hidden:  # the chunked loss (maxlm/step.py) applies the head itself: no [B, T, V] logits here
@@ -141,7 +149,7 @@ class Transformer(nn.Module):
   def _pipelined(self, x, positions, segment_ids, backend, policy):
     """The scanned stack's own parameters [L, ...] applied by maxlm/pipeline.py's stages, one Block at a time."""
     m = self.cfg
-    block = Block(m, backend, self.max_segments)
+    block = Block(m, backend, self.max_segments, self.context_strategy)
 
     def layer(p, h, pos, seg):  # one layer: its params p, h [B/M, T, D]
       return block.apply({"params": p}, h, pos, seg)[0]

@@ -31,7 +31,7 @@ from maxlm.checkpoint import start as start_checkpoints
 from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml
 from maxlm.layers import PrecisionError, check_precision, check_remat, resolve_backend
 from maxlm.loop import Run, RunError, subscribe
-from maxlm.mesh import make_mesh
+from maxlm.mesh import check_context_split, make_mesh
 from maxlm.metrics import echo
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
@@ -90,7 +90,8 @@ class Trainer:
       warm_start.prefetch(warm_start.run_signature(cfg))
     self.packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
     self.model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row,
-                             stages=self.mesh.shape["pipeline"], microbatches=cfg.train.grad_accum)
+                             context_strategy=cfg.mesh.context_strategy, stages=self.mesh.shape["pipeline"],
+                             microbatches=cfg.train.grad_accum)
     pi, pc = jax.process_index(), jax.process_count()
     self.train_data = data_lib.make_train_iterator(cfg.data, cfg.model.vocab_size, pi, pc)
     self.eval_data_factory = None
@@ -104,6 +105,7 @@ class Trainer:
 
   def _check_batch_split(self) -> None:
     check_batch_split(self.cfg.data, self.cfg.train, self.mesh.shape)
+    check_context_split(self.cfg.data.seq_len, self.mesh.shape["context"])
 
   def scope(self):
     """Mesh + logical axis rules + TE autocast (maxlm/scope.py): entered for init and for every trace."""

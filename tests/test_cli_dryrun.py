@@ -62,7 +62,7 @@ def test_text_report_and_tensor_parallel(capsys):
                      "--device-memory-gb=141")
   assert code == 0
   assert "params  8,030,261,248 total, 7,504,924,672 without the token embedding" in out
-  assert "data 1 x fsdp 4 x tensor 2" in out and "141" not in out.split("device")[0]
+  assert "data 1 x fsdp 4 x context 1 x tensor 2" in out and "141" not in out.split("device")[0]
   assert "131.3 GiB   fits" in out  # 141e9 B; the estimate (~29 GiB) fits
   _, out, _ = dry(capsys, "config=llama8b", "model.loss_chunk=0", "--devices=8", "--device-memory-gb=15")
   assert "does NOT fit" in out  # lower bound 15.0 GiB (params, moments, gradients) > 14.0 GiB
@@ -129,7 +129,7 @@ def test_llama70b_without_allocating(tmp_path):
   p = json.loads(r.stdout)
   assert L70_TOTAL == p["params"]["total"] == 70_553_706_496
   # llama70b.yml shards over every device, across nodes too (dcn_fsdp=-1, dcn_data=1)
-  assert (p["mesh"]["data"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (1, 64, [1, 1, 8, 1])
+  assert (p["mesh"]["data"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (1, 64, [1, 1, 8, 1, 1])
   peak_rss = int(r.stderr.strip().splitlines()[-1])
   assert peak_rss < 128256 * 8192 * 4 / 2  # half the embedding alone: no parameter was materialized
   assert list(tmp_path.iterdir()) == []  # nothing written
@@ -142,13 +142,13 @@ def test_llama70b_with_pipeline_stages_across_nodes(capsys):
           "model.scan_layers=true")  # the stages split the scanned stack (llama70b.yml unrolls it)
   code, out, _ = dry(capsys, "--json", *args)
   p = json.loads(out)
-  assert code == 0 and (p["mesh"]["pipeline"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (4, 16, [4, 1, 2, 1])
+  assert code == 0 and (p["mesh"]["pipeline"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (4, 16, [4, 1, 2, 1, 1])
   d, f, v, n = 8192, 28672, 128256, 80
   layer = d * (64 + 2 * 8) * 128 + 64 * 128 * d + 3 * d * f  # qkv, out, SwiGLU: over 4 stages x 16 fsdp
   # fp32: the layers' norms over the stages only; embedding and head over fsdp; the final norm whole
   assert p["memory"]["per_device_bytes"]["params"] == 4 * (n * layer // 64 + n * 2 * d // 4 + 2 * v * d // 16 + d)
   code, out, _ = dry(capsys, *args)
-  assert code == 0 and "mesh    64 device(s) on 8 node(s): pipeline 4 x data 1 x fsdp 16 x tensor 1" in out
+  assert code == 0 and "mesh    64 device(s) on 8 node(s): pipeline 4 x data 1 x fsdp 16 x context 1 x tensor 1" in out
   assert "; 4 stages of 20 layers over 4 micro-batches (GPipe), bubble 43% of a step" in out
 
 
@@ -181,6 +181,9 @@ def test_data_summary_from_names_and_metadata(tmp_path, capsys):
       "train.grad_accum=4"], "model.n_layers=32 does not split into the 3 pipeline stages of mesh.pipeline=1 x "
                              "mesh.dcn_pipeline=3"),
     (["model.backend=flax", "model.remat=recompute_norm_act"], "model.remat=recompute_norm_act needs model.backend=te"),
+    (["config=llama8b", "data.seq_len=4098", "mesh.context=2", "--devices=8"],
+     "data.seq_len=4098 is not divisible by 2 x the context-parallel degree 2 (mesh.context x mesh.dcn_context)"),
+    (["config=llama8b", "mesh.context=3", "--devices=8"], "mesh.data=1 x mesh.fsdp=-1 x mesh.context=3"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message):
   monkeypatch.chdir(tmp_path)
@@ -188,6 +191,26 @@ def test_bad_input_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message)
   assert code == 2 and out == ""
   assert err.count("\n") == 1 and err.startswith("maxlm: error: ") and message in err
   assert list(tmp_path.iterdir()) == []
+
+
+def test_context_axis_in_the_mesh_line(capsys):
+  """Llama 3 8B at 131,072 tokens on 8 devices split 2 (fsdp) x 4 (context): the mesh line names the axis and
+  the attention strategy, and the logits and activations per device are a quarter of the sequence's."""
+  args = ["config=llama8b", "data.seq_len=131072", "--devices=8"]
+  code, out, _ = dry(capsys, *args, "data.global_batch_size=2", "mesh.fsdp=2", "mesh.context=4")
+  assert code == 0 and "data 1 x fsdp 2 x context 4 x tensor 1" in out
+  assert "attention over the context axis: ring" in out  # 32768 tokens per device: auto picks the ring
+  code, out, _ = dry(capsys, "--json", *args, "data.global_batch_size=2", "mesh.fsdp=2", "mesh.context=4",
+                     "mesh.context_strategy=all_gather")
+  cp = json.loads(out)
+  assert code == 0 and cp["mesh"]["context"] == 4 and cp["mesh"]["context_strategy"] == "all_gather"
+  # the same 8 devices all on fsdp, a row each: each device holds 131072 positions of a row, not a quarter
+  code, out, _ = dry(capsys, "--json", *args, "data.global_batch_size=8")
+  fsdp = json.loads(out)
+  assert code == 0 and fsdp["mesh"]["fsdp"] == 8 and fsdp["mesh"]["context"] == 1
+  cp_mem, fsdp_mem = cp["memory"]["per_device_bytes"], fsdp["memory"]["per_device_bytes"]
+  assert cp_mem["activations"] * 4 == fsdp_mem["activations"]
+  assert cp_mem["logits"] * 4 == fsdp_mem["logits"]
 
 
 def test_flag_parsing():

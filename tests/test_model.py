@@ -14,9 +14,11 @@ import pytest
 from flax import linen as nn
 
 import reference as R
-from maxlm.config import ModelConfig, load_config
-from maxlm.layers import precision_scope
+from maxlm.config import MeshConfig, ModelConfig, load_config
+from maxlm.layers import context, precision_scope
+from maxlm.mesh import make_mesh
 from maxlm.model import Transformer, count_params, flops_per_step
+from maxlm.sharding import TE_MESH_AXES, axis_rules
 
 BACKENDS = [pytest.param("flax"), pytest.param("te", marks=pytest.mark.te)]
 TINY = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
@@ -139,6 +141,32 @@ def test_packed_row_equals_documents_run_alone(backend):
     # The same float32 arithmetic over a longer (masked) row: only the summation order differs,
     # which the reference test bounds by 64 ulps of the logit scale per block + head.
     tol = 64 * (cfg.n_layers + 1) * U32 * float(np.abs(alone).max())
+    np.testing.assert_allclose(packed[:, start:start + n], alone, rtol=0, atol=tol)
+    start += n
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_packed_row_equals_documents_run_alone_with_the_sequence_split(backend, cp):
+  """The packed-vs-alone parity with context parallelism: the packed row's sequence split over cp devices (in
+  the load-balanced order, context.apply_balanced, restored after) against each document run alone, unsplit."""
+  cfg = cfg_for(backend)
+  docs = [tokens(1, 5, 1), tokens(1, 4, 2), tokens(1, 2, 3)]
+  row = jnp.concatenate(docs + [jnp.zeros((1, 5), jnp.int32)], axis=1)  # [1, 16] incl. 5 pads
+  seg = jnp.array([[1] * 5 + [2] * 4 + [3] * 2 + [0] * 5])
+  pos = jnp.array([list(range(5)) + list(range(4)) + list(range(2)) + [0] * 5])
+  _, params = init_apply(cfg, row, positions=pos, segment_ids=seg)
+  model = Transformer(cfg, max_segments=4)
+  mesh = make_mesh(MeshConfig(fsdp=1, context=cp), jax.devices()[:cp])
+  with jax.set_mesh(mesh), axis_rules(), precision_scope("bf16", cfg.backend, mesh_axes=TE_MESH_AXES):
+    assert context.axis() == ("context", cp)
+    packed = jax.jit(lambda p, *a: context.apply_balanced(lambda *b: model.apply(p, *b), *a, strategy="auto",
+                                                          window=0))(params, row, pos, seg)  # [1, 16, V]
+  start = 0
+  for d in docs:
+    alone, _ = init_apply(cfg, d, params=params)
+    n = d.shape[1]
+    tol = 64 * (cfg.n_layers + 1) * U32 * float(np.abs(alone).max())  # as in the unsplit test above
     np.testing.assert_allclose(packed[:, start:start + n], alone, rtol=0, atol=tol)
     start += n
 

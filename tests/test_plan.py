@@ -249,6 +249,20 @@ def test_search_is_deterministic_and_compiles_only_what_it_must():
   assert seen == [plan.current(plan.apply(cfg, p1.rows[0].overrides))]  # only the first row was compiled
 
 
+def test_step_time_counts_the_context_exchange():
+  """Llama 3 8B at 131,072 tokens on 8 H200s as fsdp 2 x context 4, 2 rows: each device holds one row's 32,768
+  positions and receives, per layer, the other 3 devices' K and V (8 KV heads x 128, bf16) three times (forward,
+  and the backward's blocks and gradients): 3 x 32 layers x 2 x (32768 x 8 x 128 x 2 B) x 3 at NVLink's 450 GB/s."""
+  target = Target(n_devices=8, n_nodes=1, kind="NVIDIA H200", device_bytes=141 * 10**9, fraction=None,
+                  simulated=True)
+  args = ["config=llama8b", "data.seq_len=131072", "data.global_batch_size=2", "mesh.fsdp=2"]
+  cp = plan.step_time(load_config([*args, "mesh.context=4"]), target)
+  want = 3 * 32 * 2 * (32768 * 8 * 128 * 2) * 3 / 450e9
+  assert cp["context_s"] == pytest.approx(want, rel=1e-12)
+  fsdp_only = plan.step_time(load_config([*args, "data.global_batch_size=8", "mesh.fsdp=8"]), target)
+  assert fsdp_only["context_s"] == 0.0
+
+
 def test_lever_values_split_the_batch_and_stay_in_plan_levers():
   cfg = load_config(["model.backend=flax", "data.global_batch_size=24", "plan.levers=train.grad_accum,model.remat"])
   v = plan.lever_values(cfg, fake_target(2**30), "flax")

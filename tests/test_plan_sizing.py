@@ -102,7 +102,7 @@ def test_llama8b_refused_on_one_80gb_device_with_its_numbers():
   msg = str(e.value)
   assert "\n" not in msg
   assert ("model needs at least 119.7 GiB per device (params 29.9 GiB, optimizer 59.8 GiB, gradients 29.9 GiB or "
-          "the LM head's output 15.7 GiB, whichever is larger) on 1 device(s) with mesh data 1 x fsdp 1 x tensor 1, "
+          "the LM head's output 15.7 GiB, whichever is larger) on 1 device(s) with mesh data 1 x fsdp 1 x context 1 x tensor 1, "
           "but a device has 74.5 GiB; reduce model.n_layers/d_model/vocab_size") in msg
   acc = load_config(["config=llama8b", "model.loss_chunk=0", "train.grad_accum=2"])  # 4 rows of head output
   with pytest.raises(ConfigError, match=r"at least 127\.5 GiB per device \(params 29\.9 GiB, optimizer 59\.8 GiB, "

@@ -33,9 +33,10 @@ from maxlm.data.shards import read_meta
 from maxlm.data.sources import resolve_type
 from maxlm.plan import sizing
 from maxlm.runtime import xla_presets
+from maxlm.layers import context
 from maxlm.layers import (PRECISIONS, RECIPES, PrecisionError, check_remat, precision_scope, resolve_backend,
                           supported_precisions)
-from maxlm.mesh import AXES, mesh_shape
+from maxlm.mesh import AXES, check_context_split, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import Transformer, count_params, flops_per_step
 from maxlm.optim import make_optimizer, warmup_warning
@@ -140,6 +141,7 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
   check_pipeline(m, t, cfg.mesh, degrees["pipeline"])
   check_batch_split(d, t, degrees)
+  check_context_split(d.seq_len, degrees["context"])
   backend = resolve_backend(m.backend)
   check_remat(m.remat, backend)
   here = supported_precisions() if backend == "te" else [n for n in PRECISIONS if n not in RECIPES]
@@ -171,6 +173,8 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
                     "moment_rounding": cfg.optim.moment_rounding, "offload": cfg.optim.offload},
           "run_dir": str(cfg.run_dir)},
       "mesh": {"devices": n_devices, "nodes": n_nodes, **degrees, "intra_node": ici, "inter_node": dcn,
+               "context_strategy": context.resolve_strategy(cfg.mesh.context_strategy, degrees["context"],
+                                                            d.seq_len, d.type != "synthetic" or bool(m.sliding_window)),
                "bubble": bubble_fraction(degrees["pipeline"], t.grad_accum)},
       "params": {"total": total, "embedding": embedding, "non_embedding": total - embedding,
                  "matmul": counted["matmul"]},
@@ -215,8 +219,9 @@ def render(p: dict) -> str:
       f"{da['seq_len']}, grad_accum {c['train']['grad_accum']}) = {da['tokens_total']:.3e} tokens; AdamW lr "
       f"{c['optim']['learning_rate']:g} {c['optim']['schedule']}, warmup {c['optim']['warmup_steps']}; run dir "
       f"{c['run_dir']}",
-      f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): pipeline {ms['pipeline']} x data {ms['data']} x "
-      f"fsdp {ms['fsdp']} x tensor {ms['tensor']} (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
+      f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): "
+      + " x ".join(f"{a} {ms[a]}" for a in AXES) + f" (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
+      + (f"; attention over the context axis: {ms['context_strategy']}" if ms["context"] > 1 else "")
       + (f"; {ms['pipeline']} stages of {m['n_layers'] // ms['pipeline']} layers over {c['train']['grad_accum']} "
          f"micro-batches (GPipe), bubble {ms['bubble']:.0%} of a step" if ms["pipeline"] > 1 else ""),
       f"params  {pa['total']:,} total, {pa['non_embedding']:,} without the token embedding "

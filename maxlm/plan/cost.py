@@ -7,8 +7,8 @@ fitted to a run:
 * compute: the step's FLOPs (maxlm.model.flops_per_step) plus every FLOP the remat policy recomputes, at the
   device's dense bf16 peak (maxlm.metrics.PEAK_BF16_FLOPS, from the vendors' datasheets: H100/H200 989
   TFLOP/s, B200 2,250);
-* FSDP gathers and scatters and the data-parallel all-reduce at the link's bandwidth (NVLink within a node,
-  the network across nodes), overlapped with compute;
+* FSDP gathers and scatters, the data-parallel all-reduce and context parallelism's exchange of keys and
+  values at the link's bandwidth (NVLink within a node, the network across nodes), overlapped with compute;
 * per extra micro-batch, the weights read again and the gradient sum read and written, at HBM bandwidth;
 * the optimizer update's memory traffic (read parameter, gradient, moments; write parameter, moments) at HBM
   bandwidth, the moments in their dtypes; with `optim.offload=host` the moments' trip to the host and back at
@@ -93,7 +93,7 @@ def step_time(cfg: Config, target: Target) -> dict:
     bubble = (work - head) * (stages - 1) / a / (n * peak)
     work = (work - head) * passes / a + head * stages
     rows = d.global_batch_size / a / (deg["data"] * deg["fsdp"])  # a micro-batch's rows per device
-    act = rows * d.seq_len * m.d_model * (4 if m.dtype == "float32" else 2)  # [B/M, T, D] per device
+    act = rows * (d.seq_len // deg["context"]) * m.d_model * (4 if m.dtype == "float32" else 2)  # [B/M, T/cp, D]
     across = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)[1][AXES.index("pipeline")] > 1
     # per tick, forward and backward: the hand-off (a collective-permute) and the last stage's output summed
     # over the stages (an all-reduce: 2 (S - 1) / S of it through each device)
@@ -113,7 +113,25 @@ def step_time(cfg: Config, target: Target) -> dict:
   host_trip = cfg.optim.offload == "host"
   optimizer = per_device * (3 * p_bytes + (0 if host_trip else 2 * moment_bytes)) / hbm  # read p, g; write p (+ moments)
   offload = 2 * per_device * moment_bytes / host if host_trip else 0.0  # the moments in and out over the host link
-  total = max(compute, fsdp + data) + accum + handoff + optimizer + offload
-  return {"compute_s": compute, "bubble_s": bubble, "comm_s": fsdp + data, "accum_s": accum, "pipeline_s": handoff,
-          "optimizer_s": optimizer,
+  context = context_exchange_bytes(cfg, deg) / (net if cfg.mesh.dcn_context != 1 else link)
+  total = max(compute, fsdp + data + context) + accum + handoff + optimizer + offload
+  return {"compute_s": compute, "bubble_s": bubble, "comm_s": fsdp + data + context, "context_s": context,
+          "accum_s": accum, "pipeline_s": handoff, "optimizer_s": optimizer,
           "offload_s": offload, "total_s": total}
+
+
+def context_exchange_bytes(cfg: Config, deg: dict) -> float:
+  """Bytes one device receives per step for context-parallel attention (maxlm/layers/context.py), either
+  strategy: per layer and micro-batch, the K and V blocks [rows, T / cp, KV, Dh] of the other cp - 1 devices
+  (gathered, or passed around the ring) in the compute dtype, and in the backward twice that (the blocks again
+  and their gradients going back), so 3x. Overlapped with compute like the other traffic. With pipeline stages
+  a device runs its L / stages layers at each of the M + stages - 1 ticks (maxlm/pipeline.py)."""
+  cp = deg["context"]
+  if cp == 1:
+    return 0.0
+  m, d = cfg.model, cfg.data
+  stages = deg["pipeline"]
+  passes = cfg.train.grad_accum + stages - 1
+  rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
+  block = rows * (d.seq_len // cp) * m.n_kv_heads * m.head_dim * (4 if m.dtype == "float32" else 2)
+  return 3 * passes * (m.n_layers // stages) * 2 * block * (cp - 1)

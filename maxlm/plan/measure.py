@@ -87,7 +87,8 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
   mesh = make_mesh(cfg.mesh, devices)
   backend = resolve_backend(cfg.model.backend)
   check_pipeline(cfg.model, cfg.train, cfg.mesh, mesh.shape["pipeline"])
-  model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row, stages=mesh.shape["pipeline"],
+  model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row,
+                      context_strategy=cfg.mesh.context_strategy, stages=mesh.shape["pipeline"],
                       microbatches=cfg.train.grad_accum)  # as the trainer builds it
   optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
   micro = cfg.data.global_batch_size // cfg.train.grad_accum

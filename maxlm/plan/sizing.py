@@ -13,7 +13,7 @@
 * fp8_meta: TE's delayed-scaling state (`fp8_metas`): per quantized GEMM (4 per layer, + the LM head
   with `model.fp8_lm_head` when unchunked), an fp32 amax history and scale for its input, kernel and gradient;
   replicated. Zero for the other precisions (current and block scaling keep no state).
-* logits: one micro-batch's logits [B_micro / (data * fsdp), S, V / tensor] in fp32 (the loss) plus
+* logits: one micro-batch's logits [B_micro / (data * fsdp), S / context, V / tensor] in fp32 (the loss) plus
   the `model.dtype` copy the LM head produces (none when that is float32); with `model.loss_chunk` = C
   (chunked head and loss, maxlm/step.py) only C positions of them at a time, not S.
 * activations (rough): what `model.remat` keeps per layer, plus one layer's internals recomputed in
@@ -33,12 +33,12 @@
 
 Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x tensor
 degree (rounded up), those of the layer stack also by the pipeline degree (its stages split the layers);
-the logits' batch by data x fsdp and their vocabulary by tensor (each rounded up). A dimension that does
-not divide its mesh axes is replicated in practice, so `lower_bound` stays a lower bound. Activations are
-divided by the batch degree only. With pipeline stages (maxlm/pipeline.py) the LM head runs once on the
-whole batch (its micro-batches are all in flight) and a stage keeps its L / stages layers' activations for
-every micro-batch (GPipe). Degrees are the products of the intra- and inter-node degrees, -1 filled from
-the device count as `maxlm.mesh` does.
+the logits' batch by data x fsdp, their positions by context and their vocabulary by tensor (each rounded
+up). A dimension that does not divide its mesh axes is replicated in practice, so `lower_bound` stays a
+lower bound. Activations are divided by the batch and context degrees only. With pipeline stages
+(maxlm/pipeline.py) the LM head runs once on the whole batch (its micro-batches are all in flight) and a
+stage keeps its L / stages layers' activations for every micro-batch (GPipe). Degrees are the products of
+the intra- and inter-node degrees, -1 filled from the device count as `maxlm.mesh` does.
 
 `check_fits(cfg, n_devices, bytes_per_device)` raises `ConfigError` when `lower_bound` exceeds the
 device memory (no guessed activations). All of it is arithmetic on Python ints: microseconds even
@@ -79,10 +79,11 @@ def _fill(degrees: list[int], total: int) -> list[int]:
 
 
 def mesh_degrees(mesh: MeshConfig, n_devices: int, n_nodes: int = 1) -> dict[str, int]:
-  """Total pipeline / data / fsdp / tensor degrees (intra-node x inter-node) on n_devices over n_nodes."""
-  dcn = _fill([mesh.dcn_pipeline, mesh.dcn_data, mesh.dcn_fsdp, mesh.dcn_tensor], n_nodes)
-  ici = _fill([mesh.pipeline, mesh.data, mesh.fsdp, mesh.tensor], max(1, n_devices // n_nodes))
-  return {k: i * j for k, i, j in zip(("pipeline", "data", "fsdp", "tensor"), ici, dcn)}
+  """Total pipeline / data / fsdp / context / tensor degrees (intra-node x inter-node) on n_devices over n_nodes."""
+  axes = ("pipeline", "data", "fsdp", "context", "tensor")  # maxlm.mesh.AXES (which imports JAX)
+  dcn = _fill([getattr(mesh, f"dcn_{a}") for a in axes], n_nodes)
+  ici = _fill([getattr(mesh, a) for a in axes], max(1, n_devices // n_nodes))
+  return {a: i * j for a, i, j in zip(axes, ici, dcn)}
 
 
 def _activation_elements(cfg: Config, n_layers: int) -> int:
@@ -143,8 +144,9 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
       "host": moments if host else 0,
       "gradients": params,
       "fp8_meta": fp8_meta_bytes(m) if state is None else state["fp8_meta"],
-      "logits": rows * _logit_positions(m, d.seq_len) * vocab * logit_bytes,
-      "activations": rows * d.seq_len * _activation_elements(cfg, m.n_layers // stages) * c_bytes,
+      "logits": rows * -(-_logit_positions(m, d.seq_len) // deg["context"]) * vocab * logit_bytes,
+      "activations": (rows * (d.seq_len // deg["context"]) * _activation_elements(cfg, m.n_layers // stages)
+                      * c_bytes),
   }
   out["head"] = rows * _logit_positions(m, d.seq_len) * vocab * c_bytes  # the LM head's output: materialized
   live = (out["gradients"] + out["head"] if cfg.train.grad_accum > 1 else max(out["gradients"], out["head"]))
@@ -171,6 +173,6 @@ def check_fits(cfg: Config, n_devices: int, bytes_per_device: int, n_nodes: int 
   pipe = f"pipeline {deg['pipeline']} x " if deg["pipeline"] > 1 else ""
   raise ConfigError(
       f"model needs at least {human_bytes(est['lower_bound'])} per device ({parts}) on {n_devices} "
-      f"device(s) with mesh {pipe}data {deg['data']} x fsdp {deg['fsdp']} x tensor {deg['tensor']}, but a device "
+      f"device(s) with mesh {pipe}{' x '.join(f'{a} {n}' for a, n in deg.items() if a != 'pipeline')}, but a device "
       f"has {human_bytes(bytes_per_device)}; reduce model.n_layers/d_model/vocab_size or "
       "data.global_batch_size/seq_len, or use more devices")

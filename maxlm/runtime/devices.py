@@ -32,9 +32,9 @@ def peak_memory_gb() -> float | None:
 
 def mesh_placement(mesh) -> str:
   """How the mesh axes lie over the processes, e.g. 'mesh over 2 processes (processes along each axis:
-  data 2, fsdp 1, tensor 1); process of each device by mesh position: [[[0], [0]], [[1], [1]]]' (the
-  array only up to 64 devices)."""
-  procs = np.vectorize(lambda d: d.process_index)(mesh.devices)  # [data, fsdp, tensor]
+  data 2, fsdp 1, context 1, tensor 1); process of each device by mesh position: [[[[0]], [[0]]], [[[1]], [[1]]]]'
+  (the array only up to 64 devices)."""
+  procs = np.vectorize(lambda d: d.process_index)(mesh.devices)  # [data, fsdp, context, tensor]
   along = []
   for i, name in enumerate(mesh.axis_names):
     lines = np.moveaxis(procs, i, -1).reshape(-1, procs.shape[i])  # every line of devices along this axis

@@ -36,12 +36,16 @@ AXIS = "pipeline"  # the mesh axis of the stages (maxlm/mesh.py)
 STAGE_BTD = ("stages", "activation_batch", "activation_length", "activation_embed")
 
 
-def check(m: ModelConfig, t: TrainConfig, mesh: MeshConfig, stages: int) -> None:
+def check(m: ModelConfig, t: TrainConfig, mesh: MeshConfig, stages: int, context: int = 1) -> None:
   """ConfigError (one line naming the keys) unless `stages` pipeline stages (the mesh's resolved pipeline
-  degree) can run this model and schedule."""
+  degree) can run this model and schedule; `context` is the mesh's resolved context degree."""
   if stages == 1:
     return
   keys = f"mesh.pipeline={mesh.pipeline} x mesh.dcn_pipeline={mesh.dcn_pipeline}"
+  if context > 1:  # context.py's shard_map inside the vmapped stages does not lower (jax 0.10.2)
+    raise ConfigError(f"mesh.context={mesh.context} x mesh.dcn_context={mesh.dcn_context} (context parallelism) "
+                      f"with the {stages} pipeline stages of {keys}: the two do not run together yet; use one "
+                      "of them")
   if m.n_layers % stages:
     raise ConfigError(f"model.n_layers={m.n_layers} does not split into the {stages} pipeline stages of {keys}: "
                       f"each stage takes an equal number of consecutive layers")

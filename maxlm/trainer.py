@@ -79,7 +79,7 @@ class Trainer:
     check_precision(cfg.model.precision, self.backend)
     check_remat(cfg.model.remat, self.backend)
     self.mesh = make_mesh(cfg.mesh)
-    check_pipeline(cfg.model, cfg.train, cfg.mesh, self.mesh.shape["pipeline"])
+    check_pipeline(cfg.model, cfg.train, cfg.mesh, self.mesh.shape["pipeline"], self.mesh.shape["context"])
     self._check_batch_split()
     # plan.mode (maxlm/plan/__init__.py): levers measured by XLA replace the config's where it plans; it checks the fit
     t_plan = time.perf_counter()

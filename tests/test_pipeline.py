@@ -109,6 +109,17 @@ def test_what_a_pipeline_cannot_run_is_refused_naming_the_keys(model, grad_accum
   check(ModelConfig(**model), TrainConfig(grad_accum=grad_accum), mesh, 1)  # no pipeline: nothing to refuse
 
 
+def test_pipeline_with_context_parallelism_is_refused_naming_the_keys():
+  """Context parallelism's attention (a shard_map over the context axis) inside the vmapped stages does not
+  lower (the merge of both axes: the stage axis meets the shard_map's shapes); refused until it does."""
+  mesh, m, t = MeshConfig(pipeline=2, context=2, fsdp=1), ModelConfig(n_layers=4), TrainConfig(grad_accum=2)
+  with pytest.raises(ConfigError, match=r"^mesh.context=2 x mesh.dcn_context=1 \(context parallelism\) with the "
+                                        r"2 pipeline stages of mesh.pipeline=2 x mesh.dcn_pipeline=1: "):
+    check(m, t, mesh, 2, context=2)
+  check(m, t, mesh, 2, context=1)  # either axis alone runs
+  check(m, t, mesh, 1, context=2)
+
+
 # ---- pipelined training against one device -----------------------------------------------------------------
 
 MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=8, ffn_dim=128,

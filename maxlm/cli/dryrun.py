@@ -139,7 +139,7 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   m, d, t = cfg.model, cfg.data, cfg.train
   ici, dcn = mesh_shape(cfg.mesh, n_devices, n_nodes)
   degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
-  check_pipeline(m, t, cfg.mesh, degrees["pipeline"])
+  check_pipeline(m, t, cfg.mesh, degrees["pipeline"], degrees["context"])
   check_batch_split(d, t, degrees)
   check_context_split(d.seq_len, degrees["context"])
   backend = resolve_backend(m.backend)

@@ -86,7 +86,7 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
   only, so a scanned stack counts per layer in opt_leaf_fp32."""
   mesh = make_mesh(cfg.mesh, devices)
   backend = resolve_backend(cfg.model.backend)
-  check_pipeline(cfg.model, cfg.train, cfg.mesh, mesh.shape["pipeline"])
+  check_pipeline(cfg.model, cfg.train, cfg.mesh, mesh.shape["pipeline"], mesh.shape["context"])
   model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row,
                       context_strategy=cfg.mesh.context_strategy, stages=mesh.shape["pipeline"],
                       microbatches=cfg.train.grad_accum)  # as the trainer builds it

@@ -14,6 +14,9 @@ Environment:
   MAXLM_TEST_DISTRIBUTED=ADDR,N,I  jax.distributed with N CPU processes (this one I; Gloo collectives)
   MAXLM_TEST_DATA_HANG=N,P   process P's N-th training batch read of this start blocks forever (a stuck
                              read: the hang watchdog's case), after printing "DATA-HANG <N>"
+  MAXLM_TEST_STOP_IN=WHERE,P  process P stops itself (SIGSTOP, as a frozen node) where start-up reaches WHERE:
+                             `plan` (the planner's decision begins) or `data` (the trainer opens its data), once
+                             every process has reached WHERE, after printing "STOPPING <WHERE>"
 """
 
 from __future__ import annotations
@@ -109,6 +112,30 @@ class BlockingData:
     return getattr(self._data, name)
 
 
+def stop_at(where: str, process: str) -> None:
+  """MAXLM_TEST_STOP_IN: wrap the start-up call named by `where` so that process `process` SIGSTOPs itself there."""
+  import signal
+
+  import jax
+
+  from maxlm import plan, trainer
+
+  def stopping(f):
+    def wrapper(*a, **kw):
+      from jax._src import distributed as jax_distributed
+      # every process gets here first, so that the stop falls in this phase of every process's start-up
+      jax_distributed.global_state.client.wait_at_barrier(f"maxlm-test-stop-{where}", 120_000)
+      if jax.process_index() == int(process):
+        print(f"STOPPING {where}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+      return f(*a, **kw)
+    return wrapper
+  if where == "plan":
+    plan.for_run = stopping(plan.for_run)
+  else:
+    trainer.data_lib.make_train_iterator = stopping(trainer.data_lib.make_train_iterator)
+
+
 def install_hooks(argv: list[str]) -> None:
   import jax
 
@@ -172,6 +199,9 @@ def install_hooks(argv: list[str]) -> None:
         self._test_readonly = True
       return save(self, step, *a, **kw)
     checkpoint.Checkpointer.save = save_then_readonly
+  stop_in = os.environ.get("MAXLM_TEST_STOP_IN")
+  if stop_in:
+    stop_at(*stop_in.split(","))
   nan_steps = os.environ.get("MAXLM_TEST_NAN_STEPS")
   if nan_steps:
     from maxlm import step as step_lib

@@ -200,7 +200,8 @@ class TrainConfig:
                                   "in flight)", within="[1, inf)")
   watchdog_floor_s: float = option(300.0, "watchdog: the least limit of a phase once step times are known",
                                    within="(0, inf)")
-  watchdog_first_step_s: float = option(1800.0, "watchdog: the limit before a step time is known (build, "
+  watchdog_first_step_s: float = option(1800.0, "watchdog: the limit before a step time is known (each phase of "
+                                        "start-up: a planner compile, a wait for process 0, data and state; "
                                         "restore, compile, the first logged steps) and for every checkpoint "
                                         "save and evaluation", within="(0, inf)")
 

@@ -31,6 +31,25 @@ as one of them not ending. Limits:
   metrics row), and always for checkpoint saves and evaluations (`slow=True`):
   train.watchdog_first_step_s.
 
+Start-up. The train command starts the watchdog as soon as `distributed.initialize` returns (the join itself has
+its own limit, distributed.initialization_timeout_s), so the window from there to the first step is watched
+too: a peer stuck or stopped during start-up would otherwise hold every process until the job's time limit,
+since JAX's heartbeat is raised to a day while the watchdog is on (HEARTBEAT_S). Its phases, each with the limit
+`start_up_limit` derives from what the phase is expected to take:
+
+* "start-up: plan": process 0 measures the plan.mode candidates (maxlm/plan/__init__.py `for_run`), each
+  measurement one compile of the train step on abstract shapes, and re-arms the phase before each; the other
+  processes wait for its decision (maxlm/runtime/agree.py) and re-arm theirs at each compile process 0 begins;
+* "start-up: data and state": the data inputs opened and checked, the run directory claimed (process 0) and
+  the state built, which is one compile (its init) and one run;
+* then the trainer's own phases from "restore" on (the first step's compile and run under the slow limit).
+
+A compile is what these phases wait for, and the trainer already gives one compile, with everything around it
+that has no step time yet, train.watchdog_first_step_s: so each start-up phase gets the same limit, and the
+whole window is bounded by distributed.initialization_timeout_s + (compiles + 2) x train.watchdog_first_step_s
+(the join, each of the planner's compiles, data and state, the first step); a waiting process's limit counts
+from process 0's last sign of progress. No flat window: a planner that compiles 4 candidates has 4 phases.
+
 `train.watchdog=auto` turns it on for runs of several processes, the ones a hang holds up and a launcher
 requeues; a one-process run is often interactive (a notebook, a debugger paused on a breakpoint) and has
 no peer to wait for: `train.watchdog=always` watches it too.
@@ -98,19 +117,22 @@ class Watchdog:
     self._thread.start()
 
   def arm(self, phase: str, step: int | None = None, *, slow: bool = False, dispatch: bool = False,
-          sync: bool = False) -> None:
+          sync: bool = False, limit_s: float | None = None, why: str = "") -> None:
     """From now on the run is in `phase` of `step` (None: the step of the phase before). `dispatch`: the
     phase dispatches one more step; `sync`: it waits for every step dispatched so far (a fetch), so the
-    phases after it start with none in flight."""
+    phases after it start with none in flight. `limit_s`: a phase of start-up, with its own limit and `why`,
+    the limit's derivation for the line."""
     step = (self._phase.step if self._phase else 0) if step is None else step
     self._in_flight += dispatch
     n = max(1, self._in_flight)
     if sync:
       self._in_flight = 0
     now = time.monotonic()
-    if slow or self.median is None:
+    if limit_s is not None:
+      self._phase = _Phase(phase, step, now, limit_s, None, n, why)
+    elif slow or self.median is None:
       why = "for saves and evaluations" if slow else "no step time is known yet"
-      self._phase = _Phase(phase, step, now, self.slow_s, None, n, why)
+      self._phase = _Phase(phase, step, now, self.slow_s, None, n, f"train.watchdog_first_step_s, {why}")
     else:
       self._phase = _Phase(phase, step, now, max(self.floor_s, self.factor * self.median * n), self.median, n)
     if not self._armed.is_set():
@@ -149,7 +171,7 @@ class Watchdog:
 
   def message(self, phase: _Phase, taken: float, stacks: str) -> str:
     if phase.median is None:
-      how = f"train.watchdog_first_step_s, {phase.why_slow}"
+      how = phase.why_slow
     else:
       steps = f" x {phase.in_flight} steps in flight" if phase.in_flight > 1 else ""
       how = f"{self.factor:g} x median step {phase.median:.3g} s{steps}, floor {self.floor_s:g} s"
@@ -207,11 +229,24 @@ class _Off:
     pass
 
 
-def start(t: TrainConfig, run_dir: Path, process_index: int, process_count: int) -> Watchdog | _Off:
-  """The run's watchdog, armed for the phase "restore" (resuming from a checkpoint); `_Off` when
-  train.watchdog is off for this run."""
+OFF = _Off()  # stateless
+
+
+def start_up_limit(t: TrainConfig) -> tuple[float, str]:
+  """The limit of a start-up phase and its derivation for the line (the module doc: one compile and what
+  surrounds it, as the trainer's phases before a step time is known)."""
+  return t.watchdog_first_step_s, "train.watchdog_first_step_s: a start-up phase is at most one compile and its set-up"
+
+
+def start(t: TrainConfig, run_dir: Path, process_index: int, process_count: int,
+          phase: str = "restore") -> Watchdog | _Off:
+  """The run's watchdog, armed for `phase` ("restore": resuming from a checkpoint; the train command starts it
+  at start-up, module doc); `OFF` when train.watchdog is off for this run."""
   if not enabled(t, process_count):
-    return _Off()
+    return OFF
   wd = Watchdog(t, Path(run_dir) / "watchdog", process_index)
-  wd.arm("restore", 0)
+  if phase == "restore":
+    wd.arm("restore", 0)
+  else:
+    wd.arm(phase, 0, limit_s=start_up_limit(t)[0], why=start_up_limit(t)[1])
   return wd

@@ -346,9 +346,14 @@ def _start_line(cfg: Config, trainer: Trainer, n_params: int, kind: str) -> str:
 
 
 def _compile(trainer: Trainer, wd, start_step: int) -> bool:
-  """The train step compiled (or loaded from the persistent cache) before the first step; True for a hit."""
+  """The train step compiled (or loaded from the persistent cache) before the first step; True for a hit. Then
+  every process waits for the others (maxlm/runtime/agree.py `barrier`), so that the first step's collectives start
+  together: a process that compiled from scratch while another loaded from the cache is no stuck peer."""
   wd.arm("compile", start_step + 1)
-  return trainer.compile_train_step()
+  hit = trainer.compile_train_step()
+  limit, why = watchdog.start_up_limit(trainer.cfg.train)
+  agree.barrier("first step", wd, "start-up: every process at the first step", limit, why)
+  return hit
 
 
 def _start_state(trainer: Trainer, cfg: Config):

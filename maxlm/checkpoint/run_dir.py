@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from maxlm.checkpoint.manager import complete_steps
-from maxlm.config import ConfigError
+from maxlm.checkpoint.manager import CheckpointError, complete_steps
+from maxlm.config import Config, ConfigError, dump_yaml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,3 +104,28 @@ def claim(run_dir: Path, config: dict, checkpoint_enabled: bool) -> Previous:
   why += " (and its config.yml differs from this run's config)"
   raise ConfigError(f"run directory {run_dir} already holds another run ({prev.describe()}) and {why}; "
                     f"give this run its own run_name=..., or remove {run_dir} to start over")
+
+
+def _check_writable(run_dir: Path) -> None:
+  """Stop with one line when the run directory cannot be created or written (read-only output_dir)."""
+  probe = run_dir if run_dir.exists() else next(p for p in run_dir.parents if p.exists())
+  try:
+    probe_file = probe / f".maxlm-write-test-{os.getpid()}"
+    probe_file.write_bytes(b"")
+    probe_file.unlink()
+  except OSError as e:
+    raise ConfigError(f"output_dir: cannot write the run directory {run_dir} ({e.strerror or e} in "
+                      f"{probe}); set output_dir to a writable place") from None
+
+
+def create(cfg: Config) -> bool:
+  """Check that this run may use its run directory (`claim`: one holding another run is used only to resume it)
+  and create it; True when it was created here. Process 0's alone in a run of several (the trainer's `run`)."""
+  run_dir = cfg.run_dir
+  if cfg.checkpoint.load_params and not Path(cfg.checkpoint.load_params).exists():
+    raise CheckpointError(f"checkpoint.load_params={cfg.checkpoint.load_params}: no such file or directory")
+  claim(run_dir, yaml.safe_load(dump_yaml(cfg)), cfg.checkpoint.enabled)
+  created = not run_dir.exists()
+  _check_writable(run_dir)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  return created

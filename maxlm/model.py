@@ -7,6 +7,9 @@ The model knows logical axis names only; `maxlm.sharding` maps them onto the mes
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
@@ -15,6 +18,7 @@ from maxlm.config import ModelConfig
 from maxlm.layers import get_backend, remat_policy, resolve_backend
 from maxlm.layers.kv_cache import attention_with_cache, update_positions
 from maxlm.layers.rope import apply_rope, rope_frequencies
+from maxlm.tables import PRECISIONS
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
 BTHD = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
@@ -26,8 +30,16 @@ def _dtype(name: str):
 
 
 def compute_dtype(m: ModelConfig):
-  """The activations' dtype: float16 under `precision=fp16` (loss-scaled), else `m.dtype`."""
-  return jnp.dtype("float16") if m.precision == "fp16" else jnp.dtype(m.dtype)
+  """The activations' dtype: the one `model.precision` forces (float16 for fp16, loss-scaled), else `m.dtype`."""
+  return jnp.dtype(PRECISIONS[m.precision].compute_dtype or m.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+  """What a measurement of the step replaces in the model (maxlm/plan/standins.py), never set in a run:
+  `attention` in place of the layer backend's (the same signature), `policy(p)` wrapping the remat policy."""
+  attention: Callable | None = None
+  policy: Callable | None = None
 
 
 class Block(nn.Module):
@@ -35,6 +47,7 @@ class Block(nn.Module):
   cfg: ModelConfig
   backend: str
   max_segments: int = 1
+  attention: Callable | None = None  # Overrides.attention
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, cache_kv=None, cache_pos=None):
@@ -57,7 +70,7 @@ class Block(nn.Module):
     k = apply_rope(k, positions, inv_freq)  # [B, T, KV, Dh]
     new_kv = None
     if cache_kv is None:
-      ctx = be.attention(q, k, v, segment_ids=segment_ids, positions=positions, window=m.sliding_window,
+      ctx = (self.attention or be.attention)(q, k, v, segment_ids=segment_ids, positions=positions, window=m.sliding_window,
                          max_segments=self.max_segments, name="attention")  # [B, T, H, Dh]
     else:  # generation: over this layer's KV cache, pure JAX for both backends (layers/kv_cache.py)
       ctx, *new_kv = attention_with_cache(q, k, v, *cache_kv, cache_pos, positions, segment_ids > 0,
@@ -83,6 +96,7 @@ class Transformer(nn.Module):
   """
   cfg: ModelConfig
   max_segments: int = 1
+  overrides: Overrides | None = None  # measurements only
 
   @nn.compact
   def __call__(self, tokens, positions=None, segment_ids=None, cache=None, hidden: bool = False):
@@ -98,8 +112,10 @@ class Transformer(nn.Module):
                                                                  ("vocab", "embed")))
     x = nn.with_logical_constraint(embed(tokens), BTD)  # [B, T, D]
 
-    block = Block
+    block, over = Block, self.overrides or Overrides()
     policy = remat_policy(m.remat, backend)
+    if over.policy is not None:
+      policy = over.policy(policy)
     if m.remat != "none" and cache is None:
       block = nn.remat(Block, policy=policy, prevent_cse=not m.scan_layers)
     if cache is not None:  # generation
@@ -108,10 +124,10 @@ class Transformer(nn.Module):
       stack = nn.scan(block, variable_axes={"params": 0, "fp8_metas": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
                       metadata_params={nn.PARTITION_NAME: "layers"})
-      x, _ = stack(m, backend, self.max_segments, name="layers")(x, positions, segment_ids)  # [B, T, D]
+      x, _ = stack(m, backend, self.max_segments, over.attention, name="layers")(x, positions, segment_ids)  # [B, T, D]
     else:
       for i in range(m.n_layers):
-        x, _ = block(m, backend, self.max_segments, name=f"layers_{i}")(x, positions, segment_ids)
+        x, _ = block(m, backend, self.max_segments, over.attention, name=f"layers_{i}")(x, positions, segment_ids)
 
     init = nn.initializers.normal(m.init_std)
     if hidden:  # the chunked loss (maxlm/step.py) applies the head itself: no [B, T, V] logits here

@@ -8,7 +8,6 @@ output directory), then create the run directory, build the state, resume from c
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import shutil
 import time
@@ -133,7 +132,7 @@ class Trainer:
       it.close()
     if sums.tokens == 0:
       return {}
-    return {"eval_loss": sums.loss, "eval_perplexity": math.exp(min(sums.loss, 50.0))}
+    return {"eval_loss": sums.loss, "eval_perplexity": sums.perplexity}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from maxlm.cli.train import run
 from maxlm.config import ConfigError, load_config
 from maxlm.plan import measure as plan_measure
 from maxlm.plan.measure import Target
+from maxlm.tables import human_bytes
 from maxlm.trainer import Trainer
 
 # Tiny model whose activations matter next to its state: at 16 rows x 256 tokens over 8 devices, two
@@ -85,7 +86,7 @@ def test_trainer_and_dry_run_apply_the_plan(reference, tmp_path, monkeypatch, ca
   out = capsys.readouterr().out.splitlines()
   assert len(out) == 1 and out[0].startswith(
       "maxlm: plan: model.remat=none, train.grad_accum=2, optim.offload=none, optim.state_dtype=float32 (peak "
-      f"{plan.sizing.human_bytes(reference[2])} of ")
+      f"{human_bytes(reference[2])} of ")
   assert out[0].endswith("usable per device; measured by XLA on the devices at hand; 2 compiled, 0 not)")
   code = train_main(["--dry-run", "--json", *auto])
   p = json.loads(capsys.readouterr().out)
@@ -106,7 +107,7 @@ def test_fit_keeps_a_config_that_fits_and_plans_one_that_does_not(reference, whe
   assert cfg.plan.mode == "fit"
   tr = Trainer(cfg)
   out = capsys.readouterr().out.splitlines()
-  h = plan.sizing.human_bytes
+  h = human_bytes
   if where == "roomy":
     assert tr.cfg is cfg and [c["train.grad_accum"] for c in compiled] == [1]
     assert out == [f"maxlm: plan: the config fits as written (peak {h(reference[1])} of {h(usable)} usable per "
@@ -147,7 +148,7 @@ def test_llama70b_bytes_per_device_match_a_small_compile():
 def test_llama70b_on_one_gpu_names_the_smallest_device_count(tmp_path, monkeypatch, capsys):
   # The trainer on one (faked) H200: nothing fits; the doubling skips 2 and 4 devices by the certain bytes and
   # measures 8 and 16, here with a made-up XLA that needs 35 GiB over the certain bytes (8 do not fit, 16 do)
-  h200 = Target(1, 1, "NVIDIA H200", plan_measure.DEFAULT_GPU[1], 0.95, False)
+  h200 = Target(1, 1, "NVIDIA H200", int(139.87 * 2**30), 0.95, False)  # what JAX reports of an H200
   monkeypatch.setattr(plan, "gpu_here", lambda: True)
   monkeypatch.setattr(plan, "make_target", lambda *a, **k: h200)
   seen = []

@@ -45,9 +45,8 @@ from maxlm.plan.measure import Target, make_target
 from maxlm.runtime import warm_start
 from maxlm.runtime.devices import device_memory_bytes
 from maxlm.runtime.env import fraction_in_environment
+from maxlm.tables import REMATS, human_bytes
 
-# remat policies from the most kept to the least (what each keeps per layer: maxlm/layers remat_policy)
-REMAT_ORDER = ("none", "recompute_norm_act", "save_dots_attn", "save_dots", "save_qkv_attn", "save_attn", "full")
 LEVERS = ("model.remat", "train.grad_accum", "optim.offload", "optim.state_dtype")
 
 
@@ -81,7 +80,8 @@ def lever_values(cfg: Config, target: Target, backend: str) -> dict[str, tuple]:
   dp, batch = deg["data"] * deg["fsdp"], cfg.data.global_batch_size
   powers = (2 ** i for i in range(int(math.log2(batch)) + 1))
   accums = tuple(a for a in powers if batch % a == 0 and (batch // a) % dp == 0)
-  remats = tuple(r for r in REMAT_ORDER if r != "recompute_norm_act" or backend == "te")
+  # from the most kept to the least (maxlm/tables.py REMATS: what each keeps per layer)
+  remats = tuple(name for name, r in REMATS.items() if not r.te_only or backend == "te")
   offloads = ("none", "host") if target.gpu else ("none",)  # a CPU has one memory: host offload saves nothing
   values = {"model.remat": remats, "train.grad_accum": accums, "optim.offload": offloads,
             "optim.state_dtype": ("float32", "bfloat16")}
@@ -141,7 +141,7 @@ class Plan:
     c = self.chosen
     levers = ", ".join(f"{k}={v}" for k, v in c.overrides.items())
     n = sum(r.measured is not None or r.note.startswith("XLA ran out") for r in self.rows)
-    return (f"plan: {levers} (peak {sizing.human_bytes(c.measured)} of {sizing.human_bytes(self.target.usable)} "
+    return (f"plan: {levers} (peak {human_bytes(c.measured)} of {human_bytes(self.target.usable)} "
             f"usable per device; measured by XLA on "
             f"{'simulated CPU devices' if self.target.simulated else 'the devices at hand'}"
             f"; {n} compiled, {len(self.rows) - n} not)")
@@ -165,8 +165,8 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
     plausible = need["certain"] + int(share * need["activations"])
     if measured is None and plausible > target.usable:
       row.status, row.plausible = "pruned", plausible
-      row.note = (f"certain {sizing.human_bytes(need['certain'])}" if need["certain"] > target.usable else
-                  f"certain + {share:.2f} x activations = {sizing.human_bytes(plausible)}")
+      row.note = (f"certain {human_bytes(need['certain'])}" if need["certain"] > target.usable else
+                  f"certain + {share:.2f} x activations = {human_bytes(plausible)}")
       continue
     measured = measure(c) if measured is None else measured
     if "oom" in measured:
@@ -233,20 +233,20 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
     c = apply(cfg, least.overrides)
     est = sizing.estimate(c, t.n_devices, t.n_nodes)
     both = est["params"] + est["gradients"] * (2 if c.train.grad_accum > 1 else 1)
-    msg += (f"; the least measured, {_label(least.overrides)}, needs {sizing.human_bytes(least.measured)}, of which "
+    msg += (f"; the least measured, {_label(least.overrides)}, needs {human_bytes(least.measured)}, of which "
             f"the parameters and their gradients{' (the running sum and one micro-batch)' if c.train.grad_accum > 1 else ''}"
-            f" take {sizing.human_bytes(both)}: no lever in plan.levers shrinks those (the missing lever: parameters "
+            f" take {human_bytes(both)}: no lever in plan.levers shrinks those (the missing lever: parameters "
             "or gradients kept in host memory)")
   elif pruned:
     r = min(pruned, key=lambda r: r.plausible)
     msg += (f"; the analytic model pruned every candidate, the least being {_label(r.overrides)} at "
-            f"{sizing.human_bytes(r.plausible)} ({r.note})")
+            f"{human_bytes(r.plausible)} ({r.note})")
   else:
     msg += "; no candidate: the global batch does not split over the data-parallel devices"
   found = smallest_devices(cfg, t) if t.gpu else None
   if found:
     n, o, need = found
-    msg += (f"; the smallest device count that fits is {n} ({_label(o)}: {sizing.human_bytes(need)} per device, "
+    msg += (f"; the smallest device count that fits is {n} ({_label(o)}: {human_bytes(need)} per device, "
             f"measured on {n} simulated CPU devices; `maxlm plan ... --devices {n}` shows the plan)")
   elif t.gpu and most_saving(cfg, dataclasses.replace(t, n_devices=2 * t.n_devices)) is None:
     msg += (f"; data.global_batch_size={cfg.data.global_batch_size} does not split over {2 * t.n_devices} "
@@ -289,14 +289,14 @@ def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = Non
   target = make_target(cfg, device_memory=device_memory)
   try:
     known, certain = {}, certain_bytes(cfg, target)["certain"]
-    why = f"certainly needs {sizing.human_bytes(certain)}"
+    why = f"certainly needs {human_bytes(certain)}"
     if certain <= target.usable:
       m = known[tuple(current(cfg).items())] = target.measure(cfg)
       if "oom" not in m and m["device"] <= target.usable:
-        return cfg, (f"plan: the config fits as written (peak {sizing.human_bytes(m['device'])} of "
-                     f"{sizing.human_bytes(target.usable)} usable per device, measured by XLA; plan.mode=fit "
+        return cfg, (f"plan: the config fits as written (peak {human_bytes(m['device'])} of "
+                     f"{human_bytes(target.usable)} usable per device, measured by XLA; plan.mode=fit "
                      "keeps it)")
-      why = "ran XLA out of memory compiling" if "oom" in m else f"peaks at {sizing.human_bytes(m['device'])}"
+      why = "ran XLA out of memory compiling" if "oom" in m else f"peaks at {human_bytes(m['device'])}"
     p = search(cfg, target, target.measure, resolve_backend(cfg.model.backend), known=known)
     if p.chosen is None:
       raise ConfigError(no_fit_message(cfg, p, f"as written the config {why} per device"))
@@ -385,10 +385,10 @@ def oom_message(cfg: Config, error: BaseException) -> str:
   est = getattr(getattr(trainer, "jitted_train_step", None), "compiled_memory_gb", None)
   sizes = [f"XLA could not allocate {alloc.group(1)}" if alloc else "XLA ran out of device memory"]
   if est is not None:
-    sizes.append(f"XLA's estimate of the step is {sizing.human_bytes(est * 1e9)} per device")
+    sizes.append(f"XLA's estimate of the step is {human_bytes(est * 1e9)} per device")
   if limit:
     frac = fraction_in_environment()
-    sizes.append(f"the device has {sizing.human_bytes(limit)} for XLA"
+    sizes.append(f"the device has {human_bytes(limit)} for XLA"
                  + (f" (xla.mem_fraction {frac:g})" if frac else ""))
   levers = ", ".join(f"{k}={v}" for k, v in current(cfg).items())
   how = how if trainer is not None and how else f"plan.mode={cfg.plan.mode}"

@@ -9,8 +9,8 @@ import typing
 
 import pytest
 
-from maxlm.config import (CHOICES, CONFIG_DIR, Config, ConfigError, dump_yaml, help_text, load_config,
-                          load_yaml, validate)
+from maxlm.config import CHOICES, Config, ConfigError, dump_yaml, help_text, load_config, validate
+from maxlm.config.files import CONFIG_DIR, load_yaml
 from maxlm.model import count_params
 
 SECTIONS = ("model", "data", "optim", "mesh", "train", "checkpoint")

@@ -101,7 +101,9 @@ def _context_parallel(te, q, k, v, segment_ids, positions, window, max_segments,
   if not (on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)):
     seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids  # [B, T]
     masked = ~context.keep_mask(seg, positions, seg, positions, window)  # [B, 1, T, T]
-    mod = te.flax.DotProductAttention(attn_mask_type="padding_causal", qkv_layout="bshd_bshd_bshd", **common)
+    # the window is in the mask: TE's unfused path would add its own by index, wrong in the reordered order
+    mod = te.flax.DotProductAttention(attn_mask_type="padding_causal", qkv_layout="bshd_bshd_bshd",
+                                      **{**common, "window_size": None})
     return mod(q, k, v, masked, deterministic=False)
   cp_args = dict(context_parallel_causal_load_balanced=True, context_parallel_axis=cp[0])
   if not packed:

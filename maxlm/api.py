@@ -34,7 +34,7 @@ from maxlm.hf.files import (EXPORT_DTYPES, HF_SIDE_FILES, atomic_dir, checkpoint
                             hf_data_config, is_hf_dir, read_step_config, run_tokenizer_files, write_config_json)
 from maxlm.hf.safetensors_io import MAX_SHARD_BYTES, SafetensorsReader
 from maxlm.hf.transfer import device_reader, export_hf, load_hf_params, source_dtype
-from maxlm.layers import resolve_backend
+from maxlm.layers import context, resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.scope import model_scope
@@ -190,7 +190,11 @@ class Model:
       raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
     if self._logits_fn is None:
       def fn(params, tokens, positions, segment_ids):
-        return self._model.apply({"params": params}, tokens, positions, segment_ids).astype(jnp.float32)
+        def apply(t, p, s):
+          return self._model.apply({"params": params}, t, p, s).astype(jnp.float32)
+        # on a mesh with a context axis: run in its load-balanced order, logits restored (maxlm/layers/context.py)
+        return context.apply_balanced(apply, tokens, positions, segment_ids, strategy=self._model.context_strategy,
+                                      window=self.config.model.sliding_window)
       self._logits_fn = jax.jit(fn)
     pos = None if positions is None else np.asarray(positions, np.int32)  # [B, T]
     seg = None if segment_ids is None else np.asarray(segment_ids, np.int32)  # [B, T]

@@ -1,4 +1,4 @@
-"""Device mesh with axes (data, fsdp, tensor): intra-node (NVLink) x inter-node (InfiniBand) degrees."""
+"""Device mesh with axes (data, fsdp, context, tensor): intra-node (NVLink) x inter-node (InfiniBand) degrees."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 from maxlm.config import ConfigError, MeshConfig
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "context", "tensor")
 
 
 def _named(degrees: list[int], what: str) -> str:
@@ -42,10 +42,10 @@ def _fill(degrees: list[int], total: int, what: str) -> list[int]:
 
 def mesh_shape(cfg: MeshConfig, n_devices: int, n_nodes: int = 1) -> tuple[list[int], list[int]]:
   """(intra-node degrees, inter-node degrees), -1 entries filled. One process per node assumed."""
-  dcn = _fill([cfg.dcn_data, cfg.dcn_fsdp, cfg.dcn_tensor], n_nodes, "node")
+  dcn = _fill([getattr(cfg, f"dcn_{a}") for a in AXES], n_nodes, "node")
   if n_devices % n_nodes:
     raise ConfigError(f"mesh: {n_devices} devices do not split evenly over {n_nodes} nodes")
-  ici = _fill([cfg.data, cfg.fsdp, cfg.tensor], n_devices // n_nodes, "per-node")
+  ici = _fill([getattr(cfg, a) for a in AXES], n_devices // n_nodes, "per-node")
   return ici, dcn
 
 
@@ -61,3 +61,12 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     except (AssertionError, NotImplementedError, ValueError):
       arr = np.asarray(devices).reshape(ici)
   return Mesh(arr, AXES)
+
+
+def check_context_split(seq_len: int, context: int) -> None:
+  """ConfigError unless data.seq_len splits into 2 x context equal chunks: the causal load balancing gives
+  each device of the context axis two chunks (maxlm/layers/context.py)."""
+  if context > 1 and seq_len % (2 * context):
+    raise ConfigError(f"data.seq_len={seq_len} is not divisible by 2 x the context-parallel degree {context} "
+                      f"(mesh.context x mesh.dcn_context): each device holds two chunks of the sequence; use a "
+                      f"multiple of {2 * context}")

@@ -35,6 +35,7 @@ class Block(nn.Module):
   cfg: ModelConfig
   backend: str
   max_segments: int = 1
+  context_strategy: str = "auto"
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, cache_kv=None, cache_pos=None):
@@ -58,7 +59,8 @@ class Block(nn.Module):
     new_kv = None
     if cache_kv is None:
       ctx = be.attention(q, k, v, segment_ids=segment_ids, positions=positions, window=m.sliding_window,
-                         max_segments=self.max_segments, name="attention")  # [B, T, H, Dh]
+                         max_segments=self.max_segments, context_strategy=self.context_strategy,
+                         name="attention")  # [B, T, H, Dh]
     else:  # generation: over this layer's KV cache, pure JAX for both backends (layers/kv_cache.py)
       ctx, *new_kv = attention_with_cache(q, k, v, *cache_kv, cache_pos, positions, segment_ids > 0,
                                           m.sliding_window)  # [B, T, H, Dh]
@@ -80,9 +82,13 @@ class Transformer(nn.Module):
   Generation passes `cache={"k", "v": [L, B, S, KV, Dh], "pos": [B, S]}` (see layers/kv_cache.py) with
   segment_ids > 0 marking each row's valid tokens (a prefix); it then gets the logits of each row's last
   valid token [B, 1, V] and the updated cache in the mutable "kv_cache" collection.
+
+  `context_strategy` (mesh.context_strategy) is how attention exchanges keys and values where the mesh splits
+  the length (maxlm/layers/context.py); the tokens then come in the order that module gives.
   """
   cfg: ModelConfig
   max_segments: int = 1
+  context_strategy: str = "auto"
 
   @nn.compact
   def __call__(self, tokens, positions=None, segment_ids=None, cache=None, hidden: bool = False):
@@ -108,10 +114,12 @@ class Transformer(nn.Module):
       stack = nn.scan(block, variable_axes={"params": 0, "fp8_metas": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
                       metadata_params={nn.PARTITION_NAME: "layers"})
-      x, _ = stack(m, backend, self.max_segments, name="layers")(x, positions, segment_ids)  # [B, T, D]
+      x, _ = stack(m, backend, self.max_segments, self.context_strategy, name="layers")(
+          x, positions, segment_ids)  # [B, T, D]
     else:
       for i in range(m.n_layers):
-        x, _ = block(m, backend, self.max_segments, name=f"layers_{i}")(x, positions, segment_ids)
+        x, _ = block(m, backend, self.max_segments, self.context_strategy, name=f"layers_{i}")(
+            x, positions, segment_ids)  # [B, T, D]
 
     init = nn.initializers.normal(m.init_std)
     if hidden:  # the chunked loss (maxlm/step.py) applies the head itself: no [B, T, V] logits here

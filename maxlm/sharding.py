@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 BATCH = ("data", "fsdp")
 
 # logical axis -> mesh axes. Parameters are FSDP-sharded on `embed` and tensor-parallel
-# (Megatron-style) on heads / mlp / vocab; activations are sharded on batch (and heads/mlp).
+# (Megatron-style) on heads / mlp / vocab; activations are sharded on batch, on length over `context`
+# (context parallelism: maxlm/layers/context.py) and on heads/mlp.
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("vocab", "tensor"),
@@ -33,7 +34,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     # activations
     ("activation_batch", BATCH),
-    ("activation_length", None),
+    ("activation_length", "context"),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
     ("activation_head_dim", None),
@@ -42,7 +43,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 # Roles Transformer Engine needs to know (its MeshResource), set in one place.
-TE_MESH_AXES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor"}
+TE_MESH_AXES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor", "cp": "context"}
 
 
 def _divisible(spec: P, shape: tuple[int, ...], mesh: Mesh, name: str) -> P:

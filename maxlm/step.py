@@ -24,6 +24,7 @@ import optax
 from flax import linen as nn
 
 from maxlm.config import ModelConfig
+from maxlm.layers import context
 from maxlm.loss_scale import update_loss_scale
 from maxlm.model import BTV, compute_dtype
 from maxlm.train_state import TrainState
@@ -188,12 +189,22 @@ def _chunked_loss_bwd(chunk, vocab_axis, fp8, res, g):
 _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 
+def load_balanced(batch: dict, model: nn.Module, packed: bool) -> dict:
+  """The batch's [B, T] arrays in the load-balanced order of context parallelism (maxlm/layers/context.py)
+  where the current mesh splits the length, else as they are. The tokens' segment ids and positions move
+  with them; the losses and token counts are sums over tokens, so nothing needs restoring after."""
+  lay = context.current_layout(model.context_strategy, batch["inputs"].shape[1],
+                               packed or bool(model.cfg.sliding_window))  # packed as the attention sees it
+  return batch if lay is None else {k: context.reorder(v, lay) for k, v in batch.items()}
+
+
 def _forward_loss(model: nn.Module, packed: bool):
   """`loss_fn(params, model_state, batch, grad_scale=None) -> (summed NLL, valid tokens)`."""
   cfg = model.cfg
   chunked = use_chunked_loss(cfg)
 
   def loss_fn(params, model_state, batch, grad_scale=None):
+    batch = load_balanced(batch, model, packed)
     seg = batch["segment_ids"] if packed else None
     variables = {"params": params, **model_state}
     mask = batch["segment_ids"] > 0  # [B, T]

@@ -29,7 +29,7 @@ from maxlm.checkpoint import start as start_checkpoints
 from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml, to_dict
 from maxlm.errors import RunFailure
 from maxlm.layers import PrecisionError, check_precision, check_remat, resolve_backend
-from maxlm.mesh import make_mesh
+from maxlm.mesh import check_context_split, make_mesh
 from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line, throughput
 from maxlm.model import Transformer, count_params, flops_per_step
 from maxlm.optim import make_optimizer, warmup_warning
@@ -88,7 +88,8 @@ class Trainer:
     if warm_start.active():  # the config is final: load the executables kept by the last start, in the background
       warm_start.prefetch(warm_start.run_signature(cfg))
     self.packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
-    self.model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row)
+    self.model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row,
+                             context_strategy=cfg.mesh.context_strategy)
     pi, pc = jax.process_index(), jax.process_count()
     self.train_data = data_lib.make_train_iterator(cfg.data, cfg.model.vocab_size, pi, pc)
     self.eval_data_factory = None
@@ -102,6 +103,7 @@ class Trainer:
 
   def _check_batch_split(self) -> None:
     check_batch_split(self.cfg.data, self.cfg.train, self.mesh.shape)
+    check_context_split(self.cfg.data.seq_len, self.mesh.shape["context"])
 
   def scope(self):
     """Mesh + logical axis rules + TE autocast (maxlm/scope.py): entered for init and for every trace."""

@@ -63,7 +63,7 @@ def _advance(state):
 def saved(tmp_path_factory):
   """Checkpoints of steps 2 and 3 of a run on mesh (data, fsdp, tensor) = (2, 2, 2)."""
   cfg, t = _trainer("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-  assert dict(t.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert dict(t.mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
   root = tmp_path_factory.mktemp("saved") / "checkpoints"
   ckpt = Checkpointer(root, CheckpointConfig(enabled=True, keep=5))
   states, data = {}, {}
@@ -142,10 +142,11 @@ def _zstd_decode(frame: bytes, size: int) -> bytes | None:
 
 
 def test_restore_onto_other_meshes_is_identical(saved, tmp_path):
-  r, shardings = _restore(_copy(saved, tmp_path), "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1")
-  assert r.step == 3 and _same(_host(r.state), saved["states"][3])
-  for x, want in zip(jax.tree_util.tree_leaves(r.state), jax.tree_util.tree_leaves(shardings)):
-    assert x.sharding == want
+  for mesh in (("mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"), ("mesh.fsdp=2", "mesh.context=4")):
+    r, shardings = _restore(_copy(saved, tmp_path / mesh[-1]), *mesh)
+    assert r.step == 3 and _same(_host(r.state), saved["states"][3])
+    for x, want in zip(jax.tree_util.tree_leaves(r.state), jax.tree_util.tree_leaves(shardings)):
+      assert x.sharding == want
   # one device: abstract_state() on a 1-device mesh is the restore target
   cfg = saved["cfg"]
   mesh1 = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])

@@ -61,7 +61,7 @@ def test_text_report_and_tensor_parallel(capsys):
                      "--device-memory-gb=141")
   assert code == 0
   assert "params  8,030,261,248 total, 7,504,924,672 without the token embedding" in out
-  assert "data 1 x fsdp 4 x tensor 2" in out and "141" not in out.split("device")[0]
+  assert "data 1 x fsdp 4 x context 1 x tensor 2" in out and "141" not in out.split("device")[0]
   assert "131.3 GiB   fits" in out  # 141e9 B; the estimate (~29 GiB) fits
   _, out, _ = dry(capsys, "config=llama8b", "model.loss_chunk=0", "--devices=8", "--device-memory-gb=20")
   assert "does NOT fit" in out  # lower bound 20.8 GiB > 18.6 GiB
@@ -160,6 +160,9 @@ def test_data_summary_from_names_and_metadata(tmp_path, capsys):
     (["data.type=text", "data.paths=nowhere.txt"], "data file 'nowhere.txt' not found"),
     (["config=llama8b", "--devices", "6", "--nodes", "4"], "6 devices do not split evenly over 4 nodes"),
     (["model.backend=flax", "model.remat=recompute_norm_act"], "model.remat=recompute_norm_act needs model.backend=te"),
+    (["config=llama8b", "data.seq_len=4098", "mesh.context=2", "--devices=8"],
+     "data.seq_len=4098 is not divisible by 2 x the context-parallel degree 2 (mesh.context x mesh.dcn_context)"),
+    (["config=llama8b", "mesh.context=3", "--devices=8"], "mesh.data=1 x mesh.fsdp=-1 x mesh.context=3"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message):
   monkeypatch.chdir(tmp_path)
@@ -167,6 +170,26 @@ def test_bad_input_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message)
   assert code == 2 and out == ""
   assert err.count("\n") == 1 and err.startswith("maxlm: error: ") and message in err
   assert list(tmp_path.iterdir()) == []
+
+
+def test_context_axis_in_the_mesh_line(capsys):
+  """Llama 3 8B at 131,072 tokens on 8 devices split 2 (fsdp) x 4 (context): the mesh line names the axis and
+  the attention strategy, and the logits and activations per device are a quarter of the sequence's."""
+  args = ["config=llama8b", "data.seq_len=131072", "--devices=8"]
+  code, out, _ = dry(capsys, *args, "data.global_batch_size=2", "mesh.fsdp=2", "mesh.context=4")
+  assert code == 0 and "data 1 x fsdp 2 x context 4 x tensor 1" in out
+  assert "attention over the context axis: ring" in out  # 32768 tokens per device: auto picks the ring
+  code, out, _ = dry(capsys, "--json", *args, "data.global_batch_size=2", "mesh.fsdp=2", "mesh.context=4",
+                     "mesh.context_strategy=all_gather")
+  cp = json.loads(out)
+  assert code == 0 and cp["mesh"]["context"] == 4 and cp["mesh"]["context_strategy"] == "all_gather"
+  # the same 8 devices all on fsdp, a row each: each device holds 131072 positions of a row, not a quarter
+  code, out, _ = dry(capsys, "--json", *args, "data.global_batch_size=8")
+  fsdp = json.loads(out)
+  assert code == 0 and fsdp["mesh"]["fsdp"] == 8 and fsdp["mesh"]["context"] == 1
+  cp_mem, fsdp_mem = cp["memory"]["per_device_bytes"], fsdp["memory"]["per_device_bytes"]
+  assert cp_mem["activations"] * 4 == fsdp_mem["activations"]
+  assert cp_mem["logits"] * 4 == fsdp_mem["logits"]
 
 
 def test_flag_parsing():

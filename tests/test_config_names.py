@@ -19,11 +19,14 @@ def test_every_peer_name_points_at_a_key():
     ("learning_rate", "optim.learning_rate"), ("per_device_batch_size", "data.global_batch_size"),
     ("max_target_length", "data.seq_len"), ("remat_policy", "model.remat"), ("mu_dtype", "optim.state_dtype"),
     ("ici_fsdp_parallelism", "mesh.fsdp"), ("base_num_decoder_layers", "model.n_layers"),
+    ("ici_context_parallelism", "mesh.context"), ("dcn_context_parallelism", "mesh.dcn_context"),
+    ("context_parallel_strategy", "mesh.context_strategy"),
     # torchtitan (its sections, dotted as in its TOML)
     ("optimizer.lr", "optim.learning_rate"), ("training.max_norm", "optim.clip_grad_norm"),
-    ("parallelism.tensor_parallel_degree", "mesh.tensor"),
+    ("parallelism.tensor_parallel_degree", "mesh.tensor"), ("parallelism.context_parallel_degree", "mesh.context"),
+    ("parallelism.context_parallel_rotate_method", "mesh.context_strategy"),
     # Megatron, Hugging Face
-    ("train_iters", "train.steps"), ("model.num_key_value_heads", "model.n_kv_heads"),
+    ("train_iters", "train.steps"), ("context_parallel_size", "mesh.context"), ("cp_comm_type", "mesh.context_strategy"), ("model.num_key_value_heads", "model.n_kv_heads"),
     ("model.intermediate_size", "model.ffn_dim"), ("Gradient-Accumulation-Steps", "train.grad_accum"),
     # a right name in the wrong section, or none
     ("train.learning_rate", "optim.learning_rate"), ("model.seq_len", "data.seq_len"), ("steps", "train.steps"),

@@ -82,7 +82,8 @@ def test_llama8b_refused_on_one_80gb_device_with_its_numbers():
   msg = str(e.value)
   assert "\n" not in msg
   assert ("model needs at least 166.6 GiB per device (params 29.9 GiB, optimizer 59.8 GiB, "
-          "gradients 29.9 GiB, logits 47.0 GiB) on 1 device(s) with mesh data 1 x fsdp 1 x tensor 1, but a "
+          "gradients 29.9 GiB, logits 47.0 GiB) on 1 device(s) with mesh data 1 x fsdp 1 x context 1 x tensor 1, "
+          "but a "
           "device has 74.5 GiB; reduce model.n_layers/d_model/vocab_size") in msg
   small = load_config(["config=llama8b", "model.n_layers=4", "data.global_batch_size=1"])
   check_fits(small, 1, 80 * 10**9)  # 16 B x 1.92B params = 30.8 GB + one row of logits 6.3 GB

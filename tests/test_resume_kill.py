@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from maxlm.checkpoint import EXIT_PREEMPTED, complete_steps
+from maxlm.config import ModelConfig
 
 pytestmark = pytest.mark.slow
 
@@ -35,15 +36,18 @@ class Run:
   count = 0
   cache: Path | None = None
 
-  def __init__(self, root: Path, extra: tuple[str, ...] = (), **env):
+  def __init__(self, root: Path, extra: tuple[str, ...] = (), devices: int = 1, **env):
     Run.count += 1
     self.root, self.log = root, root / f"log{Run.count}.txt"
     root.mkdir(parents=True, exist_ok=True)
     e = {**os.environ, "JAX_PLATFORMS": "cpu", "MAXLM_TEST_TRACE": str(root / "trace.jsonl"),
          "JAX_COMPILATION_CACHE_DIR": str(Run.cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
          **{f"MAXLM_TEST_{k.upper()}": str(v) for k, v in env.items()}}
-    # one device; the other flags stay (conftest's fast CPU compile: the reference compiles in half the time)
+    # one device (or `devices` simulated ones); the other flags stay (conftest's fast CPU compile: the reference
+    # compiles in half the time)
     e["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    if devices > 1:
+      e["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
     self.complete_at_start = complete_steps(self.ckpt_dir)
     self._trace_start = len(_trace(root))
     with open(self.log, "w") as out:
@@ -185,6 +189,36 @@ def test_sigterm_and_sigint_save_then_exit_75_and_resume_bit_identical(reference
   assert run.finish() == 0, run.text()
   run.check_resumed()
   _same_as_reference(tmp_path, reference)
+
+
+def _whole(root: Path, **kw) -> dict:
+  """An uninterrupted run's losses, batches and final arrays."""
+  whole = Run(root, **kw)
+  assert whole.finish() == 0, whole.text()
+  return {"losses": {r["step"]: (r["loss"], r["grad_norm"]) for r in _metrics(root)},
+          "batches": dict(_trace(root)), "final": _final_arrays(root)}
+
+
+def test_kill9_then_resume_is_bit_identical_with_context_parallelism(reference, tmp_path):
+  """The sequence split over 2 simulated devices (mesh.context=2: the packed rows reordered, attention over the
+  ring): a run killed with SIGKILL between checkpoints resumes and ends bit-identical to an uninterrupted run on
+  the same mesh, whose losses are the one-device run's within float32 noise."""
+  levers, kw = ("mesh.context=2", "mesh.fsdp=1"), {"devices": 2}
+  want = _whole(tmp_path / "whole", extra=levers, **kw)
+  assert want["batches"] == reference["batches"]  # the same data
+  # The first step (the same initial parameters; later steps may drift further through Adam): a mean over 4 x 32
+  # tokens of logsumexp over V = 8192, sums of positive terms whose order the split changes, so at most
+  # (V + tokens) ulps apart (the derivation of tests/test_sharding.py's LOSS_DIFF).
+  first, ref_first = want["losses"][1][0], reference["losses"][1][0]
+  assert abs(first - ref_first) <= (ModelConfig().vocab_size + 4 * 32) * 2.0 ** -24 * ref_first
+  run = Run(tmp_path / "killed", extra=levers, step_sleep=0.1, **kw)
+  run.wait_for(lambda: run.last_step() >= 6)
+  run.proc.kill()
+  assert run.proc.wait() == -signal.SIGKILL
+  run = Run(tmp_path / "killed", extra=levers, **kw)
+  assert run.finish() == 0, run.text()
+  run.check_resumed()
+  _same_as_reference(tmp_path / "killed", want)
 
 
 def test_kill9_then_resume_is_bit_identical_with_bf16_moments_in_host_memory(reference, tmp_path):

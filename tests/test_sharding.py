@@ -24,22 +24,26 @@ MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_head
 
 
 def test_mesh_shape_fills_minus_one():
-  assert mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=2), 8) == ([2, 2, 2], [1, 1, 1])
+  assert mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=2), 8) == ([2, 2, 1, 2], [1, 1, 1, 1])
   assert (mesh_shape(MeshConfig(data=1, fsdp=-1, tensor=1, dcn_data=-1), 16, n_nodes=2)
-          == ([1, 8, 1], [2, 1, 1]))
+          == ([1, 8, 1, 1], [2, 1, 1, 1]))
   # the defaults: FSDP inside a process, data parallel across processes; another dcn degree takes over
-  assert mesh_shape(MeshConfig(), 16, n_nodes=2) == ([1, 8, 1], [2, 1, 1])
-  assert mesh_shape(MeshConfig(dcn_fsdp=4), 32, n_nodes=4) == ([1, 8, 1], [1, 4, 1])
+  assert mesh_shape(MeshConfig(), 16, n_nodes=2) == ([1, 8, 1, 1], [2, 1, 1, 1])
+  assert mesh_shape(MeshConfig(dcn_fsdp=4), 32, n_nodes=4) == ([1, 8, 1, 1], [1, 4, 1, 1])
+  # the context axis takes its devices from fsdp's -1, inside a node or across nodes
+  assert mesh_shape(MeshConfig(context=2), 8) == ([1, 4, 2, 1], [1, 1, 1, 1])
+  assert mesh_shape(MeshConfig(dcn_data=1, dcn_context=-1), 16, n_nodes=2) == ([1, 8, 1, 1], [1, 1, 2, 1])
   with pytest.raises(ConfigError, match=r"mesh.dcn_data is -1 by default: set it to 1"):
     mesh_shape(MeshConfig(dcn_fsdp=-1), 16, n_nodes=2)
   # each error names the keys and their values
-  with pytest.raises(ConfigError, match=r"^mesh: mesh.data=2 x mesh.fsdp=2 x mesh.tensor=1 multiply to 4, but there "
-                                        r"are 8 devices per node; set one of them to -1 to take the rest$"):
+  with pytest.raises(ConfigError, match=r"^mesh: mesh.data=2 x mesh.fsdp=2 x mesh.context=1 x mesh.tensor=1 multiply "
+                                        r"to 4, but there are 8 devices per node; set one of them to -1 to take the "
+                                        r"rest$"):
     mesh_shape(MeshConfig(data=2, fsdp=2, tensor=1), 8)
   with pytest.raises(ConfigError, match=r"^mesh: at most one per-node degree may be -1, got mesh.data=-1 x "):
     mesh_shape(MeshConfig(data=-1, fsdp=-1), 8)
   with pytest.raises(ConfigError, match=r"^mesh: the 8 devices per node are not divisible by the fixed degrees of "
-                                        r"mesh.data=3 x mesh.fsdp=-1 x mesh.tensor=1 \(product 3\)"):
+                                        r"mesh.data=3 x mesh.fsdp=-1 x mesh.context=1 x mesh.tensor=1 \(product 3\)"):
     mesh_shape(MeshConfig(data=3, fsdp=-1), 8)
   with pytest.raises(ConfigError, match=r"^mesh: node degrees must be positive or -1, got mesh.dcn_data=0 x "):
     mesh_shape(MeshConfig(dcn_data=0), 8)
@@ -56,11 +60,27 @@ def gradient_recorder() -> optax.GradientTransformation:
                                           jax.tree_util.tree_map(jnp.zeros_like, grads), grads))
 
 
-def one_step(mesh_cfg, devices, backend="flax", optimizer=None):
+def packed_rows(rng, b: int, t: int):
+  """(segment_ids, positions) [b, t] of rows packed with documents of random lengths 1..t/2, each with
+  positions from 0, and a padded tail (segment 0) in every other row."""
+  seg, pos = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+  for r in range(b):
+    end = t - (rng.integers(1, t // 4) if r % 2 else 0)  # rows with padding at the end
+    i, doc = 0, 1
+    while i < end:
+      n = min(int(rng.integers(1, t // 2 + 1)), end - i)
+      seg[r, i:i + n], pos[r, i:i + n] = doc, np.arange(n)
+      i, doc = i + n, doc + 1
+  return seg, pos
+
+
+def one_step(mesh_cfg, devices, backend="flax", optimizer=None, packed=False, **model_kw):
   """Two real (jitted, sharded, donating) train steps on `mesh_cfg`: ([(loss, grad_norm)], [gradients
-  on the host], final state) per step. The default optimizer records the gradients."""
+  on the host], final state) per step. The default optimizer records the gradients. packed: rows of
+  several documents and padding (`packed_rows`); model_kw: changes to MODEL."""
   mesh = make_mesh(mesh_cfg, devices)
-  model = Transformer(dataclasses.replace(MODEL, backend=backend))
+  model = Transformer(dataclasses.replace(MODEL, backend=backend, **model_kw), max_segments=16,
+                      context_strategy=mesh_cfg.context_strategy)
   _, schedule = make_optimizer(OptimConfig(warmup_steps=0, learning_rate=1e-2), 10)
   optimizer = optimizer or gradient_recorder()
 
@@ -72,14 +92,15 @@ def one_step(mesh_cfg, devices, backend="flax", optimizer=None):
   with scope():
     state, shardings = create_train_state(model, optimizer, mesh, seed=0, batch=8, seq_len=16)
   bs = batch_sharding(mesh)
-  step = jit_step(make_train_step(model, optimizer, schedule), shardings, {k: bs for k in BATCH},
+  step = jit_step(make_train_step(model, optimizer, schedule, packed=packed), shardings, {k: bs for k in BATCH},
                   scope, metrics_sharding=replicated(mesh))
   losses, grads = [], []
   for i in range(2):
     rng = np.random.default_rng(i)
     toks = rng.integers(0, 256, (8, 17), dtype=np.int32)
-    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.ones((8, 16), np.int32),
-             "positions": np.tile(np.arange(16, dtype=np.int32), (8, 1))}
+    seg, pos = packed_rows(rng, 8, 16) if packed else (np.ones((8, 16), np.int32),
+                                                        np.tile(np.arange(16, dtype=np.int32), (8, 1)))
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos}
     batch = {k: jax.device_put(v, bs) for k, v in batch.items()}
     state, metrics = step(state, batch)
     losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
@@ -122,6 +143,48 @@ def test_same_loss_on_every_mesh(backend, shapes):
                                    err_msg=f"mesh {shape} step {i} gradient {name}")
     # The recorder never moves the params: both steps saw the same (initial) parameters.
     jax.tree_util.tree_map(np.testing.assert_array_equal, state.params, ref_state.params)
+
+
+# Context parallelism splits every activation's length over `context` and reorders the tokens (maxlm/layers/
+# context.py): it changes the order of the float32 sums over keys in attention (all-gather: the keys come
+# permuted) and over tokens in the loss and the weight gradients, as the meshes above change the sums over the
+# batch, so GRAD_DIFF and LOSS_DIFF bound it by the same count. The ring adds, per attention output, one
+# rescaling multiply per step (<= 4) and a division: a few ulps in quadrature, inside the 128-ulp budget.
+CP_CASES = {  # name: (mesh, packed rows, model changes); MODEL has grouped-query attention (8 heads on 4)
+    "cp2": (MeshConfig(context=2, fsdp=-1), False, {}),  # auto: all_gather, dual-chunk order
+    "cp4_ring": (MeshConfig(context=4, fsdp=-1, context_strategy="ring"), False, {}),
+    "cp2_tensor2_packed": (MeshConfig(context=2, tensor=2, fsdp=-1), True, {}),  # auto: ring, striped order
+    "cp4_packed_all_gather": (MeshConfig(context=4, fsdp=-1, context_strategy="all_gather"), True, {}),
+    "cp2_window": (MeshConfig(context=2, fsdp=-1), False, {"sliding_window": 5}),  # Mistral's window
+    "cp4_packed_window_all_gather": (MeshConfig(context=4, fsdp=-1, context_strategy="all_gather"), True,
+                                     {"sliding_window": 3}),
+}
+
+
+def _assert_same_steps(got, ref, label):
+  (losses, grads, _), (ref_losses, ref_grads, ref_state) = got, ref
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ref_state.params)[0]]
+  norm_diff = GRAD_DIFF + np.sqrt(sum(x.size for x in jax.tree_util.tree_leaves(ref_state.params))) * U32
+  for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(losses, ref_losses)):
+    np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_DIFF, err_msg=f"{label} step {i}")
+    np.testing.assert_allclose(norm, ref_norm, rtol=norm_diff, err_msg=f"{label} step {i}")
+    for name, g, r in zip(names, *map(jax.tree_util.tree_leaves, (grads[i], ref_grads[i]))):
+      np.testing.assert_allclose(g, r, rtol=0, atol=GRAD_DIFF * np.abs(r).max(),
+                                 err_msg=f"{label} step {i} gradient {name}")
+
+
+@pytest.mark.parametrize("backend", ["flax", pytest.param("te", marks=pytest.mark.te)])
+@pytest.mark.parametrize("case", list(CP_CASES))
+def test_context_parallel_equals_one_device(backend, case):
+  """Loss, gradient norm and every gradient of two train steps with the sequence split over 2 or 4 devices
+  (and reordered for load balance) equal one device's: unpacked and packed rows, GQA, sliding windows.
+  TE on CPU runs its unfused attention (XLA partitions it); its fused CP strategies need a GPU
+  (tests/test_gpu.py)."""
+  if backend == "te" and case not in ("cp2_tensor2_packed", "cp2_window"):
+    pytest.skip("TE on CPU: two cases suffice (its attention there is XLA's, not TE's CP)")
+  mesh_cfg, packed, model_kw = CP_CASES[case]
+  ref = one_step(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1], backend, packed=packed, **model_kw)
+  _assert_same_steps(one_step(mesh_cfg, jax.devices(), backend, packed=packed, **model_kw), ref, case)
 
 
 def moment_trees(opt_state, params):

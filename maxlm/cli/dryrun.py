@@ -31,14 +31,15 @@ from maxlm.data import DataError
 from maxlm.data.readers import META_NAME, file_format, resolve_files, split_list
 from maxlm.data.shards import read_meta
 from maxlm.data.sources import resolve_type
-from maxlm.plan import sizing
-from maxlm.runtime import xla_presets
+from maxlm.layers import context
 from maxlm.layers import (PRECISIONS, RECIPES, PrecisionError, check_remat, precision_scope, resolve_backend,
                           supported_precisions)
-from maxlm.mesh import AXES, mesh_shape
+from maxlm.mesh import AXES, check_context_split, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import Transformer, count_params, flops_per_step
 from maxlm.optim import make_optimizer, warmup_warning
+from maxlm.plan import sizing
+from maxlm.runtime import xla_presets
 from maxlm.runtime.devices import device_memory_bytes
 from maxlm.runtime.env import apply_mem_fraction
 from maxlm.sharding import axis_rules
@@ -138,6 +139,7 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   ici, dcn = mesh_shape(cfg.mesh, n_devices, n_nodes)
   degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
   check_batch_split(d, t, degrees)
+  check_context_split(d.seq_len, degrees["context"])
   backend = resolve_backend(m.backend)
   check_remat(m.remat, backend)
   here = supported_precisions() if backend == "te" else [n for n in PRECISIONS if n not in RECIPES]
@@ -167,7 +169,9 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
                     "warmup_steps": cfg.optim.warmup_steps, "weight_decay": cfg.optim.weight_decay,
                     "state_dtype": cfg.optim.state_dtype, "offload": cfg.optim.offload},
           "run_dir": str(cfg.run_dir)},
-      "mesh": {"devices": n_devices, "nodes": n_nodes, **degrees, "intra_node": ici, "inter_node": dcn},
+      "mesh": {"devices": n_devices, "nodes": n_nodes, **degrees, "intra_node": ici, "inter_node": dcn,
+               "context_strategy": context.resolve_strategy(cfg.mesh.context_strategy, degrees["context"],
+                                                            d.seq_len, d.type != "synthetic" or bool(m.sliding_window))},
       "params": {"total": total, "embedding": embedding, "non_embedding": total - embedding,
                  "matmul": counted["matmul"]},
       "flops": {"per_token": flops / tokens, "per_step": flops, "tokens_per_step": tokens,
@@ -211,8 +215,9 @@ def render(p: dict) -> str:
       f"{da['seq_len']}, grad_accum {c['train']['grad_accum']}) = {da['tokens_total']:.3e} tokens; AdamW lr "
       f"{c['optim']['learning_rate']:g} {c['optim']['schedule']}, warmup {c['optim']['warmup_steps']}; run dir "
       f"{c['run_dir']}",
-      f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): data {ms['data']} x fsdp {ms['fsdp']} x tensor "
-      f"{ms['tensor']} (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})",
+      f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): "
+      + " x ".join(f"{a} {ms[a]}" for a in AXES) + f" (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
+      + (f"; attention over the context axis: {ms['context_strategy']}" if ms["context"] > 1 else ""),
       f"params  {pa['total']:,} total, {pa['non_embedding']:,} without the token embedding "
       f"({pa['embedding']:,}); {pa['matmul']:,} in matmuls (MFU convention, LM head included)",
       f"flops   {fl['per_token']:.4g} per token, {fl['per_step']:.4g} per step (6 x matmul params x tokens + "

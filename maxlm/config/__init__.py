@@ -167,15 +167,24 @@ _DEGREE = "[1, inf) or -1"
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh degrees: intra-node (NVLink) data/fsdp/tensor and inter-node (InfiniBand) dcn_*;
+  """Device mesh degrees: intra-node (NVLink) data/fsdp/context/tensor and inter-node (InfiniBand) dcn_*;
   one degree of each kind may be -1 (filled from the device count)."""
   data: int = option(1, "intra-node data-parallel degree", within=_DEGREE)
   fsdp: int = option(-1, "intra-node FSDP degree (parameters sharded on `embed`)", within=_DEGREE)
+  context: int = option(1, "intra-node context-parallel degree: the sequence of every activation is split over "
+                        "it and attention exchanges keys/values (long sequences; data.seq_len divisible by 2 x "
+                        "the total context degree)", within=_DEGREE)
   tensor: int = option(1, "intra-node tensor-parallel degree (heads, MLP, vocabulary)", within=_DEGREE)
   dcn_data: int = option(-1, "inter-node data-parallel degree (-1: the process count over the other dcn "
                          "degrees, so a multi-process run needs no mesh keys)", within=_DEGREE)
   dcn_fsdp: int = option(1, "inter-node FSDP degree", within=_DEGREE)
+  dcn_context: int = option(1, "inter-node context-parallel degree", within=_DEGREE)
   dcn_tensor: int = option(1, "inter-node tensor-parallel degree", within=_DEGREE)
+  context_strategy: str = option("auto", "how attention exchanges keys/values over the context axis: all_gather "
+                                 "(each device gathers the whole K/V), ring (K/V blocks passed around the ring, "
+                                 "overlapped with compute), auto (ring for packed rows, a sliding window or "
+                                 "32768+ tokens per device, else all_gather)",
+                                 choices=("auto", "all_gather", "ring"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The hint for an unknown config key: the maxlm key the user most likely meant.
 
 Users come with other frameworks' names in their hands (MaxText's `learning_rate`, `per_device_batch_size`,
-`ici_fsdp_parallelism`, `remat_policy`; torchtitan's `lr`, `max_norm`, `dp_shard`; Megatron's `train_iters`,
-`num_layers`, `tensor_model_parallel_size`; Hugging Face's `hidden_size`, `num_key_value_heads`) or put a
-right name in the wrong section (`train.learning_rate`). So the hint looks, in this order, at:
+`ici_fsdp_parallelism`, `ici_context_parallelism`, `remat_policy`; torchtitan's `lr`, `max_norm`, `dp_shard`,
+`context_parallel_degree`; Megatron's `train_iters`, `num_layers`, `tensor_model_parallel_size`,
+`context_parallel_size`; Hugging Face's `hidden_size`, `num_key_value_heads`) or put a right name in the wrong
+section (`train.learning_rate`). So the hint looks, in this order, at:
 
 1. the last part of the key in PEER_NAMES (case and '-' ignored);
 2. maxlm keys in other sections with the same last part (`optim.seed`: data.seed or train.seed);
@@ -65,6 +66,11 @@ PEER_NAMES: dict[str, str] = {
     **dict.fromkeys(("ici_tensor_parallelism", "tp", "tensor_parallel_degree", "tensor_parallel_size",
                      "tensor_model_parallel_size"), "mesh.tensor"),
     **dict.fromkeys(("ici_data_parallelism", "dp_replicate", "data_parallel_replicate_degree"), "mesh.data"),
+    **dict.fromkeys(("ici_context_parallelism", "context_parallel_degree", "context_parallel_size", "cp"),
+                    "mesh.context"),
+    **dict.fromkeys(("dcn_context_parallelism",), "mesh.dcn_context"),
+    **dict.fromkeys(("context_parallel_strategy", "cp_comm_type", "context_parallel_rotate_method"),
+                    "mesh.context_strategy"),
     **dict.fromkeys(("dcn_fsdp_parallelism",), "mesh.dcn_fsdp"),
     **dict.fromkeys(("dcn_data_parallelism",), "mesh.dcn_data"),
 }

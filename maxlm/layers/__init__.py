@@ -117,7 +117,7 @@ def precision_scope(precision: str, backend: str, amax_history_len: int = 1024,
                     mesh_axes: dict[str, str] | None = None):
   """Enter TE's autocast (quantization recipe + mesh resource) around init *and* tracing.
 
-  mesh_axes maps TE roles to mesh axis names, e.g. {"dp": "data", "fsdp": "fsdp", "tp": "tensor"}.
+  mesh_axes maps TE roles to mesh axis names, e.g. {"dp": "data", "fsdp": "fsdp", "tp": "tensor", "cp": "context"}.
   The flax backend needs no scope.
   """
   if backend != "te":
@@ -126,7 +126,7 @@ def precision_scope(precision: str, backend: str, amax_history_len: int = 1024,
   te = import_te()
   axes = mesh_axes or {}
   resource = te.MeshResource(dp_resource=axes.get("dp"), fsdp_resource=axes.get("fsdp"),
-                             tp_resource=axes.get("tp"))
+                             tp_resource=axes.get("tp"), cp_resource=axes.get("cp"))
   recipe = make_recipe(precision, amax_history_len)
   enabled = recipe is not None
   with te.autocast(enabled=enabled, recipe=recipe, mesh_resource=resource):
@@ -152,15 +152,20 @@ def remat_policy(name: str, backend: str):
     # lazy on purpose (PLC0415): TE is imported only once the TE backend is chosen (and set up for this host)
     from transformer_engine.jax.checkpoint_policies import dots_and_te_gemms_with_no_batch_dims  # noqa: PLC0415
     from transformer_engine.jax.cpp_extensions.activation import ActLuPrimitive  # noqa: PLC0415
-    from transformer_engine.jax.cpp_extensions.attention import FusedAttnFwdPrimitive  # noqa: PLC0415
+    from transformer_engine.jax.cpp_extensions import attention as tea  # noqa: PLC0415
     from transformer_engine.jax.cpp_extensions.normalization import NormFwdPrimitive  # noqa: PLC0415
 
     if name == "recompute_norm_act":  # everything but the RMSNorm and SwiGLU outputs: elementwise to redo
       redone = (NormFwdPrimitive.outer_primitive, ActLuPrimitive.outer_primitive)
       return lambda prim, *_, **__: prim not in redone
 
+    # cuDNN's forward, alone or inside one of TE's context-parallel strategies (maxlm/layers/context.py)
+    fused = {getattr(tea, n).outer_primitive for n in (
+        "FusedAttnFwdPrimitive", "FusedAttnCPWithAllGatherFwdPrimitive", "FusedAttnCPStripedWithAllGatherFwdPrimitive",
+        "FusedRingAttnFwdPrimitive", "FusedRingAttnStripedFwdPrimitive")}
+
     def fused_attention(prim, *_, **__) -> bool:
-      return prim is FusedAttnFwdPrimitive.outer_primitive
+      return prim in fused
     dots = dots_and_te_gemms_with_no_batch_dims
     attention = cp.save_from_both_policies(attention, fused_attention)
   if name == "save_dots":

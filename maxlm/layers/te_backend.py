@@ -12,7 +12,7 @@ import math
 
 import jax.numpy as jnp
 
-from maxlm.layers import flax_backend
+from maxlm.layers import context, flax_backend
 from maxlm.layers.te_env import import_te, on_gpu
 
 NORM_AXES = flax_backend.NORM_AXES
@@ -54,14 +54,19 @@ def norm_mlp(x, *, ffn_dim: int, eps: float, param_dtype, kernel_init, name: str
 
 
 def attention(q, k, v, *, segment_ids=None, positions=None, window: int = 0, max_segments: int = 1,
-              name: str = "attention"):
-  """Causal GQA attention. q [B, T, H, Dh], k/v [B, T, KV, Dh] -> [B, T, H, Dh]."""
+              name: str = "attention", context_strategy: str = "auto"):
+  """Causal GQA attention. q [B, T, H, Dh], k/v [B, T, KV, Dh] -> [B, T, H, Dh]. With the length split over a
+  context axis (maxlm/layers/context.py), cuDNN's fused attention runs TE's context-parallel strategy over it."""
   te = import_te()
   b, t, h, dh = q.shape
   common = dict(head_dim=dh, num_attention_heads=h, num_gqa_groups=k.shape[2], attention_dropout=0.0,
                 attn_bias_type="no_bias", scale_factor=1.0 / math.sqrt(dh),
                 transpose_batch_sequence=False,
                 window_size=(window - 1, 0) if window else None, name=name)
+  cp = context.axis()
+  if cp is not None:
+    return _context_parallel(te, q, k, v, segment_ids, positions, window, max_segments, context_strategy, cp,
+                             common)
   if segment_ids is None and not window:
     mod = te.flax.DotProductAttention(attn_mask_type="causal", qkv_layout="bshd_bshd_bshd", **common)
     return mod(q, k, v, deterministic=False)
@@ -82,6 +87,41 @@ def attention(q, k, v, *, segment_ids=None, positions=None, window: int = 0, max
   mod = te.flax.DotProductAttention(attn_mask_type="padding_causal", qkv_layout="bshd_bshd_bshd",
                                     **common)
   return mod(q, k, v, masked, deterministic=False)
+
+
+def _context_parallel(te, q, k, v, segment_ids, positions, window, max_segments, strategy, cp, common):
+  """Attention with the length split over mesh axis cp = (name, size), the tokens in the order
+  `context.layout` gives (the step reordered them). On a GPU in bf16/fp16, cuDNN's fused attention with TE's
+  context parallelism: unpacked rows without a window in TE's BSHD layout (dual-chunk order), packed rows
+  or a window in its THD layout (striped order: TE's module takes no stripe size, so its function is
+  called). Elsewhere TE's unfused path with the mask from segment ids and positions, which XLA partitions."""
+  b, t = q.shape[:2]
+  packed = segment_ids is not None or bool(window)
+  strategy = context.resolve_strategy(strategy, cp[1], t, packed)
+  if not (on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)):
+    seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids  # [B, T]
+    masked = ~context.keep_mask(seg, positions, seg, positions, window)  # [B, 1, T, T]
+    # the window is in the mask: TE's unfused path would add its own by index, wrong in the reordered order
+    mod = te.flax.DotProductAttention(attn_mask_type="padding_causal", qkv_layout="bshd_bshd_bshd",
+                                      **{**common, "window_size": None})
+    return mod(q, k, v, masked, deterministic=False)
+  cp_args = dict(context_parallel_causal_load_balanced=True, context_parallel_axis=cp[0])
+  if not packed:
+    mod = te.flax.DotProductAttention(attn_mask_type="causal", qkv_layout="bshd_bshd_bshd",
+                                      context_parallel_strategy=strategy, **cp_args, **common)
+    return mod(q, k, v, deterministic=False)
+  from transformer_engine.jax import attention as tea  # noqa: PLC0415 - TE: only once chosen and set up
+  if segment_ids is None:
+    segment_ids = jnp.ones((b, t), jnp.int32)  # [B, T]
+  desc = tea.SequenceDescriptor.from_segment_ids_and_pos(segment_ids, positions)
+  lay = context.layout(strategy, cp[1], t, packed)
+  return tea.fused_attn(
+      (q, k, v), None, desc, None, attn_bias_type=tea.AttnBiasType.NO_BIAS,
+      attn_mask_type=tea.AttnMaskType.PADDING_CAUSAL_MASK, qkv_layout=tea.QKVLayout.THD_THD_THD,
+      softmax_type=tea.AttnSoftmaxType.VANILLA_SOFTMAX, scaling_factor=common["scale_factor"],
+      dropout_probability=0.0, is_training=True, max_segments_per_seq=max_segments,
+      window_size=common["window_size"], context_parallel_strategy=tea.CPStrategy[strategy.upper()],
+      stripe_size=lay.stripe, **cp_args)
 
 
 def no_quantization():

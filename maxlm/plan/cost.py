@@ -10,7 +10,7 @@ bandwidth for `optim.offload=host`.
 from __future__ import annotations
 
 from maxlm.config import Config
-from maxlm.mesh import mesh_shape
+from maxlm.mesh import AXES, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
 from maxlm.plan import sizing
@@ -39,7 +39,7 @@ _RECOMPUTED = {"none": (), "recompute_norm_act": (), "save_dots_attn": (), "save
 def degrees(cfg: Config, target: Target) -> dict:
   """Total data / fsdp / tensor degrees of the mesh on the target's devices (intra x inter node)."""
   ici, dcn = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)
-  return dict(zip(("data", "fsdp", "tensor"), (i * j for i, j in zip(ici, dcn))))
+  return dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
 
 
 def _hardware(kind: str) -> tuple[float, float, float, float, float]:

@@ -85,7 +85,8 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
   only, so a scanned stack counts per layer in opt_leaf_fp32."""
   mesh = make_mesh(cfg.mesh, devices)
   backend = resolve_backend(cfg.model.backend)
-  model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row)
+  model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row,
+                      context_strategy=cfg.mesh.context_strategy)
   optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
   micro = cfg.data.global_batch_size // cfg.train.grad_accum
   step = make_train_step(model, optimizer, schedule, grad_accum=cfg.train.grad_accum,

@@ -12,7 +12,7 @@
 * fp8_meta: TE's delayed-scaling state (`fp8_metas`): per quantized GEMM (4 per layer, + the LM head
   with `model.fp8_lm_head` when unchunked), an fp32 amax history and scale for its input, kernel and gradient;
   replicated. Zero for the other precisions (current and block scaling keep no state).
-* logits: one micro-batch's logits [B_micro / (data * fsdp), S, V / tensor] in fp32 (the loss) plus
+* logits: one micro-batch's logits [B_micro / (data * fsdp), S / context, V / tensor] in fp32 (the loss) plus
   the `model.dtype` copy the LM head produces (none when that is float32); with `model.loss_chunk` = C
   (chunked head and loss, maxlm/step.py) only C positions of them at a time, not S.
 * activations (rough): what `model.remat` keeps per layer, plus one layer's internals recomputed in
@@ -24,9 +24,9 @@
 (`maxlm.cli.dryrun` reads them off the abstract train state and its shardings) instead of the formulas.
 
 Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x tensor
-degree (rounded up), the logits' batch by data x fsdp and their vocabulary by tensor (each rounded
-up). A dimension that does not divide its mesh axes is replicated in practice, so `lower_bound` stays
-a lower bound. Activations are divided by the batch degree only. Degrees are the products of the
+degree (rounded up), the logits' batch by data x fsdp, their positions by context and their vocabulary by
+tensor (each rounded up). A dimension that does not divide its mesh axes is replicated in practice, so
+`lower_bound` stays a lower bound. Activations are divided by the batch and context degrees only. Degrees are the products of the
 intra- and inter-node degrees, -1 filled from the device count as `maxlm.mesh` does.
 
 `check_fits(cfg, n_devices, bytes_per_device)` raises `ConfigError` when `lower_bound` exceeds the
@@ -63,10 +63,11 @@ def _fill(degrees: list[int], total: int) -> list[int]:
 
 
 def mesh_degrees(mesh: MeshConfig, n_devices: int, n_nodes: int = 1) -> dict[str, int]:
-  """Total data / fsdp / tensor degrees (intra-node x inter-node) on n_devices over n_nodes."""
-  dcn = _fill([mesh.dcn_data, mesh.dcn_fsdp, mesh.dcn_tensor], n_nodes)
-  ici = _fill([mesh.data, mesh.fsdp, mesh.tensor], max(1, n_devices // n_nodes))
-  return {"data": ici[0] * dcn[0], "fsdp": ici[1] * dcn[1], "tensor": ici[2] * dcn[2]}
+  """Total data / fsdp / context / tensor degrees (intra-node x inter-node) on n_devices over n_nodes."""
+  axes = ("data", "fsdp", "context", "tensor")  # maxlm.mesh.AXES (which imports JAX)
+  dcn = _fill([getattr(mesh, f"dcn_{a}") for a in axes], n_nodes)
+  ici = _fill([getattr(mesh, a) for a in axes], max(1, n_devices // n_nodes))
+  return {a: i * j for a, i, j in zip(axes, ici, dcn)}
 
 
 def _activation_elements(cfg: Config) -> int:
@@ -125,8 +126,8 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
       "host": moments if host else 0,
       "gradients": params,
       "fp8_meta": fp8_meta_bytes(m) if state is None else state["fp8_meta"],
-      "logits": rows * _logit_positions(m, d.seq_len) * vocab * logit_bytes,
-      "activations": rows * d.seq_len * _activation_elements(cfg) * c_bytes,
+      "logits": rows * -(-_logit_positions(m, d.seq_len) // deg["context"]) * vocab * logit_bytes,
+      "activations": rows * (d.seq_len // deg["context"]) * _activation_elements(cfg) * c_bytes,
   }
   out["lower_bound"] = out["params"] + out["optimizer"] + out["gradients"] + out["fp8_meta"] + out["logits"]
   out["total"] = out["lower_bound"] + out["activations"]
@@ -144,6 +145,6 @@ def check_fits(cfg: Config, n_devices: int, bytes_per_device: int, n_nodes: int 
   parts = ", ".join(f"{k} {human_bytes(est[k])}" for k in ("params", "optimizer", "gradients", "logits"))
   raise ConfigError(
       f"model needs at least {human_bytes(est['lower_bound'])} per device ({parts}) on {n_devices} "
-      f"device(s) with mesh data {deg['data']} x fsdp {deg['fsdp']} x tensor {deg['tensor']}, but a device "
+      f"device(s) with mesh {' x '.join(f'{a} {n}' for a, n in deg.items())}, but a device "
       f"has {human_bytes(bytes_per_device)}; reduce model.n_layers/d_model/vocab_size or "
       "data.global_batch_size/seq_len, or use more devices")

@@ -42,6 +42,7 @@ from maxlm.plan_measure import apply_mem_fraction
 from maxlm.sharding import axis_rules
 from maxlm.train_state import abstract_state
 from maxlm.devices import device_memory_bytes
+from maxlm.pipeline import bubble_fraction, check as check_pipeline
 from maxlm.trainer import check_batch_split
 
 FLAGS = ("--dry-run", "--json")
@@ -137,6 +138,7 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   ici, dcn = mesh_shape(cfg.mesh, n_devices, n_nodes)
   degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
   check_batch_split(d, t, degrees)
+  check_pipeline(m, t, cfg.mesh, degrees["pipeline"])
   backend = resolve_backend(m.backend)
   check_remat(m.remat, backend)
   here = supported_precisions() if backend == "te" else [n for n in PRECISIONS if n not in RECIPES]
@@ -166,7 +168,8 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
                     "warmup_steps": cfg.optim.warmup_steps, "weight_decay": cfg.optim.weight_decay,
                     "state_dtype": cfg.optim.state_dtype, "offload": cfg.optim.offload},
           "run_dir": str(cfg.run_dir)},
-      "mesh": {"devices": n_devices, "nodes": n_nodes, **degrees, "intra_node": ici, "inter_node": dcn},
+      "mesh": {"devices": n_devices, "nodes": n_nodes, **degrees, "intra_node": ici, "inter_node": dcn,
+               "bubble": bubble_fraction(degrees["pipeline"], t.grad_accum)},
       "params": {"total": total, "embedding": embedding, "non_embedding": total - embedding,
                  "matmul": counted["matmul"]},
       "flops": {"per_token": flops / tokens, "per_step": flops, "tokens_per_step": tokens,
@@ -210,8 +213,10 @@ def render(p: dict) -> str:
       f"{da['seq_len']}, grad_accum {c['train']['grad_accum']}) = {da['tokens_total']:.3e} tokens; AdamW lr "
       f"{c['optim']['learning_rate']:g} {c['optim']['schedule']}, warmup {c['optim']['warmup_steps']}; run dir "
       f"{c['run_dir']}",
-      f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): data {ms['data']} x fsdp {ms['fsdp']} x tensor "
-      f"{ms['tensor']} (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})",
+      f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): pipeline {ms['pipeline']} x data {ms['data']} x "
+      f"fsdp {ms['fsdp']} x tensor {ms['tensor']} (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
+      + (f"; {ms['pipeline']} stages of {m['n_layers'] // ms['pipeline']} layers over {c['train']['grad_accum']} "
+         f"micro-batches (GPipe), bubble {ms['bubble']:.0%} of a step" if ms["pipeline"] > 1 else ""),
       f"params  {pa['total']:,} total, {pa['non_embedding']:,} without the token embedding "
       f"({pa['embedding']:,}); {pa['matmul']:,} in matmuls (MFU convention, LM head included)",
       f"flops   {fl['per_token']:.4g} per token, {fl['per_step']:.4g} per step (6 x matmul params x tokens + "

@@ -1,4 +1,7 @@
-"""Device mesh with axes (data, fsdp, tensor): intra-node (NVLink) x inter-node (InfiniBand) degrees."""
+"""Device mesh with axes (pipeline, data, fsdp, tensor): intra-node (NVLink) x inter-node (InfiniBand) degrees.
+
+`pipeline` comes first, the outermost axis: its stages exchange only one micro-batch's activations per tick
+(point to point), the least traffic of any axis, so it is the one to lay across nodes (mesh.dcn_pipeline)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from jax.sharding import Mesh
 
 from maxlm.config import ConfigError, MeshConfig
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("pipeline", "data", "fsdp", "tensor")
 
 
 def _named(degrees: list[int], what: str) -> str:
@@ -42,10 +45,10 @@ def _fill(degrees: list[int], total: int, what: str) -> list[int]:
 
 def mesh_shape(cfg: MeshConfig, n_devices: int, n_nodes: int = 1) -> tuple[list[int], list[int]]:
   """(intra-node degrees, inter-node degrees), -1 entries filled. One process per node assumed."""
-  dcn = _fill([cfg.dcn_data, cfg.dcn_fsdp, cfg.dcn_tensor], n_nodes, "node")
+  dcn = _fill([cfg.dcn_pipeline, cfg.dcn_data, cfg.dcn_fsdp, cfg.dcn_tensor], n_nodes, "node")
   if n_devices % n_nodes:
     raise ConfigError(f"mesh: {n_devices} devices do not split evenly over {n_nodes} nodes")
-  ici = _fill([cfg.data, cfg.fsdp, cfg.tensor], n_devices // n_nodes, "per-node")
+  ici = _fill([cfg.pipeline, cfg.data, cfg.fsdp, cfg.tensor], n_devices // n_nodes, "per-node")
   return ici, dcn
 
 

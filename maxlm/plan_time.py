@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from maxlm import sizing
 from maxlm.config import Config
-from maxlm.mesh import mesh_shape
+from maxlm.mesh import AXES, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
 from maxlm.plan_measure import Target
@@ -37,9 +37,9 @@ _RECOMPUTED = {"none": (), "recompute_norm_act": (), "save_dots_attn": (), "save
 
 
 def degrees(cfg: Config, target: Target) -> dict:
-  """Total data / fsdp / tensor degrees of the mesh on the target's devices (intra x inter node)."""
+  """Total degrees of the mesh's axes (maxlm.mesh.AXES) on the target's devices (intra x inter node)."""
   ici, dcn = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)
-  return dict(zip(("data", "fsdp", "tensor"), (i * j for i, j in zip(ici, dcn))))
+  return dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
 
 
 def _hardware(kind: str) -> tuple[float, float, float, float, float]:

@@ -128,7 +128,7 @@ def test_llama70b_without_allocating(tmp_path):
   p = json.loads(r.stdout)
   assert L70_TOTAL == p["params"]["total"] == 70_553_706_496
   # llama70b.yml shards over every device, across nodes too (dcn_fsdp=-1, dcn_data=1)
-  assert (p["mesh"]["data"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (1, 64, [1, 8, 1])
+  assert (p["mesh"]["data"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (1, 64, [1, 1, 8, 1])
   peak_rss = int(r.stderr.strip().splitlines()[-1])
   assert peak_rss < 128256 * 8192 * 4 / 2  # half the embedding alone: no parameter was materialized
   assert list(tmp_path.iterdir()) == []  # nothing written

@@ -137,8 +137,8 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   m, d, t = cfg.model, cfg.data, cfg.train
   ici, dcn = mesh_shape(cfg.mesh, n_devices, n_nodes)
   degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
-  check_batch_split(d, t, degrees)
   check_pipeline(m, t, cfg.mesh, degrees["pipeline"])
+  check_batch_split(d, t, degrees)
   backend = resolve_backend(m.backend)
   check_remat(m.remat, backend)
   here = supported_precisions() if backend == "te" else [n for n in PRECISIONS if n not in RECIPES]

@@ -19,6 +19,9 @@ def test_every_peer_name_points_at_a_key():
     ("learning_rate", "optim.learning_rate"), ("per_device_batch_size", "data.global_batch_size"),
     ("max_target_length", "data.seq_len"), ("remat_policy", "model.remat"), ("mu_dtype", "optim.state_dtype"),
     ("ici_fsdp_parallelism", "mesh.fsdp"), ("base_num_decoder_layers", "model.n_layers"),
+    ("ici_pipeline_parallelism", "mesh.pipeline"), ("dcn_pipeline_parallelism", "mesh.dcn_pipeline"),
+    ("num_pipeline_microbatches", "train.grad_accum"), ("parallelism.pipeline_parallel_degree", "mesh.pipeline"),
+    ("pipeline-model-parallel-size", "mesh.pipeline"),
     # torchtitan (its sections, dotted as in its TOML)
     ("optimizer.lr", "optim.learning_rate"), ("training.max_norm", "optim.clip_grad_norm"),
     ("parallelism.tensor_parallel_degree", "mesh.tensor"),

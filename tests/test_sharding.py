@@ -30,6 +30,9 @@ def test_mesh_shape_fills_minus_one():
   # the defaults: FSDP inside a process, data parallel across processes; another dcn degree takes over
   assert mesh_shape(MeshConfig(), 16, n_nodes=2) == ([1, 1, 8, 1], [1, 2, 1, 1])
   assert mesh_shape(MeshConfig(dcn_fsdp=4), 32, n_nodes=4) == ([1, 1, 8, 1], [1, 1, 4, 1])
+  # pipeline stages across nodes (the outermost axis), FSDP inside them
+  assert mesh_shape(MeshConfig(dcn_pipeline=4, dcn_data=1), 32, n_nodes=4) == ([1, 1, 8, 1], [4, 1, 1, 1])
+  assert mesh_shape(MeshConfig(pipeline=2, fsdp=-1), 8) == ([2, 1, 4, 1], [1, 1, 1, 1])
   with pytest.raises(ConfigError, match=r"mesh.dcn_data is -1 by default: set it to 1"):
     mesh_shape(MeshConfig(dcn_fsdp=-1), 16, n_nodes=2)
   # each error names the keys and their values

@@ -66,6 +66,10 @@ def test_cpu_train_on_the_te_backend_prints_nothing_on_stderr(tmp_path):
     (["optim.learning_rate=nan"], "optim.learning_rate"),
     # checked by the trainer before the run directory exists
     (["data.global_batch_size=3"], "not divisible by the 2 data-parallel devices"),
+    (["mesh.pipeline=2", "mesh.fsdp=1", "model.n_layers=3", "train.grad_accum=2"],
+     "model.n_layers=3 does not split into the 2 pipeline stages of mesh.pipeline=2 x mesh.dcn_pipeline=1"),
+    (["mesh.pipeline=2", "mesh.fsdp=1", "model.n_layers=2"], "train.grad_accum=1 gives fewer micro-batches than "
+     "the 2 pipeline stages of mesh.pipeline=2 x mesh.dcn_pipeline=1; use train.grad_accum >= 2"),
     (["model.n_layers=100000000"], "per device"),
     (["model.vocab_size=2147483647"], "per device"),
     (["data.type=text", "data.paths=/nonexistent/train.txt", "model.vocab_size=8192"], "/nonexistent/train.txt"),

@@ -3,21 +3,26 @@ pipelined training (pipeline 2 and 4, with fsdp, data and tensor) against one de
 steps; the configurations it cannot run, refused in one line naming the keys."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from resume_launcher import compile_cache
 
-from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig
+from maxlm.checkpoint import Checkpointer
+from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig, load_config, to_dict
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
+from maxlm.optim import make_optimizer
 from maxlm.pipeline import bubble_fraction, check, micro_batches, pipeline_stack, whole_batch
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
 from maxlm.step import jit_step, make_train_step
-from maxlm.train_state import create_train_state
+from maxlm.train import Trainer, main
+from maxlm.train_state import abstract_state, create_train_state
 
 U32 = 2.0 ** -24  # float32 unit roundoff
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
@@ -224,3 +229,62 @@ def test_pipelined_training_equals_one_device_on_te_layers():
   cfg = dataclasses.replace(MODEL, backend="te")
   ref = _train(MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1), 1, 1, cfg)
   _assert_same_training(ref, _train(MeshConfig(pipeline=2, fsdp=2, tensor=2), 8, 4, cfg), "te")
+
+
+# ---- checkpoints across pipeline degrees -------------------------------------------------------------------
+
+RUN = ["model.backend=flax", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+       "model.ffn_dim=64", "model.n_layers=2", "model.vocab_size=128", "model.remat=none", "data.type=synthetic",
+       "data.seq_len=16", "data.global_batch_size=16", "train.grad_accum=2", "optim.warmup_steps=0",
+       "optim.decay_steps=10",  # the schedule does not depend on train.steps: a run of 2 steps is the first 2 of 3
+       "train.log_every=1", "checkpoint.enabled=true", "mesh.fsdp=-1"]
+
+
+def _restored(run_dir, args):
+  """The latest checkpoint of run_dir restored onto the mesh of `args` (the trainer's own target): leaves on
+  the host, and the layers one device holds of the stacked qkv kernel."""
+  cfg = load_config(args)
+  t = Trainer(cfg)
+  try:
+    with t.scope():
+      target, _ = abstract_state(t.model, make_optimizer(cfg.optim, cfg.train.steps)[0], t.mesh,
+                                 cfg.data.global_batch_size, cfg.data.seq_len)
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    try:
+      state = ckpt.restore_latest(target, to_dict(cfg)).state
+    finally:
+      ckpt.close()
+  finally:
+    t.close()
+  leaves = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+  return leaves, state.params["layers"]["qkv"]["kernel"].addressable_shards[0].data.shape[0]
+
+
+def _losses(run_dir) -> dict:
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
+def test_a_checkpoint_restores_at_another_pipeline_degree(tmp_path, capsys, first, then):
+  """The saved tree is per layer ([L, ...]) whatever the pipeline degree: a run saved with mesh.pipeline=first
+  resumes with mesh.pipeline=then, every restored value equal to the saved one (only the sharding differs),
+  and its next step's loss is the uninterrupted run's (the same parameters; float32 noise of the forward)."""
+  with compile_cache(tmp_path / "xla-cache"):
+    common = [*RUN, f"output_dir={tmp_path}"]
+    assert main([*common, "run_name=whole", f"mesh.pipeline={first}", "train.steps=3"]) == 0
+    assert main([*common, "run_name=r", f"mesh.pipeline={first}", "train.steps=2"]) == 0
+    saved, layers_first = _restored(tmp_path / "r", [*common, "run_name=r", f"mesh.pipeline={first}"])
+    moved, layers_then = _restored(tmp_path / "r", [*common, "run_name=r", f"mesh.pipeline={then}"])
+    capsys.readouterr()
+    assert main([*common, "run_name=r", f"mesh.pipeline={then}", "train.steps=3"]) == 0
+  assert "resumed from checkpoint step 2 " in capsys.readouterr().out
+  assert saved.keys() == moved.keys() and len(saved) > 10
+  for k in saved:
+    np.testing.assert_array_equal(moved[k], saved[k], err_msg=k)
+  assert (layers_first, layers_then) == (2 // first, 2 // then)  # of the 2 layers: a stage's, or all
+  whole, resumed = _losses(tmp_path / "whole"), _losses(tmp_path / "r")
+  assert resumed[1] == whole[1] and resumed[2] == whole[2]  # the steps before the save: the same run
+  # Step 3 starts from the same (restored) parameters on another schedule: the loss, a mean of 256 tokens'
+  # logsumexp over V=128 (sums of positive terms), differs by the two runs' rounding, (V + tokens) ulps each.
+  np.testing.assert_allclose(resumed[3], whole[3], rtol=2 * (128 + 256) * U32)

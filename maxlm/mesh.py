@@ -1,4 +1,8 @@
-"""Device mesh with axes (data, fsdp, context, tensor): intra-node (NVLink) x inter-node (InfiniBand) degrees."""
+"""Device mesh with axes (pipeline, data, fsdp, context, tensor): intra-node (NVLink) x inter-node (InfiniBand)
+degrees.
+
+`pipeline` comes first, the outermost axis: its stages exchange only one micro-batch's activations per tick
+(point to point), the least traffic of any axis, so it is the one to lay across nodes (mesh.dcn_pipeline)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from jax.sharding import Mesh
 
 from maxlm.config import ConfigError, MeshConfig
 
-AXES = ("data", "fsdp", "context", "tensor")
+AXES = ("pipeline", "data", "fsdp", "context", "tensor")
 
 
 def _named(degrees: list[int], what: str) -> str:

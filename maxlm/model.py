@@ -7,6 +7,7 @@ The model knows logical axis names only; `maxlm.sharding` maps them onto the mes
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
@@ -15,6 +16,7 @@ from maxlm.config import ModelConfig
 from maxlm.layers import get_backend, remat_policy, resolve_backend
 from maxlm.layers.kv_cache import attention_with_cache, update_positions
 from maxlm.layers.rope import apply_rope, rope_frequencies
+from maxlm.pipeline import pipeline_stack
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
 BTHD = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
@@ -85,10 +87,16 @@ class Transformer(nn.Module):
 
   `context_strategy` (mesh.context_strategy) is how attention exchanges keys and values where the mesh splits
   the length (maxlm/layers/context.py); the tokens then come in the order that module gives.
+
+  stages > 1: the scanned stack runs as a pipeline of that many stages over `microbatches` micro-batches
+  (maxlm/pipeline.py; the mesh's `pipeline` degree and train.grad_accum); the parameters are the same.
+  The embedding and the LM head stay outside it, on every stage (see maxlm/pipeline.py).
   """
   cfg: ModelConfig
   max_segments: int = 1
   context_strategy: str = "auto"
+  stages: int = 1
+  microbatches: int = 1
 
   @nn.compact
   def __call__(self, tokens, positions=None, segment_ids=None, cache=None, hidden: bool = False):
@@ -110,7 +118,9 @@ class Transformer(nn.Module):
       block = nn.remat(Block, policy=policy, prevent_cse=not m.scan_layers)
     if cache is not None:  # generation
       x = self._cached_layers(x, positions, segment_ids, cache, backend)  # [B, 1, D]
-    elif m.scan_layers:
+    elif m.scan_layers and self.stages > 1 and not self.is_initializing():
+      x = self._pipelined(x, positions, segment_ids, backend, policy)  # [B, T, D]
+    elif m.scan_layers:  # (also the init of a pipelined model: the same parameters, made the same way)
       stack = nn.scan(block, variable_axes={"params": 0, "fp8_metas": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
                       metadata_params={nn.PARTITION_NAME: "layers"})
@@ -135,6 +145,19 @@ class Transformer(nn.Module):
                              param_dtype=pdt, kernel_init=init, name="lm_head",
                              quantize=m.te_fp8_lm_head)  # [B, T, V]
     return nn.with_logical_constraint(logits, BTV)
+
+  def _pipelined(self, x, positions, segment_ids, backend, policy):
+    """The scanned stack's own parameters [L, ...] applied by maxlm/pipeline.py's stages, one Block at a time."""
+    m = self.cfg
+    block = Block(m, backend, self.max_segments, self.context_strategy)
+
+    def layer(p, h, pos, seg):  # one layer: its params p, h [B/M, T, D]
+      return block.apply({"params": p}, h, pos, seg)[0]
+    if m.remat != "none":
+      layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    params = nn.unbox(self.variables["params"]["layers"])  # every leaf [L, ...]
+    return pipeline_stack(layer, params, x, positions, segment_ids, stages=self.stages,
+                          microbatches=self.microbatches)  # [B, T, D]
 
   def _cached_layers(self, x, positions, segment_ids, cache, backend):
     """The blocks over the KV cache; stores the new cache; returns each row's last valid hidden state."""
@@ -162,7 +185,8 @@ class Transformer(nn.Module):
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
-  """Parameter counts by the MFU convention: `matmul` counts every GEMM weight incl. the LM head."""
+  """Parameter counts by the MFU convention: `matmul` counts every GEMM weight incl. the LM head; `layers` those
+  of the decoder blocks (norms included)."""
   d, f, h, kv, dh, v, n = (cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                            cfg.vocab_size, cfg.n_layers)
   per_layer = d * (h + 2 * kv) * dh + h * dh * d + 3 * d * f
@@ -170,7 +194,8 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
   norms = (2 * n + 1) * d
   embed = v * d
   total = n * per_layer + norms + embed + (0 if cfg.tie_embeddings else d * v)
-  return {"matmul": matmul, "embedding": embed, "total": total}
+  layers = n * (per_layer + 2 * d)  # the scanned stack: what the pipeline stages split
+  return {"matmul": matmul, "embedding": embed, "total": total, "layers": layers}
 
 
 def flops_per_step(cfg: ModelConfig, batch: int, seq_len: int) -> float:

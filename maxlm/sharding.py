@@ -19,7 +19,9 @@ BATCH = ("data", "fsdp")
 
 # logical axis -> mesh axes. Parameters are FSDP-sharded on `embed` and tensor-parallel
 # (Megatron-style) on heads / mlp / vocab; activations are sharded on batch, on length over `context`
-# (context parallelism: maxlm/layers/context.py) and on heads/mlp.
+# (context parallelism: maxlm/layers/context.py) and on heads/mlp. The scanned
+# layer stack [L, ...] is split over `pipeline` in contiguous blocks: stage s holds layers s*L/S .. (s+1)*L/S - 1
+# (maxlm/pipeline.py); the stored tree stays per layer, whatever the pipeline degree.
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("vocab", "tensor"),
@@ -31,9 +33,10 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("qkv", None),
     ("act", None),
     ("norm", None),
-    ("layers", None),
+    ("layers", "pipeline"),
     # activations
     ("activation_batch", BATCH),
+    ("stages", "pipeline"),  # the pipeline's stage axis of its activations (maxlm/pipeline.py)
     ("activation_length", "context"),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
@@ -43,7 +46,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 # Roles Transformer Engine needs to know (its MeshResource), set in one place.
-TE_MESH_AXES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor", "cp": "context"}
+TE_MESH_AXES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor", "cp": "context", "pp": "pipeline"}
 
 
 def _divisible(spec: P, shape: tuple[int, ...], mesh: Mesh, name: str) -> P:

@@ -236,6 +236,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
   loss_fn = _forward_loss(model, packed)
   cfg = model.cfg
   cast_once = cfg.cast_params_once and cfg.precision in UNQUANTIZED
+  if model.stages > 1:  # a pipelined model (maxlm/pipeline.py) cuts the batch into its micro-batches itself:
+    grad_accum = 1      # they are in flight together, not one after the other
 
   def step(state: TrainState, batch):
     params = state.params

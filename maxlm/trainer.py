@@ -33,6 +33,7 @@ from maxlm.mesh import check_context_split, make_mesh
 from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line, throughput
 from maxlm.model import Transformer, count_params, flops_per_step
 from maxlm.optim import make_optimizer, warmup_warning
+from maxlm.pipeline import check as check_pipeline
 from maxlm.profiling import Profiler
 from maxlm.runtime import compile_cache, warm_start, watchdog
 from maxlm.runtime.devices import mesh_placement, peak_memory_gb
@@ -79,6 +80,7 @@ class Trainer:
     check_precision(cfg.model.precision, self.backend)
     check_remat(cfg.model.remat, self.backend)
     self.mesh = make_mesh(cfg.mesh)
+    check_pipeline(cfg.model, cfg.train, cfg.mesh, self.mesh.shape["pipeline"])
     self._check_batch_split()
     # plan.mode (maxlm/plan/__init__.py): levers measured by XLA replace the config's where it plans; it checks the fit
     t_plan = time.perf_counter()
@@ -89,7 +91,8 @@ class Trainer:
       warm_start.prefetch(warm_start.run_signature(cfg))
     self.packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
     self.model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row,
-                             context_strategy=cfg.mesh.context_strategy)
+                             context_strategy=cfg.mesh.context_strategy, stages=self.mesh.shape["pipeline"],
+                             microbatches=cfg.train.grad_accum)
     pi, pc = jax.process_index(), jax.process_count()
     self.train_data = data_lib.make_train_iterator(cfg.data, cfg.model.vocab_size, pi, pc)
     self.eval_data_factory = None

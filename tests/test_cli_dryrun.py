@@ -128,10 +128,27 @@ def test_llama70b_without_allocating(tmp_path):
   p = json.loads(r.stdout)
   assert L70_TOTAL == p["params"]["total"] == 70_553_706_496
   # llama70b.yml shards over every device, across nodes too (dcn_fsdp=-1, dcn_data=1)
-  assert (p["mesh"]["data"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (1, 64, [1, 8, 1])
+  assert (p["mesh"]["data"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (1, 64, [1, 1, 8, 1])
   peak_rss = int(r.stderr.strip().splitlines()[-1])
   assert peak_rss < 128256 * 8192 * 4 / 2  # half the embedding alone: no parameter was materialized
   assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_llama70b_with_pipeline_stages_across_nodes(capsys):
+  """mesh.dcn_pipeline=4 on 8 nodes of 8: 4 stages of 20 layers, FSDP over the 16 devices of each stage. The text
+  names the axis and the schedule; a device holds its stage's FSDP shard of the layers."""
+  args = ("config=llama70b", "--devices", "64", "--nodes", "8", "mesh.dcn_pipeline=4", "train.grad_accum=4",
+          "model.scan_layers=true")  # the stages split the scanned stack (llama70b.yml unrolls it)
+  code, out, _ = dry(capsys, "--json", *args)
+  p = json.loads(out)
+  assert code == 0 and (p["mesh"]["pipeline"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (4, 16, [4, 1, 2, 1])
+  d, f, v, n = 8192, 28672, 128256, 80
+  layer = d * (64 + 2 * 8) * 128 + 64 * 128 * d + 3 * d * f  # qkv, out, SwiGLU: over 4 stages x 16 fsdp
+  # fp32: the layers' norms over the stages only; embedding and head over fsdp; the final norm whole
+  assert p["memory"]["per_device_bytes"]["params"] == 4 * (n * layer // 64 + n * 2 * d // 4 + 2 * v * d // 16 + d)
+  code, out, _ = dry(capsys, *args)
+  assert code == 0 and "mesh    64 device(s) on 8 node(s): pipeline 4 x data 1 x fsdp 16 x tensor 1" in out
+  assert "; 4 stages of 20 layers over 4 micro-batches (GPipe), bubble 43% of a step" in out
 
 
 def test_data_summary_from_names_and_metadata(tmp_path, capsys):
@@ -159,6 +176,9 @@ def test_data_summary_from_names_and_metadata(tmp_path, capsys):
     (["model.n_heads=5"], "model.n_heads (5) must be a multiple of model.n_kv_heads (2)"),
     (["data.type=text", "data.paths=nowhere.txt"], "data file 'nowhere.txt' not found"),
     (["config=llama8b", "--devices", "6", "--nodes", "4"], "6 devices do not split evenly over 4 nodes"),
+    (["config=llama8b", "--devices", "24", "--nodes", "3", "mesh.dcn_pipeline=3", "mesh.dcn_data=1",
+      "train.grad_accum=4"], "model.n_layers=32 does not split into the 3 pipeline stages of mesh.pipeline=1 x "
+                             "mesh.dcn_pipeline=3"),
     (["model.backend=flax", "model.remat=recompute_norm_act"], "model.remat=recompute_norm_act needs model.backend=te"),
     (["config=llama8b", "data.seq_len=4098", "mesh.context=2", "--devices=8"],
      "data.seq_len=4098 is not divisible by 2 x the context-parallel degree 2 (mesh.context x mesh.dcn_context)"),

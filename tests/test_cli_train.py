@@ -39,7 +39,7 @@ def test_cli_trains_and_writes_the_run_directory(tmp_path):
     assert key in rows[-1]
   assert rows[-1]["tokens_per_sec"] > 0 and rows[-1]["mfu"] is None  # no known peak for a CPU
   assert list((run / "tensorboard").glob("events.out.tfevents.*"))
-  assert "step 6/6" in r.stdout and "mesh {'data': 1, 'fsdp': 2, 'tensor': 1}" in r.stdout
+  assert "step 6/6" in r.stdout and "mesh {'pipeline': 1, 'data': 1, 'fsdp': 2, 'tensor': 1}" in r.stdout
 
 
 @pytest.mark.te
@@ -66,6 +66,10 @@ def test_cpu_train_on_the_te_backend_prints_nothing_on_stderr(tmp_path):
     (["optim.learning_rate=nan"], "optim.learning_rate"),
     # checked by the trainer before the run directory exists
     (["data.global_batch_size=3"], "not divisible by the 2 data-parallel devices"),
+    (["mesh.pipeline=2", "mesh.fsdp=1", "model.n_layers=3", "train.grad_accum=2"],
+     "model.n_layers=3 does not split into the 2 pipeline stages of mesh.pipeline=2 x mesh.dcn_pipeline=1"),
+    (["mesh.pipeline=2", "mesh.fsdp=1", "model.n_layers=2"], "train.grad_accum=1 gives fewer micro-batches than "
+     "the 2 pipeline stages of mesh.pipeline=2 x mesh.dcn_pipeline=1; use train.grad_accum >= 2"),
     (["model.n_layers=100000000"], "per device"),
     (["model.vocab_size=2147483647"], "per device"),
     (["data.type=text", "data.paths=/nonexistent/train.txt", "model.vocab_size=8192"], "/nonexistent/train.txt"),

@@ -21,12 +21,16 @@ def test_every_peer_name_points_at_a_key():
     ("ici_fsdp_parallelism", "mesh.fsdp"), ("base_num_decoder_layers", "model.n_layers"),
     ("ici_context_parallelism", "mesh.context"), ("dcn_context_parallelism", "mesh.dcn_context"),
     ("context_parallel_strategy", "mesh.context_strategy"),
+    ("ici_pipeline_parallelism", "mesh.pipeline"), ("dcn_pipeline_parallelism", "mesh.dcn_pipeline"),
+    ("num_pipeline_microbatches", "train.grad_accum"), ("parallelism.pipeline_parallel_degree", "mesh.pipeline"),
+    ("pipeline-model-parallel-size", "mesh.pipeline"),
     # torchtitan (its sections, dotted as in its TOML)
     ("optimizer.lr", "optim.learning_rate"), ("training.max_norm", "optim.clip_grad_norm"),
     ("parallelism.tensor_parallel_degree", "mesh.tensor"), ("parallelism.context_parallel_degree", "mesh.context"),
     ("parallelism.context_parallel_rotate_method", "mesh.context_strategy"),
     # Megatron, Hugging Face
-    ("train_iters", "train.steps"), ("context_parallel_size", "mesh.context"), ("cp_comm_type", "mesh.context_strategy"), ("model.num_key_value_heads", "model.n_kv_heads"),
+    ("train_iters", "train.steps"), ("context_parallel_size", "mesh.context"), ("cp_comm_type", "mesh.context_strategy"),
+    ("model.num_key_value_heads", "model.n_kv_heads"),
     ("model.intermediate_size", "model.ffn_dim"), ("Gradient-Accumulation-Steps", "train.grad_accum"),
     # a right name in the wrong section, or none
     ("train.learning_rate", "optim.learning_rate"), ("model.seq_len", "data.seq_len"), ("steps", "train.steps"),

@@ -56,6 +56,20 @@ def test_mesh_degrees_divide_the_right_parts():
   assert estimate(cfg, 8, n_nodes=2)["params"] == 4 * L8_PARAMS // 8
 
 
+def test_pipeline_stages_split_the_layer_stack_and_the_head_sees_the_whole_batch():
+  """mesh.pipeline: the stack's parameters (layers, with their norms) are divided by the stages, the embedding,
+  head and final norm are not; the LM head's logits cover every micro-batch at once (GPipe)."""
+  base = ["config=llama8b", "model.loss_chunk=0", "model.scan_layers=true", "train.grad_accum=4"]
+  cfg = load_config([*base, "mesh.pipeline=4", "mesh.fsdp=2"])
+  est = estimate(cfg, 8)
+  stack = 32 * (L8_LAYER + 2 * 4096)
+  assert est["params"] == 4 * ((L8_PARAMS - stack + stack // 4) // 2)  # fsdp 2; the stack also over 4 stages
+  assert est["logits"] == (8 // 2) * L8_LOGITS_ROW  # the whole batch of 8 over data x fsdp = 2, not 8 / 4
+  flat = estimate(load_config([*base, "mesh.fsdp=2", "mesh.data=4"]), 8)  # the same 8 devices without stages
+  assert flat["logits"] == L8_LOGITS_ROW  # a micro-batch of 2 rows over 8 devices: 1 row (rounded up)
+  assert flat["params"] == 4 * L8_PARAMS // 2
+
+
 def test_dtypes_and_micro_batch():
   cfg = load_config(["train.grad_accum=4", "model.param_dtype=bfloat16", "model.dtype=float32"])
   est = estimate(cfg, 1)
@@ -82,7 +96,7 @@ def test_llama8b_refused_on_one_80gb_device_with_its_numbers():
   msg = str(e.value)
   assert "\n" not in msg
   assert ("model needs at least 166.6 GiB per device (params 29.9 GiB, optimizer 59.8 GiB, "
-          "gradients 29.9 GiB, logits 47.0 GiB) on 1 device(s) with mesh data 1 x fsdp 1 x context 1 x tensor 1, "
+          "gradients 29.9 GiB, logits 47.0 GiB) on 1 device(s) with mesh pipeline 1 x data 1 x fsdp 1 x context 1 x tensor 1, "
           "but a "
           "device has 74.5 GiB; reduce model.n_layers/d_model/vocab_size") in msg
   small = load_config(["config=llama8b", "model.n_layers=4", "data.global_batch_size=1"])

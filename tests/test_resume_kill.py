@@ -240,3 +240,32 @@ def test_kill9_then_resume_is_bit_identical_with_bf16_moments_in_host_memory(ref
   assert run.finish() == 0, run.text()
   run.check_resumed()
   _same_as_reference(tmp_path / "killed", want)
+
+
+def test_kill9_then_resume_is_bit_identical_with_pipeline_stages(tmp_path, tmp_path_factory):
+  """mesh.pipeline=2 on 2 devices (2 stages of one layer each, 2 micro-batches in flight): runs killed with
+  SIGKILL between checkpoints and in the middle of an async save resume from the last complete checkpoint and
+  end bit-identical to an uninterrupted pipelined run."""
+  if Run.cache is None:  # this test alone: its own compilation cache
+    Run.cache = tmp_path_factory.mktemp("xla-cache")
+  pipelined = ("mesh.pipeline=2", "mesh.fsdp=1", "model.n_layers=2", "train.grad_accum=2")
+  whole = Run(tmp_path / "whole", extra=pipelined, devices=2)
+  assert whole.finish() == 0, whole.text()
+  assert "mesh {'pipeline': 2, 'data': 1, 'fsdp': 1, 'tensor': 1}" in whole.text()
+  want = {"losses": {r["step"]: (r["loss"], r["grad_norm"]) for r in _metrics(tmp_path / "whole")},
+          "batches": dict(_trace(tmp_path / "whole")), "final": _final_arrays(tmp_path / "whole")}
+  run = Run(tmp_path / "killed", extra=pipelined, devices=2, step_sleep=0.1)
+  run.wait_for(lambda: run.last_step() >= 6)
+  run.proc.kill()
+  assert run.proc.wait() == -signal.SIGKILL
+  run = Run(tmp_path / "killed", extra=pipelined, devices=2, step_sleep=0.05, slow_save=60)
+  step = int(run.wait_for(lambda: "SAVE-COMMITTING " in run.text() and run.text().split("SAVE-COMMITTING ")[1]
+                          .split()[0]))
+  run.proc.kill()
+  assert run.proc.wait() == -signal.SIGKILL
+  run.check_resumed()
+  assert not (run.ckpt_dir / str(step)).exists()
+  run = Run(tmp_path / "killed", extra=pipelined, devices=2)
+  assert run.finish() == 0, run.text()
+  run.check_resumed()
+  _same_as_reference(tmp_path / "killed", want)

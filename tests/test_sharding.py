@@ -24,28 +24,32 @@ MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_head
 
 
 def test_mesh_shape_fills_minus_one():
-  assert mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=2), 8) == ([2, 2, 1, 2], [1, 1, 1, 1])
+  assert mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=2), 8) == ([1, 2, 2, 1, 2], [1, 1, 1, 1, 1])
   assert (mesh_shape(MeshConfig(data=1, fsdp=-1, tensor=1, dcn_data=-1), 16, n_nodes=2)
-          == ([1, 8, 1, 1], [2, 1, 1, 1]))
+          == ([1, 1, 8, 1, 1], [1, 2, 1, 1, 1]))
   # the defaults: FSDP inside a process, data parallel across processes; another dcn degree takes over
-  assert mesh_shape(MeshConfig(), 16, n_nodes=2) == ([1, 8, 1, 1], [2, 1, 1, 1])
-  assert mesh_shape(MeshConfig(dcn_fsdp=4), 32, n_nodes=4) == ([1, 8, 1, 1], [1, 4, 1, 1])
+  assert mesh_shape(MeshConfig(), 16, n_nodes=2) == ([1, 1, 8, 1, 1], [1, 2, 1, 1, 1])
+  assert mesh_shape(MeshConfig(dcn_fsdp=4), 32, n_nodes=4) == ([1, 1, 8, 1, 1], [1, 1, 4, 1, 1])
   # the context axis takes its devices from fsdp's -1, inside a node or across nodes
-  assert mesh_shape(MeshConfig(context=2), 8) == ([1, 4, 2, 1], [1, 1, 1, 1])
-  assert mesh_shape(MeshConfig(dcn_data=1, dcn_context=-1), 16, n_nodes=2) == ([1, 8, 1, 1], [1, 1, 2, 1])
+  assert mesh_shape(MeshConfig(context=2), 8) == ([1, 1, 4, 2, 1], [1, 1, 1, 1, 1])
+  assert mesh_shape(MeshConfig(dcn_data=1, dcn_context=-1), 16, n_nodes=2) == ([1, 1, 8, 1, 1], [1, 1, 1, 2, 1])
+  # pipeline stages across nodes (the outermost axis), FSDP inside them
+  assert mesh_shape(MeshConfig(dcn_pipeline=4, dcn_data=1), 32, n_nodes=4) == ([1, 1, 8, 1, 1], [4, 1, 1, 1, 1])
+  assert mesh_shape(MeshConfig(pipeline=2, fsdp=-1), 8) == ([2, 1, 4, 1, 1], [1, 1, 1, 1, 1])
   with pytest.raises(ConfigError, match=r"mesh.dcn_data is -1 by default: set it to 1"):
     mesh_shape(MeshConfig(dcn_fsdp=-1), 16, n_nodes=2)
   # each error names the keys and their values
-  with pytest.raises(ConfigError, match=r"^mesh: mesh.data=2 x mesh.fsdp=2 x mesh.context=1 x mesh.tensor=1 multiply "
-                                        r"to 4, but there are 8 devices per node; set one of them to -1 to take the "
-                                        r"rest$"):
+  with pytest.raises(ConfigError, match=r"^mesh: mesh.pipeline=1 x mesh.data=2 x mesh.fsdp=2 x mesh.context=1 x "
+                                        r"mesh.tensor=1 multiply to 4, but there are 8 devices per node; set one of "
+                                        r"them to -1 to take the rest$"):
     mesh_shape(MeshConfig(data=2, fsdp=2, tensor=1), 8)
-  with pytest.raises(ConfigError, match=r"^mesh: at most one per-node degree may be -1, got mesh.data=-1 x "):
+  with pytest.raises(ConfigError, match=r"^mesh: at most one per-node degree may be -1, got mesh.pipeline=1 x mesh.data=-1 x "):
     mesh_shape(MeshConfig(data=-1, fsdp=-1), 8)
   with pytest.raises(ConfigError, match=r"^mesh: the 8 devices per node are not divisible by the fixed degrees of "
-                                        r"mesh.data=3 x mesh.fsdp=-1 x mesh.context=1 x mesh.tensor=1 \(product 3\)"):
+                                        r"mesh.pipeline=1 x mesh.data=3 x mesh.fsdp=-1 x mesh.context=1 x mesh.tensor=1 "
+                                        r"\(product 3\)"):
     mesh_shape(MeshConfig(data=3, fsdp=-1), 8)
-  with pytest.raises(ConfigError, match=r"^mesh: node degrees must be positive or -1, got mesh.dcn_data=0 x "):
+  with pytest.raises(ConfigError, match=r"^mesh: node degrees must be positive or -1, got mesh.dcn_pipeline=1 x mesh.dcn_data=0 x "):
     mesh_shape(MeshConfig(dcn_data=0), 8)
 
 

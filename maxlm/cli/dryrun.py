@@ -38,6 +38,8 @@ from maxlm.mesh import AXES, check_context_split, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import Transformer, count_params, flops_per_step
 from maxlm.optim import make_optimizer, warmup_warning
+from maxlm.pipeline import bubble_fraction
+from maxlm.pipeline import check as check_pipeline
 from maxlm.plan import sizing
 from maxlm.runtime import xla_presets
 from maxlm.runtime.devices import device_memory_bytes
@@ -138,6 +140,7 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   m, d, t = cfg.model, cfg.data, cfg.train
   ici, dcn = mesh_shape(cfg.mesh, n_devices, n_nodes)
   degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
+  check_pipeline(m, t, cfg.mesh, degrees["pipeline"])
   check_batch_split(d, t, degrees)
   check_context_split(d.seq_len, degrees["context"])
   backend = resolve_backend(m.backend)
@@ -171,7 +174,8 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
           "run_dir": str(cfg.run_dir)},
       "mesh": {"devices": n_devices, "nodes": n_nodes, **degrees, "intra_node": ici, "inter_node": dcn,
                "context_strategy": context.resolve_strategy(cfg.mesh.context_strategy, degrees["context"],
-                                                            d.seq_len, d.type != "synthetic" or bool(m.sliding_window))},
+                                                            d.seq_len, d.type != "synthetic" or bool(m.sliding_window)),
+               "bubble": bubble_fraction(degrees["pipeline"], t.grad_accum)},
       "params": {"total": total, "embedding": embedding, "non_embedding": total - embedding,
                  "matmul": counted["matmul"]},
       "flops": {"per_token": flops / tokens, "per_step": flops, "tokens_per_step": tokens,
@@ -217,7 +221,9 @@ def render(p: dict) -> str:
       f"{c['run_dir']}",
       f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): "
       + " x ".join(f"{a} {ms[a]}" for a in AXES) + f" (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
-      + (f"; attention over the context axis: {ms['context_strategy']}" if ms["context"] > 1 else ""),
+      + (f"; attention over the context axis: {ms['context_strategy']}" if ms["context"] > 1 else "")
+      + (f"; {ms['pipeline']} stages of {m['n_layers'] // ms['pipeline']} layers over {c['train']['grad_accum']} "
+         f"micro-batches (GPipe), bubble {ms['bubble']:.0%} of a step" if ms["pipeline"] > 1 else ""),
       f"params  {pa['total']:,} total, {pa['non_embedding']:,} without the token embedding "
       f"({pa['embedding']:,}); {pa['matmul']:,} in matmuls (MFU convention, LM head included)",
       f"flops   {fl['per_token']:.4g} per token, {fl['per_step']:.4g} per step (6 x matmul params x tokens + "

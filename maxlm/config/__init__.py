@@ -167,14 +167,18 @@ _DEGREE = "[1, inf) or -1"
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh degrees: intra-node (NVLink) data/fsdp/context/tensor and inter-node (InfiniBand) dcn_*;
+  """Device mesh degrees: intra-node (NVLink) pipeline/data/fsdp/context/tensor and inter-node (InfiniBand) dcn_*;
   one degree of each kind may be -1 (filled from the device count)."""
+  pipeline: int = option(1, "intra-node pipeline-parallel degree: stages of consecutive layers, fed "
+                         "train.grad_accum micro-batches (usually 1: pipeline across nodes with dcn_pipeline)",
+                         within=_DEGREE)
   data: int = option(1, "intra-node data-parallel degree", within=_DEGREE)
   fsdp: int = option(-1, "intra-node FSDP degree (parameters sharded on `embed`)", within=_DEGREE)
   context: int = option(1, "intra-node context-parallel degree: the sequence of every activation is split over "
                         "it and attention exchanges keys/values (long sequences; data.seq_len divisible by 2 x "
                         "the total context degree)", within=_DEGREE)
   tensor: int = option(1, "intra-node tensor-parallel degree (heads, MLP, vocabulary)", within=_DEGREE)
+  dcn_pipeline: int = option(1, "inter-node pipeline-parallel degree (stages across nodes)", within=_DEGREE)
   dcn_data: int = option(-1, "inter-node data-parallel degree (-1: the process count over the other dcn "
                          "degrees, so a multi-process run needs no mesh keys)", within=_DEGREE)
   dcn_fsdp: int = option(1, "inter-node FSDP degree", within=_DEGREE)

@@ -73,6 +73,10 @@ PEER_NAMES: dict[str, str] = {
                     "mesh.context_strategy"),
     **dict.fromkeys(("dcn_fsdp_parallelism",), "mesh.dcn_fsdp"),
     **dict.fromkeys(("dcn_data_parallelism",), "mesh.dcn_data"),
+    **dict.fromkeys(("ici_pipeline_parallelism", "pp", "pipeline_parallel_degree", "pipeline_parallel_size",
+                     "pipeline_model_parallel_size"), "mesh.pipeline"),
+    **dict.fromkeys(("dcn_pipeline_parallelism",), "mesh.dcn_pipeline"),
+    **dict.fromkeys(("num_pipeline_microbatches",), "train.grad_accum"),
 }
 
 

@@ -117,7 +117,8 @@ def precision_scope(precision: str, backend: str, amax_history_len: int = 1024,
                     mesh_axes: dict[str, str] | None = None):
   """Enter TE's autocast (quantization recipe + mesh resource) around init *and* tracing.
 
-  mesh_axes maps TE roles to mesh axis names, e.g. {"dp": "data", "fsdp": "fsdp", "tp": "tensor", "cp": "context"}.
+  mesh_axes maps TE roles to mesh axis names, e.g. {"dp": "data", "fsdp": "fsdp", "tp": "tensor", "cp": "context",
+  "pp": "pipeline"} (TE reduces its FP8 amaxes over every axis but the pipeline one: each stage has its own layers).
   The flax backend needs no scope.
   """
   if backend != "te":
@@ -126,7 +127,7 @@ def precision_scope(precision: str, backend: str, amax_history_len: int = 1024,
   te = import_te()
   axes = mesh_axes or {}
   resource = te.MeshResource(dp_resource=axes.get("dp"), fsdp_resource=axes.get("fsdp"),
-                             tp_resource=axes.get("tp"), cp_resource=axes.get("cp"))
+                             tp_resource=axes.get("tp"), cp_resource=axes.get("cp"), pp_resource=axes.get("pp"))
   recipe = make_recipe(precision, amax_history_len)
   enabled = recipe is not None
   with te.autocast(enabled=enabled, recipe=recipe, mesh_resource=resource):

@@ -80,7 +80,8 @@ def lever_values(cfg: Config, target: Target, backend: str) -> dict[str, tuple]:
   deg = degrees(cfg, target)
   dp, batch = deg["data"] * deg["fsdp"], cfg.data.global_batch_size
   powers = (2 ** i for i in range(int(math.log2(batch)) + 1))
-  accums = tuple(a for a in powers if batch % a == 0 and (batch // a) % dp == 0)
+  # a pipeline of S stages needs S micro-batches at least (maxlm/pipeline.py)
+  accums = tuple(a for a in powers if batch % a == 0 and (batch // a) % dp == 0 and a >= deg["pipeline"])
   remats = tuple(r for r in REMAT_ORDER if r != "recompute_norm_act" or backend == "te")
   offloads = ("none", "host") if target.gpu else ("none",)  # a CPU has one memory: host offload saves nothing
   values = {"model.remat": remats, "train.grad_accum": accums, "optim.offload": offloads,

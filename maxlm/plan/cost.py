@@ -37,7 +37,7 @@ _RECOMPUTED = {"none": (), "recompute_norm_act": (), "save_dots_attn": (), "save
 
 
 def degrees(cfg: Config, target: Target) -> dict:
-  """Total data / fsdp / tensor degrees of the mesh on the target's devices (intra x inter node)."""
+  """Total degrees of the mesh's axes (maxlm.mesh.AXES) on the target's devices (intra x inter node)."""
   ici, dcn = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)
   return dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
 

@@ -44,6 +44,7 @@ from maxlm.layers import resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import LAG, make_optimizer
+from maxlm.pipeline import check as check_pipeline
 from maxlm.plan.sizing import human_bytes
 from maxlm.plan.standins import GPU_DTYPE_OPTIONS, fused_attention_footprint, gpu_dot_dtypes
 from maxlm.runtime import warm_start
@@ -85,8 +86,10 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
   only, so a scanned stack counts per layer in opt_leaf_fp32."""
   mesh = make_mesh(cfg.mesh, devices)
   backend = resolve_backend(cfg.model.backend)
+  check_pipeline(cfg.model, cfg.train, cfg.mesh, mesh.shape["pipeline"])
   model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row,
-                      context_strategy=cfg.mesh.context_strategy)
+                      context_strategy=cfg.mesh.context_strategy, stages=mesh.shape["pipeline"],
+                      microbatches=cfg.train.grad_accum)  # as the trainer builds it
   optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
   micro = cfg.data.global_batch_size // cfg.train.grad_accum
   step = make_train_step(model, optimizer, schedule, grad_accum=cfg.train.grad_accum,

@@ -24,10 +24,13 @@
 (`maxlm.cli.dryrun` reads them off the abstract train state and its shardings) instead of the formulas.
 
 Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x tensor
-degree (rounded up), the logits' batch by data x fsdp, their positions by context and their vocabulary by
-tensor (each rounded up). A dimension that does not divide its mesh axes is replicated in practice, so
-`lower_bound` stays a lower bound. Activations are divided by the batch and context degrees only. Degrees are the products of the
-intra- and inter-node degrees, -1 filled from the device count as `maxlm.mesh` does.
+degree (rounded up), those of the layer stack also by the pipeline degree (its stages split the layers);
+the logits' batch by data x fsdp, their positions by context and their vocabulary by tensor (each rounded
+up). A dimension that does not divide its mesh axes is replicated in practice, so `lower_bound` stays a
+lower bound. Activations are divided by the batch and context degrees only. With pipeline stages
+(maxlm/pipeline.py) the LM head runs once on the whole batch (its micro-batches are all in flight) and a
+stage keeps its L / stages layers' activations for every micro-batch (GPipe). Degrees are the products of
+the intra- and inter-node degrees, -1 filled from the device count as `maxlm.mesh` does.
 
 `check_fits(cfg, n_devices, bytes_per_device)` raises `ConfigError` when `lower_bound` exceeds the
 device memory (no guessed activations). All of it is arithmetic on Python ints: microseconds even
@@ -63,15 +66,15 @@ def _fill(degrees: list[int], total: int) -> list[int]:
 
 
 def mesh_degrees(mesh: MeshConfig, n_devices: int, n_nodes: int = 1) -> dict[str, int]:
-  """Total data / fsdp / context / tensor degrees (intra-node x inter-node) on n_devices over n_nodes."""
-  axes = ("data", "fsdp", "context", "tensor")  # maxlm.mesh.AXES (which imports JAX)
+  """Total pipeline / data / fsdp / context / tensor degrees (intra-node x inter-node) on n_devices over n_nodes."""
+  axes = ("pipeline", "data", "fsdp", "context", "tensor")  # maxlm.mesh.AXES (which imports JAX)
   dcn = _fill([getattr(mesh, f"dcn_{a}") for a in axes], n_nodes)
   ici = _fill([getattr(mesh, a) for a in axes], max(1, n_devices // n_nodes))
   return {a: i * j for a, i, j in zip(axes, ici, dcn)}
 
 
-def _activation_elements(cfg: Config) -> int:
-  """Rough activation elements per token: saved by the remat policy over all layers + one layer."""
+def _activation_elements(cfg: Config, n_layers: int) -> int:
+  """Rough activation elements per token: saved by the remat policy over `n_layers` layers + one layer."""
   m = cfg.model
   d, f, qkv, ctx = m.d_model, m.ffn_dim, (m.n_heads + 2 * m.n_kv_heads) * m.head_dim, m.n_heads * m.head_dim
   # Everything one block's backward reads without remat: norm inputs/outputs, q/k/v, context,
@@ -82,7 +85,7 @@ def _activation_elements(cfg: Config) -> int:
           "save_qkv_attn": d + qkv + ctx, "recompute_norm_act": whole - 2 * d - f}[m.remat]
   # + what the backward recomputes, for one layer at a time
   redone = {"none": 0, "recompute_norm_act": 2 * d + f}.get(m.remat, whole)
-  return m.n_layers * kept + redone
+  return n_layers * kept + redone
 
 
 def fp8_meta_bytes(m: ModelConfig) -> int:
@@ -109,11 +112,13 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
 
   m, d = cfg.model, cfg.data
   deg = mesh_degrees(cfg.mesh, n_devices, n_nodes)
-  n_params = count_params(m)["total"]
+  counts, stages = count_params(m), deg["pipeline"]
+  n_params = counts["total"] - counts["layers"] + -(-counts["layers"] // stages)  # per pipeline stage
   p_bytes, c_bytes = DTYPE_BYTES[m.param_dtype], 2 if m.precision == "fp16" else DTYPE_BYTES[m.dtype]
   shards = deg["fsdp"] * deg["tensor"]
   params = -(-n_params * p_bytes // shards)  # ceil
-  rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
+  micro = d.global_batch_size // (1 if stages > 1 else cfg.train.grad_accum)  # pipelined: all micro-batches at once
+  rows = -(-micro // (deg["data"] * deg["fsdp"]))
   vocab = -(-m.vocab_size // deg["tensor"])
   logit_bytes = 4 + (c_bytes if c_bytes != 4 else 0)
   moments = -(-2 * n_params * DTYPE_BYTES[cfg.optim.state_dtype] // shards)
@@ -127,7 +132,7 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
       "gradients": params,
       "fp8_meta": fp8_meta_bytes(m) if state is None else state["fp8_meta"],
       "logits": rows * -(-_logit_positions(m, d.seq_len) // deg["context"]) * vocab * logit_bytes,
-      "activations": rows * (d.seq_len // deg["context"]) * _activation_elements(cfg) * c_bytes,
+      "activations": rows * (d.seq_len // deg["context"]) * _activation_elements(cfg, m.n_layers // stages) * c_bytes,
   }
   out["lower_bound"] = out["params"] + out["optimizer"] + out["gradients"] + out["fp8_meta"] + out["logits"]
   out["total"] = out["lower_bound"] + out["activations"]

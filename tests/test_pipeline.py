@@ -1,0 +1,290 @@
+"""Pipeline parallelism (maxlm/pipeline.py): the GPipe schedule against a plain loop over the layers, exactly;
+pipelined training (pipeline 2 and 4, with fsdp, data and tensor) against one device over several optimizer
+steps; the configurations it cannot run, refused in one line naming the keys."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from resume_launcher import compile_cache
+
+from maxlm.checkpoint import Checkpointer
+from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig, load_config, to_dict
+from maxlm.mesh import make_mesh
+from maxlm.model import Transformer
+from maxlm.optim import make_optimizer
+from maxlm.pipeline import bubble_fraction, check, micro_batches, pipeline_stack, whole_batch
+from maxlm.scope import model_scope
+from maxlm.sharding import batch_sharding, replicated
+from maxlm.step import jit_step, make_train_step
+from maxlm.train import Trainer, main
+from maxlm.train_state import abstract_state, create_train_state
+
+U32 = 2.0 ** -24  # float32 unit roundoff
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
+
+
+# ---- the schedule, on its own ------------------------------------------------------------------------------
+
+def _layer(p, h, pos, seg):
+  """A stand-in layer whose every value is a small integer (exact in float32, whatever the order of the sums):
+  a signed permutation of the features, a bias, and the token's position and document, so that a micro-batch
+  that met another's positions, or a layer applied out of order, shows."""
+  return h @ p["w"] + p["b"] + (pos * seg)[..., None].astype(h.dtype)
+
+
+def _loop(params, x, pos, seg):
+  """The reference: every layer in turn over the whole batch (numpy)."""
+  for i in range(params["w"].shape[0]):
+    x = x @ params["w"][i] + params["b"][i] + (pos * seg)[..., None]
+  return x
+
+
+def _stack(n_layers, d, seed):
+  rng = np.random.default_rng(seed)
+  w = np.stack([np.eye(d)[rng.permutation(d)] * rng.choice([-1.0, 1.0], d) for _ in range(n_layers)])
+  return {"w": w.astype(np.float32), "b": rng.integers(-3, 4, (n_layers, d)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("stages,micro,fsdp", [(2, 3, 4), (2, 4, 2), (4, 4, 2), (4, 6, 1)])
+def test_the_schedule_equals_a_loop_over_the_layers(stages, micro, fsdp):
+  """Outputs and gradients (of params and inputs) of the pipelined stack equal the plain loop's exactly, for
+  micro-batches as many as the stages, more, and not a multiple of them."""
+  n_layers, d, t = 8, 4, 5
+  b = micro * fsdp * 2  # two rows of each micro-batch per data-parallel device
+  mesh = make_mesh(MeshConfig(pipeline=stages, fsdp=fsdp, data=1), jax.devices()[:stages * fsdp])
+  rng = np.random.default_rng(stages * 10 + micro)
+  params = _stack(n_layers, d, seed=micro)
+  x = rng.integers(-5, 6, (b, t, d)).astype(np.float32)
+  pos = np.tile(np.arange(t, dtype=np.int32), (b, 1)) + rng.integers(0, 3, (b, 1)).astype(np.int32)
+  seg = rng.integers(0, 3, (b, t)).astype(np.int32)
+  cot = rng.integers(-2, 3, (b, t, d)).astype(np.float32)
+  want = _loop(params, x, pos, seg)
+
+  def ref_loss(p, x):  # the same loop in jax, differentiated by jax: the reference gradients
+    for i in range(n_layers):
+      x = _layer(jax.tree_util.tree_map(lambda a, i=i: a[i], p), x, pos, seg)
+    return jnp.sum(x * cot)
+
+  def piped(p, x):
+    return pipeline_stack(_layer, p, x, pos, seg, stages=stages, microbatches=micro)
+
+  with model_scope(ModelConfig(backend="flax"), "flax", mesh):
+    got = jax.jit(piped)(params, x)
+    grads = jax.jit(jax.grad(lambda p, x: jnp.sum(piped(p, x) * cot), argnums=(0, 1)))(params, x)
+  ref_grads = jax.grad(ref_loss, argnums=(0, 1))(params, x)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, jax.tree_util.tree_map(np.asarray, grads), ref_grads)
+
+
+def test_micro_batches_are_strided_and_come_back():
+  x = np.arange(12).reshape(6, 2)
+  mb = np.asarray(micro_batches(x, 3))
+  assert mb.shape == (3, 2, 2) and mb[1].tolist() == [[2, 3], [8, 9]]  # rows 1 and 4: row r in micro-batch r % M
+  np.testing.assert_array_equal(np.asarray(whole_batch(mb)), x)
+  assert bubble_fraction(1, 8) == 0 and bubble_fraction(4, 4) == 3 / 7 and bubble_fraction(4, 12) == 0.2
+
+
+# ---- the configurations it cannot run ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("model,grad_accum,match", [
+    (dict(n_layers=6), 4, r"^model.n_layers=6 does not split into the 4 pipeline stages of mesh.pipeline=2 x "
+                          r"mesh.dcn_pipeline=2: "),
+    (dict(n_layers=8), 2, r"^train.grad_accum=2 gives fewer micro-batches than the 4 pipeline stages of "
+                          r"mesh.pipeline=2 x mesh.dcn_pipeline=2; use train.grad_accum >= 4"),
+    (dict(n_layers=8, scan_layers=False), 4, r"^model.scan_layers=false: the pipeline \(mesh.pipeline=2 x "
+                                             r"mesh.dcn_pipeline=2\) splits the scanned layer stack"),
+    (dict(n_layers=8, precision="fp8_delayed"), 4, r"^model.precision=fp8_delayed with mesh.pipeline=2 x "
+                                                   r"mesh.dcn_pipeline=2: "),
+])
+def test_what_a_pipeline_cannot_run_is_refused_naming_the_keys(model, grad_accum, match):
+  mesh = MeshConfig(pipeline=2, dcn_pipeline=2)
+  with pytest.raises(ConfigError, match=match):
+    check(ModelConfig(**model), TrainConfig(grad_accum=grad_accum), mesh, 4)
+  check(ModelConfig(**model), TrainConfig(grad_accum=grad_accum), mesh, 1)  # no pipeline: nothing to refuse
+
+
+# ---- pipelined training against one device -----------------------------------------------------------------
+
+MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=8, ffn_dim=128,
+                    dtype="float32", remat="full", backend="flax")
+B, T, STEPS, LR = 16, 16, 3, 0.05
+
+
+def _recorder() -> optax.GradientTransformation:
+  """Keeps the step's gradient as its state and passes it on (to SGD): what each step computed, on the host."""
+  return optax.GradientTransformation(lambda params: jax.tree_util.tree_map(jnp.zeros_like, params),
+                                      lambda grads, state, params=None: (grads, grads))
+
+
+def _batch(step: int) -> dict:
+  """Packed rows: two documents each (positions restart at a random cut), and padding at the end of some."""
+  rng = np.random.default_rng(step)
+  toks = rng.integers(0, MODEL.vocab_size, (B, T + 1), dtype=np.int32)
+  seg, pos = np.ones((B, T), np.int32), np.tile(np.arange(T, dtype=np.int32), (B, 1))
+  for r in range(B):
+    cut = int(rng.integers(2, T - 2))
+    seg[r, cut:], pos[r, cut:] = 2, np.arange(T - cut)
+    if r % 3 == 0:
+      seg[r, T - int(rng.integers(1, 5)):] = 0
+  return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos}
+
+
+def _train(mesh_cfg: MeshConfig, n_devices: int, grad_accum: int, model_cfg: ModelConfig = MODEL):
+  """STEPS real (jitted, sharded, donating) train steps with SGD: (initial params, [(loss, grad_norm)],
+  [gradients], final params), all on the host."""
+  mesh = make_mesh(mesh_cfg, jax.devices()[:n_devices])
+  model = Transformer(model_cfg, max_segments=2, stages=mesh.shape["pipeline"], microbatches=grad_accum)
+  optimizer = optax.chain(_recorder(), optax.sgd(LR))
+  schedule = optax.constant_schedule(LR)
+
+  def scope():
+    return model_scope(model_cfg, model_cfg.backend, mesh)
+  with scope():
+    state, shardings = create_train_state(model, optimizer, mesh, seed=0, batch=B // grad_accum, seq_len=T)
+  init = jax.tree_util.tree_map(np.asarray, state.params)
+  bs = batch_sharding(mesh)
+  step = jit_step(make_train_step(model, optimizer, schedule, grad_accum=grad_accum, packed=True), shardings,
+                  {k: bs for k in BATCH_KEYS}, scope, metrics_sharding=replicated(mesh))
+  metrics, grads = [], []
+  for i in range(STEPS):
+    state, m = step(state, {k: jax.device_put(v, bs) for k, v in _batch(i).items()})
+    metrics.append((float(m["loss"]), float(m["grad_norm"])))
+    grads.append(jax.tree_util.tree_map(np.asarray, state.opt_state[0]))
+  return init, metrics, grads, jax.tree_util.tree_map(np.asarray, state.params)
+
+
+# Tolerances. The pipelined step and one device's compute the same per-token terms in another order: the
+# weight gradients summed per micro-batch and then over the ticks, the batch's rows split over data x fsdp,
+# contractions over heads / MLP / vocabulary (<= 256) split over `tensor`. Each float32 result carries
+# rounding of random sign ~ sqrt(n) * U32 per contraction of length n (<= 16 ulps for n <= 256); along the
+# backward chain (LM head, then per block wo, wi, out, attention, qkv: 21 contractions for 4 layers) they add
+# in quadrature (sqrt(21) * 16 ~ 73 ulps), plus sqrt(256) = 16 for the sum over 256 tokens: <= 128 ulps of a
+# leaf's largest gradient per run, so two runs differ by <= 256 ulps (GRAD_DIFF) in one step from the same
+# parameters. Plain SGD (LR = 0.05) then moves the two runs' parameters apart by LR x that difference, whose
+# effect on the next gradient (LR x the loss's curvature times it) is below the difference itself for a tiny
+# model near its initialization (curvature well under 1 / LR = 20): the differences at most add up, k x
+# GRAD_DIFF at step k. The loss (a mean over <= 256 tokens of logsumexp over V=256: sums of positive terms)
+# gets (V + tokens) ulps per run, twice for two, plus the first-order effect of the parameters' difference:
+# LR x (sum of the earlier steps' gradient differences) . (this gradient), bounded with Cauchy-Schwarz below.
+# The gradient norm: the gradients' bound plus sqrt(n) ulps for summing n squares. Measured: well under a
+# tenth of each bound.
+GRAD_DIFF = 256 * U32
+LOSS_DIFF = 2 * (256 + 256) * U32
+
+
+def _leaves(tree):
+  return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _bound(grads, k):
+  """Per leaf, the bound on |pipelined - one device| of step k's gradients (k = 1, 2, ...)."""
+  return [k * GRAD_DIFF * np.abs(g).max() for _, g in _leaves(grads)]
+
+
+def _assert_same_training(ref, got, what: str):
+  (init0, metrics0, grads0, final0), (init1, metrics1, grads1, final1) = ref, got
+  jax.tree_util.tree_map(np.testing.assert_array_equal, init1, init0)  # the pipelined init: the same parameters
+  n = sum(g.size for _, g in _leaves(grads0[0]))
+  drift = 0.0  # L2 bound on the parameters' difference before this step (LR x the gradient differences so far)
+  for k, ((loss, norm), (loss0, norm0), g1, g0) in enumerate(zip(metrics1, metrics0, grads1, grads0), start=1):
+    first_order = drift * norm0  # |d loss| <= |parameter difference| x |gradient| (Cauchy-Schwarz)
+    np.testing.assert_allclose(loss, loss0, rtol=LOSS_DIFF, atol=first_order, err_msg=f"{what} step {k} loss")
+    bounds = _bound(g0, k)
+    np.testing.assert_allclose(norm, norm0, rtol=k * GRAD_DIFF + np.sqrt(n) * U32, err_msg=f"{what} step {k}")
+    for (name, a), (_, r), tol in zip(_leaves(g1), _leaves(g0), bounds):
+      np.testing.assert_allclose(a, r, rtol=0, atol=tol, err_msg=f"{what} step {k} gradient {name}")
+    drift += LR * np.sqrt(sum(np.size(g) * b * b for (_, g), b in zip(_leaves(g0), bounds)))
+  # the final parameters: the init minus LR x each step's gradient, each rounded (<= U32 |p|) once per step
+  for (name, a), (_, r), steps in zip(_leaves(final1), _leaves(final0),
+                                      zip(*[_bound(g, k) for k, g in enumerate(grads0, start=1)])):
+    np.testing.assert_allclose(a, r, rtol=0, atol=LR * sum(steps) + 2 * STEPS * U32 * np.abs(r).max(),
+                               err_msg=f"{what} final {name}")
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  return _train(MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1), 1, grad_accum=1)
+
+
+@pytest.mark.parametrize("mesh,grad_accum", [
+    (MeshConfig(pipeline=2, fsdp=4), 4),  # more micro-batches than stages, FSDP inside each stage
+    (MeshConfig(pipeline=2, data=2, fsdp=1, tensor=2), 2),  # as many micro-batches as stages, with tensor
+    (MeshConfig(pipeline=4, fsdp=2), 4),
+    (MeshConfig(pipeline=4, fsdp=1, tensor=2), 8),
+])
+def test_pipelined_training_equals_one_device(one_device, mesh, grad_accum):
+  """Loss, gradient norm, every gradient of each of several SGD steps and the final parameters of a pipelined
+  run equal one device's (no pipeline, the whole batch at once) within float32 noise."""
+  _assert_same_training(one_device, _train(mesh, 8, grad_accum), f"{mesh} grad_accum={grad_accum}")
+
+
+@pytest.mark.te
+def test_pipelined_training_equals_one_device_on_te_layers():
+  """The TE backend's layers (TE's pure-JAX path on CPU) inside the stages: the same as one device."""
+  cfg = dataclasses.replace(MODEL, backend="te")
+  ref = _train(MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1), 1, 1, cfg)
+  _assert_same_training(ref, _train(MeshConfig(pipeline=2, fsdp=2, tensor=2), 8, 4, cfg), "te")
+
+
+# ---- checkpoints across pipeline degrees -------------------------------------------------------------------
+
+RUN = ["model.backend=flax", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+       "model.ffn_dim=64", "model.n_layers=2", "model.vocab_size=128", "model.remat=none", "data.type=synthetic",
+       "data.seq_len=16", "data.global_batch_size=16", "train.grad_accum=2", "optim.warmup_steps=0",
+       "optim.decay_steps=10",  # the schedule does not depend on train.steps: a run of 2 steps is the first 2 of 3
+       "train.log_every=1", "checkpoint.enabled=true", "mesh.fsdp=-1"]
+
+
+def _restored(run_dir, args):
+  """The latest checkpoint of run_dir restored onto the mesh of `args` (the trainer's own target): leaves on
+  the host, and the layers one device holds of the stacked qkv kernel."""
+  cfg = load_config(args)
+  t = Trainer(cfg)
+  try:
+    with t.scope():
+      target, _ = abstract_state(t.model, make_optimizer(cfg.optim, cfg.train.steps)[0], t.mesh,
+                                 cfg.data.global_batch_size, cfg.data.seq_len)
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    try:
+      state = ckpt.restore_latest(target, to_dict(cfg)).state
+    finally:
+      ckpt.close()
+  finally:
+    t.close()
+  leaves = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+  return leaves, state.params["layers"]["qkv"]["kernel"].addressable_shards[0].data.shape[0]
+
+
+def _losses(run_dir) -> dict:
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
+def test_a_checkpoint_restores_at_another_pipeline_degree(tmp_path, capsys, first, then):
+  """The saved tree is per layer ([L, ...]) whatever the pipeline degree: a run saved with mesh.pipeline=first
+  resumes with mesh.pipeline=then, every restored value equal to the saved one (only the sharding differs),
+  and its next step's loss is the uninterrupted run's (the same parameters; float32 noise of the forward)."""
+  with compile_cache(tmp_path / "xla-cache"):
+    common = [*RUN, f"output_dir={tmp_path}"]
+    assert main([*common, "run_name=whole", f"mesh.pipeline={first}", "train.steps=3"]) == 0
+    assert main([*common, "run_name=r", f"mesh.pipeline={first}", "train.steps=2"]) == 0
+    saved, layers_first = _restored(tmp_path / "r", [*common, "run_name=r", f"mesh.pipeline={first}"])
+    moved, layers_then = _restored(tmp_path / "r", [*common, "run_name=r", f"mesh.pipeline={then}"])
+    capsys.readouterr()
+    assert main([*common, "run_name=r", f"mesh.pipeline={then}", "train.steps=3"]) == 0
+  assert "resumed from checkpoint step 2 " in capsys.readouterr().out
+  assert saved.keys() == moved.keys() and len(saved) > 10
+  for k in saved:
+    np.testing.assert_array_equal(moved[k], saved[k], err_msg=k)
+  assert (layers_first, layers_then) == (2 // first, 2 // then)  # of the 2 layers: a stage's, or all
+  whole, resumed = _losses(tmp_path / "whole"), _losses(tmp_path / "r")
+  assert resumed[1] == whole[1] and resumed[2] == whole[2]  # the steps before the save: the same run
+  # Step 3 starts from the same (restored) parameters on another schedule: the loss, a mean of 256 tokens'
+  # logsumexp over V=128 (sums of positive terms), differs by the two runs' rounding, (V + tokens) ulps each.
+  np.testing.assert_allclose(resumed[3], whole[3], rtol=2 * (128 + 256) * U32)

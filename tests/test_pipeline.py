@@ -21,7 +21,8 @@ from maxlm.pipeline import bubble_fraction, check, micro_batches, pipeline_stack
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
 from maxlm.step import jit_step, make_train_step
-from maxlm.train import Trainer, main
+from maxlm.train import main
+from maxlm.trainer import Trainer
 from maxlm.train_state import abstract_state, create_train_state
 
 U32 = 2.0 ** -24  # float32 unit roundoff

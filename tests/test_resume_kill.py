@@ -251,7 +251,7 @@ def test_kill9_then_resume_is_bit_identical_with_pipeline_stages(tmp_path, tmp_p
   pipelined = ("mesh.pipeline=2", "mesh.fsdp=1", "model.n_layers=2", "train.grad_accum=2")
   whole = Run(tmp_path / "whole", extra=pipelined, devices=2)
   assert whole.finish() == 0, whole.text()
-  assert "mesh {'pipeline': 2, 'data': 1, 'fsdp': 1, 'tensor': 1}" in whole.text()
+  assert "mesh {'pipeline': 2, 'data': 1, 'fsdp': 1, 'context': 1, 'tensor': 1}" in whole.text()
   want = {"losses": {r["step"]: (r["loss"], r["grad_norm"]) for r in _metrics(tmp_path / "whole")},
           "batches": dict(_trace(tmp_path / "whole")), "final": _final_arrays(tmp_path / "whole")}
   run = Run(tmp_path / "killed", extra=pipelined, devices=2, step_sleep=0.1)

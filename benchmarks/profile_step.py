@@ -77,6 +77,7 @@ def _timeout(msg: str) -> None:
 def main(argv):
   import jax
 
+  from maxlm import plan
   from maxlm.config import load_config
   from maxlm.runtime import distributed
   from maxlm.runtime import env as runtime
@@ -89,6 +90,7 @@ def main(argv):
   for line in runtime.configure(deterministic=cfg.train.deterministic):
     print(f"maxlm: train.deterministic=true: {line}")
   distributed.initialize(cfg, on_timeout=_timeout)
+  cfg, _ = plan.for_run(cfg, print)  # plan.mode's levers, as the train command decides them
   trainer = Trainer(cfg)
   trainer.build()
   batch = trainer.to_device(next(trainer.train_data))

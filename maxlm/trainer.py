@@ -22,7 +22,6 @@ import yaml
 
 from maxlm import data as data_lib
 from maxlm import evaluate
-from maxlm import plan as planner
 from maxlm.batches import Batches
 from maxlm.checkpoint import CheckpointError, Preemption
 from maxlm.checkpoint import run_dir as run_dirs
@@ -35,7 +34,7 @@ from maxlm.mesh import check_context_split, make_mesh
 from maxlm.metrics import echo
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
-from maxlm.runtime import compile_cache, warm_start
+from maxlm.runtime import agree, compile_cache, warm_start, watchdog
 from maxlm.runtime.startup import Startup
 from maxlm.pipeline import check as check_pipeline
 from maxlm.scope import model_scope
@@ -70,7 +69,8 @@ def check_batch_split(d: DataConfig, t: TrainConfig, mesh_shape) -> None:
 
 
 class Trainer:
-  """Owns the mesh, model, state, data and jitted steps of one run; `train()` drives it."""
+  """Owns the mesh, model, state, data and jitted steps of one run; `train()` drives it. `cfg` is the run's
+  decided config: plan.mode's levers are chosen before (maxlm/plan/__init__.py `for_run`, the train command)."""
   slow_storage = None  # tests: a checkpoint storage slow or stuck on purpose (maxlm/checkpoint/disk.py)
 
   def __init__(self, cfg: Config):
@@ -81,11 +81,6 @@ class Trainer:
     self.mesh = make_mesh(cfg.mesh)
     check_pipeline(cfg.model, cfg.train, cfg.mesh, self.mesh.shape["pipeline"], self.mesh.shape["context"])
     self._check_batch_split()
-    # plan.mode (maxlm/plan/__init__.py): levers measured by XLA replace the config's where it plans; it checks the fit
-    t_plan = time.perf_counter()
-    cfg = self.cfg = planner.for_run(cfg, echo if jax.process_index() == 0 else None)
-    self.plan_s = time.perf_counter() - t_plan  # its compiles: a part of the time to the first step
-    planner.remember(self)  # for the out-of-memory line (maxlm/cli/train.py)
     if warm_start.active():  # the config is final: load the executables kept by the last start, in the background
       warm_start.prefetch(warm_start.run_signature(cfg))
     self.packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
@@ -176,38 +171,48 @@ class RunEnd:
 
 
 def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> RunEnd:
-  """Run `cfg` to train.steps; returns how it ended (RunEnd: done, or preempted after saving).
-
-  The run directory is claimed first (maxlm/checkpoint/run_dir.py: a directory holding another run is used
-  only to resume it). A directory this call created is removed again when the run fails on bad input or a
-  checkpoint before it logged a step or saved a checkpoint, so such a failure leaves nothing behind."""
+  """Run `cfg` as given to train.steps (the train command decides plan.mode's levers first, then calls `run`);
+  returns how it ended (RunEnd: done, or preempted after saving)."""
   startup = Startup(time.perf_counter() if t_start is None else t_start)
   jax.devices()  # the backend starts here at the latest
   startup.mark("backend")
   cfg = dataclasses.replace(cfg, data=data_lib.resolve_type(cfg.data))  # data.type=auto made concrete
+  wd = watchdog.start(cfg.train, cfg.run_dir, jax.process_index(), jax.process_count(), "start-up: data and state")
   trainer = Trainer(cfg)
   try:
-    return _claim_and_train(cfg, trainer, preemption, startup)
+    return run(trainer, preemption, startup, wd)
   finally:
     trainer.close()  # its data's prefetch threads: a process that goes on after the run keeps none reading
+    wd.stop()
 
 
-def _claim_and_train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Startup) -> RunEnd:
+def claim_run_dir(cfg: Config) -> bool:
+  """Check that this run may use its run directory (maxlm/checkpoint/run_dir.py: one holding another run is used
+  only to resume it) and create it; True when it was created here. Process 0's alone in a run of several."""
   run_dir = cfg.run_dir
-  is_main = jax.process_index() == 0
   if cfg.checkpoint.load_params and not Path(cfg.checkpoint.load_params).exists():
     raise CheckpointError(f"checkpoint.load_params={cfg.checkpoint.load_params}: no such file or directory")
-  cfg = trainer.cfg  # with plan.mode=auto, the levers the planner chose
-  created = is_main and not run_dir.exists()
-  if is_main:
-    _check_writable(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+  created = not run_dir.exists()
+  _check_writable(run_dir)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  return created
+
+
+def run(trainer: Trainer, preemption: Preemption, startup: Startup, wd) -> RunEnd:
+  """Train the built trainer's run under the watchdog `wd` (started at start-up). The run directory is created by
+  process 0 alone, the others receiving its answer (maxlm/runtime/agree.py), then locked (one run at a time) and
+  claimed. A directory this call created is removed again when the run fails on bad input or a checkpoint before
+  it logged a step or saved a checkpoint, so such a failure leaves nothing behind."""
+  cfg, run_dir = trainer.cfg, trainer.cfg.run_dir
+  limit = watchdog.start_up_limit(cfg.train)
+  created = agree.decide("run directory", lambda: claim_run_dir(cfg), wd, "start-up: run directory", limit)
   lock = run_lock.hold(run_dir)  # one run at a time (a second one stops here, the first untouched)
   try:
     run_dirs.claim(run_dir, yaml.safe_load(dump_yaml(cfg)), cfg.checkpoint.enabled)
-    return _train(cfg, trainer, preemption, startup)
+    wd.arm("start-up: data and state", limit=limit)  # the state's init: one compile and one run
+    return _train(cfg, trainer, preemption, startup, wd)
   except (ConfigError, CheckpointError, data_lib.DataError, PrecisionError):
-    if created and not run_dirs.previous(run_dir).holds_run:
+    if created and jax.process_index() == 0 and not run_dirs.previous(run_dir).holds_run:
       shutil.rmtree(run_dir, ignore_errors=True)
     raise
   finally:
@@ -215,12 +220,12 @@ def _claim_and_train(cfg: Config, trainer: Trainer, preemption: Preemption, star
       lock.release()
 
 
-def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Startup) -> RunEnd:
+def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Startup, wd) -> RunEnd:
   """The loop: the run's own work, with its services (maxlm/loop/services.py) called at fixed points."""
   trainer.build()
   t, d = cfg.train, cfg.data
   run = Run(cfg, trainer, is_main=jax.process_index() == 0)
-  hooks = subscribe(run, preemption, startup)
+  hooks = subscribe(run, preemption, startup, wd)
   try:
     hooks.check(run)
     hooks.begin(run)

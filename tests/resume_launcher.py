@@ -20,6 +20,9 @@ Environment:
                              and every checkpoint's, takes its bytes / BPS more: `Trainer.slow_storage`); its
                              N-th write (the probe at the start is the first when the watchdog is on) never
                              ends, after "STORAGE-STUCK <N>"
+  MAXLM_TEST_STOP_IN=WHERE,P  process P stops itself (SIGSTOP, as a frozen node) where start-up reaches WHERE:
+                             `plan` (the planner's decision begins) or `data` (the trainer opens its data), once
+                             every process has reached WHERE, after printing "STOPPING <WHERE>"
 """
 
 from __future__ import annotations
@@ -150,6 +153,30 @@ class SlowStorage:
     time.sleep(nbytes / self.bps)
 
 
+def stop_at(where: str, process: str) -> None:
+  """MAXLM_TEST_STOP_IN: wrap the start-up call named by `where` so that process `process` SIGSTOPs itself there."""
+  import signal
+
+  import jax
+
+  from maxlm import plan, trainer
+
+  def stopping(f):
+    def wrapper(*a, **kw):
+      from jax._src import distributed as jax_distributed
+      # every process gets here first, so that the stop falls in this phase of every process's start-up
+      jax_distributed.global_state.client.wait_at_barrier(f"maxlm-test-stop-{where}", 120_000)
+      if jax.process_index() == int(process):
+        print(f"STOPPING {where}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+      return f(*a, **kw)
+    return wrapper
+  if where == "plan":
+    plan.for_run = stopping(plan.for_run)
+  else:
+    trainer.data_lib.make_train_iterator = stopping(trainer.data_lib.make_train_iterator)
+
+
 def install_hooks(argv: list[str]) -> None:
   import jax
 
@@ -221,6 +248,9 @@ def install_hooks(argv: list[str]) -> None:
         self._test_readonly = True
       return save(self, step, *a, **kw)
     checkpoint.Checkpointer.save = save_then_readonly
+  stop_in = os.environ.get("MAXLM_TEST_STOP_IN")
+  if stop_in:
+    stop_at(*stop_in.split(","))
   nan_steps = os.environ.get("MAXLM_TEST_NAN_STEPS")
   if nan_steps:
     from maxlm import step as step_lib

@@ -1,13 +1,15 @@
-"""The memory planner (maxlm/plan/__init__.py, plan_measure.py, cli/plan.py) on 8 simulated CPU devices: its per-device
-bytes equal XLA's memory analysis of the step the trainer compiles (read here off the trainer's own executable),
-a config that fits only with a memory-saving lever gets it (CLI table, trainer, dry run), the search is
-deterministic and compiles only what it must, and an out-of-memory error ends in one line."""
+"""The memory planner (maxlm/plan/__init__.py, plan/measure.py, cli/plan.py) on 8 simulated CPU devices: its
+per-device bytes equal XLA's memory analysis of the step the trainer compiles (read here off the trainer's own
+executable), a config that fits only with a memory-saving lever gets it (CLI table, trainer, dry run), the search
+is deterministic and compiles only what it must, an out-of-memory error ends in one line, and in a run of several
+processes process 0 decides the plan that every process runs."""
 
 import itertools
 import json
 
 import jax
 import numpy as np
+import processes
 import pytest
 
 from maxlm import plan
@@ -83,8 +85,9 @@ def test_trainer_and_dry_run_apply_the_plan(reference, tmp_path, monkeypatch, ca
   monkeypatch.setattr(plan_measure, "_local_memory", lambda dev: int(usable / (1 - plan_measure.MARGIN)) + 1)
   auto = [*BASE, "plan.mode=auto", "plan.levers=train.grad_accum", f"output_dir={tmp_path}"]
   cfg = load_config(auto)
-  tr = Trainer(cfg)
-  assert tr.cfg.train.grad_accum == 2 and cfg.train.grad_accum == 1
+  decided, how = plan.for_run(cfg, print)  # as the train command does, before it builds the trainer
+  assert decided.train.grad_accum == 2 and cfg.train.grad_accum == 1 and how == "chosen by plan.mode=auto"
+  assert Trainer(decided).cfg is decided  # the trainer plans nothing itself
   out = capsys.readouterr().out.splitlines()
   assert len(out) == 1 and out[0].startswith(
       "maxlm: plan: model.remat=none, train.grad_accum=2, optim.offload=none, optim.mu_dtype=float32, "
@@ -108,20 +111,21 @@ def test_fit_keeps_a_config_that_fits_and_plans_one_that_does_not(reference, whe
                       or plan_measure.measure(c, self.devices))
   cfg = load_config([*BASE, "plan.levers=train.grad_accum", f"output_dir={tmp_path}"])
   assert cfg.plan.mode == "fit"
-  tr = Trainer(cfg)
+  decided, how = plan.for_run(cfg, print)
   out = capsys.readouterr().out.splitlines()
   h = plan.sizing.human_bytes
   if where == "roomy":
-    assert tr.cfg is cfg and [c["train.grad_accum"] for c in compiled] == [1]
+    assert decided is cfg and [c["train.grad_accum"] for c in compiled] == [1]
+    assert how == "as written, measured to fit by plan.mode=fit"
     assert out == [f"maxlm: plan: the config fits as written (peak {h(reference[1])} of {h(usable)} usable per "
                    "device, measured by XLA; plan.mode=fit keeps it)"]
   else:
-    assert tr.cfg.train.grad_accum == 2 and [c["train.grad_accum"] for c in compiled] == [1, 2]
+    assert decided.train.grad_accum == 2 and [c["train.grad_accum"] for c in compiled] == [1, 2]
     assert len(out) == 1 and out[0].startswith("maxlm: plan: model.remat=none, train.grad_accum=2, ")
     assert out[0].endswith(f"2 compiled, 0 not); as written the config peaks at {h(reference[1])} per device")
   monkeypatch.setattr(plan, "gpu_here", lambda: False)  # on a CPU fit does nothing: no compile
   compiled.clear()
-  assert Trainer(cfg).cfg is cfg and compiled == [] and capsys.readouterr().out == ""
+  assert plan.for_run(cfg, print) == (cfg, "plan.mode=fit") and compiled == [] and capsys.readouterr().out == ""
 
 
 def llama70b_params(n_layers: int) -> int:
@@ -315,21 +319,36 @@ def test_simulated_devices_in_a_child_measure_like_here():
   assert here["device"] < plan_measure.measure(cfg)["device"]
 
 
+def test_out_of_memory_line_takes_its_inputs_as_arguments(monkeypatch):
+  """oom_message(cfg, how, compiled_gb, err): the decided config's levers, how they came, XLA's estimate and the
+  device's memory (under the test switch, a GPU's 10 GiB bytes_limit), and the next lever."""
+  monkeypatch.setenv("MAXLM_TEST_GPU_PATHS", "1")
+  monkeypatch.setenv("MAXLM_TEST_DEVICE_BYTES", str(10 * 2**30))
+  monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  cfg = load_config([*BASE, "plan.mode=auto", "model.remat=save_attn"])
+  error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.5GiB.")
+  line = plan.oom_message(cfg, "chosen by plan.mode=auto", 2**33 / 1e9, error)
+  assert line == ("out of memory on 8 x cpu (as a GPU: MAXLM_TEST_GPU_PATHS=1) with model.remat=save_attn, "
+                  "train.grad_accum=1, optim.offload=none, optim.state_dtype=float32 (chosen by plan.mode=auto): "
+                  "XLA could not allocate 3.5GiB; XLA's estimate of the step is 8.0 GiB per device; the device has "
+                  "10.0 GiB for XLA; next lever: model.remat=full")
+
+
 def test_out_of_memory_is_one_line_naming_levers_sizes_and_next_lever(tmp_path, monkeypatch, capsys):
   cfg = load_config([*BASE, f"output_dir={tmp_path}", "model.remat=save_attn"])
   error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 43.92GiB.\nmore")
 
-  def train(cfg, preemption, t_start):
+  def run_trainer(trainer, preemption, startup, wd):  # the run's first step, as XLA fails it
     raise error
-  monkeypatch.setattr("maxlm.cli.train.train", train)
-  monkeypatch.setattr(plan, "_TRAINER", None)
+  monkeypatch.setattr("maxlm.trainer.run", run_trainer)
   assert run(cfg) == 1
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and err.startswith("maxlm: error: out of memory on 8 x cpu with model.remat=save_attn, ")
   assert "XLA could not allocate 43.92GiB" in err and "(plan.mode=fit)" in err
   assert "next lever: model.remat=full (or plan.mode=auto" in err
   other = jax.errors.JaxRuntimeError("INTERNAL: something else")
-  monkeypatch.setattr("maxlm.cli.train.train", lambda *a: (_ for _ in ()).throw(other))
+  monkeypatch.setattr("maxlm.trainer.run", lambda *a: (_ for _ in ()).throw(other))
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # not an OOM: the traceback stays
     run(cfg)
 
@@ -405,3 +424,44 @@ def test_every_candidate_pruned_says_nothing_was_compiled():
   assert "usable per device; pruned by the analytic model, nothing compiled; the least of the 2 candidates pruned " \
          "is remat=none, grad_accum=" in msg
   assert "measured by XLA" not in msg
+
+
+# --- several processes: process 0 decides, every process runs its plan (tests/processes.py) ---------------------
+
+@pytest.mark.slow
+def test_process_1s_planner_reads_its_own_device_and_runs_process_0s_plan(tmp_path):
+  """Two processes, plan.mode=auto: the planner of process 1 used to ask jax.devices()[0] (process 0's device, not
+  addressable there) for its memory and died ("MemoryStats is only supported for addressable PjRt devices")."""
+  procs = processes.start(2, ["run_name=r", "train.steps=3", "data.global_batch_size=8", "mesh.dcn_fsdp=2",
+                              "plan.mode=auto", "plan.levers=train.grad_accum"], tmp_path)
+  codes = processes.finish(procs, 240)
+  outs = [processes.output(tmp_path, i) for i in range(2)]
+  assert codes == [0, 0], outs
+  assert not any(processes.errors(o + e) for o, e in outs), outs
+  # the plan's line once, from process 0; both processes trained the 3 steps of one program
+  assert sum("maxlm: plan: model.remat=full, train.grad_accum=1" in o for o, _ in outs) == 1
+  assert "maxlm: plan:" in outs[0][0] and "step 3/3" in outs[0][0]
+
+
+@pytest.mark.slow
+def test_processes_whose_measurements_differ_still_run_one_plan(tmp_path):
+  """The test switch gives the GPU paths on CPU (plan.mode=fit measures the devices at hand) and each process its
+  own device memory: process 0's fits the config as written, process 1's fits nothing. Process 1 must run process
+  0's plan, saying so in one warning line, never its own (a different program would hang the first collective)."""
+  env = [{"MAXLM_TEST_GPU_PATHS": "1", "MAXLM_TEST_DEVICE_BYTES": str(2**30)},
+         {"MAXLM_TEST_GPU_PATHS": "1", "MAXLM_TEST_DEVICE_BYTES": "1024"}]
+  procs = processes.start(2, ["run_name=r", "train.steps=3", "data.global_batch_size=8", "mesh.dcn_fsdp=2",
+                              "plan.mode=fit", "plan.levers=train.grad_accum"], tmp_path, env)
+  codes = processes.finish(procs, 240)
+  outs = [processes.output(tmp_path, i) for i in range(2)]
+  assert codes == [0, 0], outs
+  assert not any(processes.errors(o + e) for o, e in outs), outs
+  assert "maxlm: plan: the config fits as written (peak " in outs[0][0]
+  warnings = [ln for ln in (outs[1][0] + outs[1][1]).splitlines() if "warning: plan:" in ln]
+  assert len(warnings) == 1 and warnings[0].endswith(
+      "maxlm: warning: plan: this process sees cpu (as a GPU: MAXLM_TEST_GPU_PATHS=1) with 1.0 KiB, process 0 "
+      "cpu (as a GPU: MAXLM_TEST_GPU_PATHS=1) with 1.0 GiB; every process runs process 0's plan (model.remat=full, "
+      "train.grad_accum=1, optim.offload=none, optim.mu_dtype=float32, optim.nu_dtype=float32)"), warnings
+  assert "warning: plan:" not in outs[0][0] + outs[0][1]
+  assert "train:\n" in (tmp_path / "runs" / "r" / "config.yml").read_text()
+  assert "grad_accum: 1" in (tmp_path / "runs" / "r" / "config.yml").read_text()

@@ -134,16 +134,23 @@ def test_the_key_holds_the_environment_xla_reads(monkeypatch):
   assert warm_start.key("train_step", parts) != before
 
 
-def test_nothing_is_kept_or_loaded_by_several_processes_or_when_off(tmp_path, monkeypatch):
+def test_several_processes_keep_only_process_0s_decisions_and_nothing_when_off(tmp_path, monkeypatch):
+  """Executables are kept in a run of one process only (they hold its device assignment); the planner's decision
+  also by process 0 of several, which decides for all of them (maxlm/plan/__init__.py for_run); never when off."""
+  Entry = warm_start.Entry
   warm_start.configure(tmp_path, True)
   try:
-    warm_start.Entry("plan", ["x"]).save(1)
-    assert warm_start.Entry("plan", ["x"]).load() == 1
+    Entry("plan", ["x"]).save(1)
+    Entry("train_step", ["x"]).save(2)
+    assert Entry("plan", ["x"]).load() == 1 and Entry("train_step", ["x"]).load() == 2
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    assert not warm_start.active() and warm_start.Entry("plan", ["x"]).load() is None
+    assert not warm_start.active() and warm_start.active("plan")
+    assert Entry("train_step", ["x"]).load() is None and Entry("plan", ["x"]).load() == 1
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert not warm_start.active("plan") and Entry("plan", ["x"]).load() is None
     monkeypatch.undo()
     warm_start.configure(tmp_path, False)
-    assert warm_start.Entry("plan", ["x"]).load() is None
+    assert Entry("plan", ["x"]).load() is None and Entry("train_step", ["x"]).load() is None
   finally:
     warm_start.configure(None, False)
 

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import processes
 import pytest
 
 from maxlm.config import ConfigError, TrainConfig, load_config
@@ -346,3 +347,40 @@ def test_long_phases_that_progress_run_on_and_stuck_ones_end_within_their_limits
   assert m and 8.0 <= float(m[1]) < 8.0 + watchdog.POLL_S + 2.0, last
   assert "STORAGE-STUCK 2" in r.stdout and "step 6/6" not in r.stdout
   assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, phase", [("plan", "start-up: plan"), ("data", "start-up: run directory")])
+def test_a_process_stopped_during_start_up_ends_the_others_in_one_line(tmp_path, where, phase):
+  """Process 0 stops (SIGSTOP, a frozen node) as its planner begins, or as it opens its data; process 1 waits for
+  process 0's decision (the plan; the run directory, which process 0 alone creates). The start-up watchdog ends
+  process 1 with one line and exit 76 (requeue) once that wait has lasted its phase's limit,
+  train.watchdog_first_step_s (15 s here), rather than holding it until the job's time limit (JAX's heartbeat
+  is a day while the watchdog is on)."""
+  limit = 15
+  procs = processes.start(2, ["run_name=r", "train.steps=3", "data.global_batch_size=8", "mesh.dcn_fsdp=2",
+                              f"train.watchdog_first_step_s={limit}"], tmp_path,
+                          [{"MAXLM_TEST_STOP_IN": f"{where},0"}] * 2, launcher=True)
+  try:
+    end = time.monotonic() + 180
+    while f"STOPPING {where}" not in processes.output(tmp_path, 0)[0]:
+      assert time.monotonic() < end and procs[0].poll() is None, processes.output(tmp_path, 0)
+      time.sleep(0.1)
+    stopped = time.monotonic()
+    # the wait began at most a few seconds after process 0 stopped; then the limit, the watchdog's 1 s poll and
+    # the stacks written (at most 10 s, STACKS_WRITE_S): 30 s of slack for a loaded 2-core machine
+    code = procs[1].wait(timeout=limit + 30)
+    took = time.monotonic() - stopped
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+  out, err = processes.output(tmp_path, 1)
+  lines = [ln for ln in (out + err).splitlines() if "maxlm: error:" in ln]
+  assert code == 76 and len(lines) == 1 and err.rstrip().endswith(lines[0]), (code, out[-2000:], err[-3000:])
+  m = re.fullmatch(rf"\[process 1/2 \S+\] maxlm: error: watchdog: {phase} \(waiting for process 0\) at step 0 has "
+                   rf"taken (1[5-7]\.\d) s \(limit {limit}\.0 s: train\.watchdog_first_step_s: a start-up phase is at "
+                   r"most one compile and its set-up\); stacks of every thread in (\S+); exiting with code 76",
+                   lines[0])
+  assert m, lines[0]
+  assert took < limit + 30 and "wait" in Path(m[2]).read_text()

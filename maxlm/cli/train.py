@@ -33,15 +33,17 @@ import time
 import jax
 
 from maxlm import data as data_lib
+from maxlm import plan
+from maxlm import trainer as trainer_lib
 from maxlm.checkpoint import EXIT_PREEMPTED, Preemption
 from maxlm.cli import dryrun
 from maxlm.config import Config, ConfigError, help_text, load_config
 from maxlm.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, MaxlmError, report
 from maxlm.metrics import echo
-from maxlm.plan import oom_message
 from maxlm.plan.measure import is_oom, memory_stats
 from maxlm.plan.sizing import human_bytes
-from maxlm.runtime import compile_cache, distributed, startup
+from maxlm.runtime import compile_cache, distributed, startup, watchdog
+from maxlm.runtime.startup import Startup
 from maxlm.trainer import RunError, Trainer, train
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_CHECKPOINT", "RunError", "Trainer", "main", "run", "train"]
@@ -62,6 +64,7 @@ def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -
   their exit codes."""
   t_start = time.perf_counter() if t_start is None else t_start
   preemption = Preemption()  # first: a signal while the model is built or compiled exits at once
+  wd = watchdog.OFF
   try:
     try:
       for line in startup.begin(cfg):  # XLA flags, memory share, compilation cache: before the backend starts
@@ -71,29 +74,46 @@ def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -
       distributed.initialize(cfg, on_timeout=_exit_distributed_timeout)
     except MaxlmError as e:
       return report(e)
-    try:
-      if compile_only:
-        return compile_step_only(cfg, t_start)
-      return EXIT_PREEMPTED if train(cfg, preemption, t_start).preempted else 0
-    except MaxlmError as e:  # every error a user can cause (maxlm/errors.py): one line, its exit code
-      return report(e)
-    except Exception as e:
-      if not is_oom(e):
-        raise
-      return _fail(oom_message(cfg, e), 1)
+    # the start-up is watched from here to the first step (maxlm/runtime/watchdog.py: its phases and limits)
+    wd = watchdog.start(cfg.train, cfg.run_dir, jax.process_index(), jax.process_count(), "start-up: plan")
+    return _planned(cfg, t_start, compile_only, preemption, wd)
   finally:
+    wd.stop()
     preemption.close()
 
 
-def compile_step_only(cfg: Config, t_start: float) -> int:
-  """`--compile-only`: the run's checks and its train step, compiled on abstract shapes (see the module doc)."""
-  cfg = dataclasses.replace(cfg, data=data_lib.resolve_type(cfg.data))  # as train() resolves it
-  trainer = Trainer(cfg)  # every check of a run that needs no run directory; plan.mode=auto chooses here
+def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemption, wd) -> int:
+  """plan.mode decided once, before the trainer is built (maxlm/plan/__init__.py `for_run`: process 0 decides for
+  every process), then the run (or its compile) with the decided config."""
+  marks = Startup(t_start)
+  jax.devices()  # the backend starts here at the latest
+  marks.mark("backend")
+  how, trainer = "", None
   try:
-    trainer.build(abstract=True)
-    hit = trainer.compile_train_step()
+    cfg = dataclasses.replace(cfg, data=data_lib.resolve_type(cfg.data))  # data.type=auto made concrete
+    cfg, how = plan.for_run(cfg, echo if jax.process_index() == 0 else None, wd)
+    marks.mark("plan")  # its compiles: a part of the time to the first step
+    wd.arm("start-up: data and state", limit=watchdog.start_up_limit(cfg.train))
+    trainer = Trainer(cfg)
+    if compile_only:
+      return compile_step_only(trainer, t_start)
+    return EXIT_PREEMPTED if trainer_lib.run(trainer, preemption, marks, wd).preempted else 0
+  except MaxlmError as e:  # every error a user can cause (maxlm/errors.py): one line, its exit code
+    return report(e)
+  except Exception as e:
+    if not is_oom(e):
+      raise
+    compiled_gb = getattr(getattr(trainer, "jitted_train_step", None), "compiled_memory_gb", None)
+    return _fail(plan.oom_message(cfg, how, compiled_gb, e), 1)
   finally:
-    trainer.close()
+    if trainer is not None:
+      trainer.close()  # its data's prefetch threads: a process that goes on after the run keeps none reading
+
+
+def compile_step_only(trainer: Trainer, t_start: float) -> int:
+  """`--compile-only`: the run's checks and its train step, compiled on abstract shapes (see the module doc)."""
+  trainer.build(abstract=True)
+  hit = trainer.compile_train_step()
   step = trainer.jitted_train_step
   if jax.process_index() == 0:
     m = memory_stats(step.executable)

@@ -221,8 +221,9 @@ class TrainConfig:
   watchdog_floor_s: float = option(300.0, "watchdog: the least limit of a step phase or an eval batch once its "
                                    "time is measured", within="(0, inf)")
   watchdog_first_step_s: float = option(1800.0, "watchdog: the least limit of the slow phases (restore, compile, "
-                                        "checkpoint saves) and of any phase whose time is not measured yet; the "
-                                        "run's measurements raise it (maxlm/runtime/watchdog.py)",
+                                        "checkpoint saves), of each phase of start-up (a planner compile, a wait "
+                                        "for process 0, data and state) and of any phase whose time is not "
+                                        "measured yet; the run's measurements raise it (maxlm/runtime/watchdog.py)",
                                         within="(0, inf)")
 
 

@@ -36,15 +36,15 @@ class WatchdogService:
   phases from this run's measurements (`watchdog.Limits`: a disk probe, the compile times known, the saves and
   eval batches timed as they happen); feeds it the step times."""
 
-  def __init__(self, cfg: Config):
+  def __init__(self, cfg: Config, wd, startup: Startup):
     self.on = watchdog.enabled(cfg.train, jax.process_count())
-    self.wd = watchdog.start(cfg.train, cfg.run_dir, jax.process_index(), jax.process_count())
+    self.wd, self.startup = wd, startup  # started at start-up by the train command (maxlm/cli/train.py)
     self.limits: watchdog.Limits | None = None
     self.eval_compiled, self.eval_batches, self.t_batch = False, 0, 0.0
 
   def begin(self, run: Run) -> None:
     self.wd.arm("disk probe", 0)  # the probe writes to the checkpoint storage, which may be the one stuck
-    self.limits = measure_limits(run, probe=self.on)
+    self.limits = measure_limits(run, probe=self.on, plan_s=self.startup.plan_s())
     if self.on and run.is_main:
       echo(f"maxlm: {self.limits.describe()}")
     self.wd.arm("restore", 0, limit=self.limits.restore())
@@ -104,7 +104,7 @@ class WatchdogService:
     return self.limits.save(saves, run.ckpt.last_write_s)
 
 
-def measure_limits(run: Run, probe: bool) -> watchdog.Limits:
+def measure_limits(run: Run, probe: bool, plan_s: float) -> watchdog.Limits:
   """The watchdog's limits for this run: the state's bytes, with `probe` the checkpoint directory's bandwidth
   (process 0 measures, every process uses its numbers), the longest compile known at start (the first row of
   each earlier start of this run; this start's planner, which compiled the step)."""
@@ -115,7 +115,7 @@ def measure_limits(run: Run, probe: bool) -> watchdog.Limits:
     ckpt_dir = cfg.run_dir / "checkpoints"
     size = min(disk.probe_size(nbytes), disk.free_bytes(ckpt_dir) // 10)
     bandwidth = _from_process_0(lambda: disk.probe(ckpt_dir, size, trainer.slow_storage) if size > 0 else None)
-  known = [*run_dirs.compile_times(cfg.run_dir), trainer.plan_s]
+  known = [*run_dirs.compile_times(cfg.run_dir), plan_s]
   return watchdog.Limits(cfg.train, nbytes, bandwidth, max(known) if any(known) else None)
 
 
@@ -303,12 +303,13 @@ class CheckpointService:
       run.ckpt.close()  # waits for the save in flight
 
 
-def subscribe(run: Run, preemption: Preemption, startup: Startup) -> Hooks:
+def subscribe(run: Run, preemption: Preemption, startup: Startup, wd) -> Hooks:
   """The services of one run, in the order the hooks call them: the watchdog first (it times each point's work),
   preemption before the first-step line (a test, and a user, may signal the run as soon as it is printed) and
-  before checkpointing (a signal makes a save due), the non-finite check before a save."""
+  before checkpointing (a signal makes a save due), the non-finite check before a save. `wd`: the run's watchdog,
+  started at start-up (maxlm/runtime/watchdog.py `start`)."""
   cfg = run.cfg
-  return Hooks(WatchdogService(cfg), ProfilerService(cfg, run.is_main), PreemptionService(preemption),
+  return Hooks(WatchdogService(cfg, wd, startup), ProfilerService(cfg, run.is_main), PreemptionService(preemption),
                MetricsService(cfg, startup), NonFiniteService(cfg), CheckpointService())
 
 
@@ -326,7 +327,7 @@ def start_line(cfg: Config, trainer, n_params: int, kind: str) -> str:
 def _first_step(trainer, startup: Startup, done: int, t_first: float, hit: bool, is_main: bool) -> dict:
   """The first-step lines (the time to it in parts; the compilation cache) and the fields of the first row."""
   step = trainer.jitted_train_step
-  parts = startup.parts(t_first, step.lower_s, step.compile_s, trainer.plan_s)
+  parts = startup.parts(t_first, step.lower_s, step.compile_s)
   if is_main:
     echo(first_step_line(done, parts, peak_memory_gb(), step.compiled_memory_gb))
     echo(f"maxlm: {compile_cache.step_line(hit, step.compile_s, step.loaded, step.background_s)}")

@@ -34,7 +34,6 @@ import dataclasses
 import itertools
 import math
 import re
-import weakref
 
 import jax
 
@@ -43,8 +42,9 @@ from maxlm.layers import resolve_backend
 from maxlm.plan import moments, sizing, timing
 from maxlm.plan.cost import degrees, step_time
 from maxlm.plan.measure import Target, make_target
-from maxlm.runtime import warm_start
-from maxlm.runtime.devices import device_memory_bytes
+from maxlm.metrics import echo
+from maxlm.runtime import agree, warm_start, watchdog
+from maxlm.runtime.devices import bytes_limit, device_kind, device_memory_bytes, is_gpu, local_device
 from maxlm.runtime.env import fraction_in_environment
 
 # remat policies from the most kept to the least (what each keeps per layer: maxlm/layers remat_policy)
@@ -297,10 +297,11 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
 
 
 def choose(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
-           device_memory: int | None = None) -> Plan:
+           device_memory: int | None = None, on_measure=None) -> Plan:
   """The plan for the devices at hand (or `make_target`'s simulated ones); ConfigError (one line) when
   nothing fits."""
   target = make_target(cfg, n_devices, n_nodes, device_memory)
+  target.on_measure = on_measure
   try:
     p = run_search(cfg, target)
   finally:
@@ -311,22 +312,25 @@ def choose(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None
 
 
 def gpu_here() -> bool:
-  return jax.devices()[0].platform == "gpu"
+  """This process's devices are GPUs (or stand for them: the test switch, maxlm/runtime/devices.py)."""
+  return is_gpu(local_device())
 
 
 def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
-            device_memory: int | None = None) -> tuple[Config, str | None]:
+            device_memory: int | None = None, on_measure=None) -> tuple[Config, str | None]:
   """(the config to run, one line on what the planner did; None where it did nothing), by plan.mode: off
   keeps cfg; auto takes `choose`'s levers; fit (the default) acts only on the GPUs at hand (no n_devices /
   n_nodes): it keeps cfg when XLA measures it to fit (one compile, none where the bytes it certainly needs
-  exceed a device), else takes the search's levers. ConfigError (one line) when nothing fits."""
+  exceed a device), else takes the search's levers. ConfigError (one line) when nothing fits. `on_measure` is
+  called before each compile (the start-up watchdog's sign of progress)."""
   mode = cfg.plan.mode
   if mode == "off" or (mode != "auto" and (n_devices or n_nodes or not gpu_here())):
     return cfg, None  # fit on a CPU or for other devices: the config as written (`maxlm plan` plans for those)
   if mode == "auto":
-    p = choose(cfg, n_devices, n_nodes, device_memory)
+    p = choose(cfg, n_devices, n_nodes, device_memory, on_measure)
     return p.cfg, p.line()
   target = make_target(cfg, device_memory=device_memory)
+  target.on_measure = on_measure
   try:
     known, certain = {}, certain_bytes(cfg, target)["certain"]
     why = f"certainly needs {sizing.human_bytes(certain)}"
@@ -346,13 +350,10 @@ def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = Non
   return p.cfg, f"{p.line()}; as written the config {why} per device"
 
 
-_LAST_HOW = ""  # what for_run did last (remember keeps it with the trainer), for the out-of-memory line
-
-
-def resolve_kept(cfg: Config) -> tuple[Config, str | None]:
+def resolve_kept(cfg: Config, on_measure=None) -> tuple[Config, str | None]:
   """`resolve(cfg)` on the devices at hand, or the decision an earlier start of this run took on this machine
-  (compile.warm_start, maxlm/runtime/warm_start.py: the key holds the config, the code, the devices and the memory the
-  planner counts as usable), which a decision taken now is kept as."""
+  (compile.warm_start, maxlm/runtime/warm_start.py: the key holds the config, the code, the devices and the memory
+  the planner counts as usable), which a decision taken now is kept as."""
   if cfg.plan.mode == "off" or (cfg.plan.mode != "auto" and not gpu_here()):
     return resolve(cfg)  # nothing measured: nothing to keep
   target = make_target(cfg)  # the planner's own view of the devices (no measurement yet)
@@ -361,7 +362,7 @@ def resolve_kept(cfg: Config) -> tuple[Config, str | None]:
   if kept is not None:
     levers, line = kept
     return (cfg if levers == current(cfg) else apply(cfg, levers)), f"{line} (kept from an earlier start)"
-  out, line = resolve(cfg)
+  out, line = resolve(cfg, on_measure=on_measure)
   if line is not None:
     entry.save((current(out), line))
   return out, line
@@ -370,23 +371,52 @@ def resolve_kept(cfg: Config) -> tuple[Config, str | None]:
 NO_GPU_HINT = "no GPU here: `maxlm plan config=... --devices N --simulate` sizes it for N H200s"
 
 
-def for_run(cfg: Config, say=None) -> Config:
-  """The trainer's config by plan.mode (`resolve_kept` on the devices at hand), its line printed by `say`; where
-  nothing was planned, the bytes the step certainly needs are checked against a device (sizing.check_fits)."""
-  out, line = resolve_kept(cfg)
-  if line is None and (mem := device_memory_bytes()):
+def view() -> list:
+  """What this process's planner sees of its devices: the local device's kind and memory."""
+  dev = local_device()
+  return [device_kind(dev) if is_gpu(dev) else dev.device_kind, device_memory_bytes()]
+
+
+def decide(cfg: Config, on_measure=None) -> dict:
+  """The decision `for_run` hands every process: the levers, the line to print, how they came (for the
+  out-of-memory line) and the view it was taken with. Where nothing was planned, the bytes the step certainly
+  needs are checked against a device (sizing.check_fits)."""
+  out, line = resolve_kept(cfg, on_measure)
+  mine = view()
+  if line is None and mine[1]:
     try:
-      sizing.check_fits(cfg, jax.device_count(), mem, n_nodes=jax.process_count())
+      sizing.check_fits(cfg, jax.device_count(), mine[1], n_nodes=jax.process_count())
     except ConfigError as e:
-      if jax.default_backend() != "cpu":
+      if gpu_here():
         raise
       raise ConfigError(f"{e}; {NO_GPU_HINT}") from None
-  global _LAST_HOW
-  _LAST_HOW = (("as written, measured to fit by plan.mode=fit" if out is cfg else
-                f"chosen by plan.mode={cfg.plan.mode}") if line else f"plan.mode={cfg.plan.mode}")
-  if say is not None and line is not None:
-    say(f"maxlm: {line}")
-  return out
+  how = (("as written, measured to fit by plan.mode=fit" if out is cfg else f"chosen by plan.mode={cfg.plan.mode}")
+         if line else f"plan.mode={cfg.plan.mode}")
+  return {"levers": current(out), "line": line, "how": how, "view": mine}
+
+
+def for_run(cfg: Config, say=None, watch=None) -> tuple[Config, str]:
+  """(the run's config by plan.mode, how its levers came), decided once for the run, before the trainer is built:
+  by process 0, whose decision every process applies (maxlm/runtime/agree.py), so that all run one program. A
+  process whose own view of its devices differs from process 0's says so in one warning line. `say` prints the
+  plan's line (process 0's); `watch` is the start-up watchdog: each of the planner's compiles is a phase of
+  train.watchdog_first_step_s (maxlm/runtime/watchdog.py `start_up_limit`)."""
+  watch = watch or watchdog.OFF
+  limit = watchdog.start_up_limit(cfg.train)
+
+  def measuring() -> None:  # process 0, before each compile: a new phase, and a sign of life for the others
+    agree.progress("plan")
+    watch.arm("start-up: plan (a compile)", limit=limit)
+  got = agree.decide("plan", lambda: decide(cfg, measuring), watch, "start-up: plan", limit)
+  out = cfg if got["levers"] == current(cfg) else apply(cfg, got["levers"])
+  mine = view() if jax.process_index() > 0 and cfg.plan.mode != "off" else got["view"]
+  if mine != got["view"]:
+    echo(f"maxlm: warning: plan: this process sees {mine[0]} with {sizing.human_bytes(mine[1] or 0)}, process 0 "
+         f"{got['view'][0]} with {sizing.human_bytes(got['view'][1] or 0)}; every process runs process 0's plan "
+         f"({', '.join(f'{k}={v}' for k, v in got['levers'].items())})")
+  if say is not None and got["line"] is not None:
+    say(f"maxlm: {got['line']}")
+  return out, got["how"]
 
 
 def next_lever(cfg: Config, target: Target) -> str:
@@ -404,35 +434,25 @@ def next_lever(cfg: Config, target: Target) -> str:
   return "more devices"
 
 
-_TRAINER = None  # (a weak reference to the last Trainer built, how its levers came), for the out-of-memory line
-
-
-def remember(trainer) -> None:
-  global _TRAINER
-  _TRAINER = (weakref.ref(trainer), _LAST_HOW)
-
-
-def oom_message(cfg: Config, error: BaseException) -> str:
-  """One line for an out-of-memory error of a run: the levers, the sizes and the next lever to try."""
-  trainer, how = (_TRAINER[0](), _TRAINER[1]) if _TRAINER is not None else (None, "")
-  cfg = getattr(trainer, "cfg", cfg)  # the plan's levers when plan.mode=auto chose them
-  dev = jax.devices()[0]
-  gpu = dev.platform == "gpu"
-  limit = (dev.memory_stats() or {}).get("bytes_limit") if hasattr(dev, "memory_stats") else None
-  target = Target(jax.device_count(), jax.process_count(), dev.device_kind if gpu else "cpu", limit or 0,
+def oom_message(cfg: Config, how: str, compiled_gb: float | None, error: BaseException) -> str:
+  """One line for an out-of-memory error of a run of `cfg` (the decided config), its levers come `how`
+  (`for_run`'s answer; "" where the planner did not run), `compiled_gb` XLA's estimate of its step where known:
+  the levers, the sizes and the next lever to try."""
+  dev = local_device()
+  limit = bytes_limit(dev)
+  target = Target(jax.device_count(), jax.process_count(), device_kind(dev) if is_gpu(dev) else "cpu", limit or 0,
                   None, False)
   text = str(error)
   alloc = re.search(r"allocat\w*\s+([\d.]+\s*[KMGTP]?i?B)", text)
-  est = getattr(getattr(trainer, "jitted_train_step", None), "compiled_memory_gb", None)
   sizes = [f"XLA could not allocate {alloc.group(1)}" if alloc else "XLA ran out of device memory"]
-  if est is not None:
-    sizes.append(f"XLA's estimate of the step is {sizing.human_bytes(est * 1e9)} per device")
+  if compiled_gb is not None:
+    sizes.append(f"XLA's estimate of the step is {sizing.human_bytes(compiled_gb * 1e9)} per device")
   if limit:
     frac = fraction_in_environment()
     sizes.append(f"the device has {sizing.human_bytes(limit)} for XLA"
                  + (f" (xla.mem_fraction {frac:g})" if frac else ""))
   levers = ", ".join(f"{k}={v}" for k, v in current(cfg).items())
-  how = how if trainer is not None and how else f"plan.mode={cfg.plan.mode}"
+  how = how or f"plan.mode={cfg.plan.mode}"
   hint = "" if how.startswith("chosen") else " (or plan.mode=auto, which measures the levers before it starts)"
   return (f"out of memory on {jax.device_count()} x {target.kind} with {levers} ({how}): {'; '.join(sizes)}; "
           f"next lever: {next_lever(cfg, target)}{hint}")

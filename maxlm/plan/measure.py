@@ -34,6 +34,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,7 @@ from maxlm.optim import LAG, make_optimizer
 from maxlm.plan.sizing import human_bytes
 from maxlm.plan.standins import GPU_DTYPE_OPTIONS, fused_attention_footprint, gpu_dot_dtypes
 from maxlm.runtime import warm_start
+from maxlm.runtime.devices import bytes_limit, device_kind, is_gpu, local_device
 from maxlm.runtime.env import GPU_FRACTION, XLA_DEFAULT_FRACTION, fraction_in_environment
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
@@ -236,6 +238,7 @@ class Target:
   devices: list | None = None  # the devices at hand to measure on
   assumed: str = ""  # what was assumed about the device (no GPU here to ask)
   _sim: Simulator | None = None
+  on_measure: Callable[[], None] | None = None  # told before each measurement (the start-up watchdog's progress)
 
   @property
   def usable(self) -> int:
@@ -246,6 +249,8 @@ class Target:
     return self.kind != "cpu"
 
   def measure(self, cfg: Config) -> dict:
+    if self.on_measure is not None:
+      self.on_measure()
     if not self.simulated:
       return measure(cfg, self.devices)
     self._sim = self._sim or Simulator(self.n_devices)
@@ -267,10 +272,10 @@ class Target:
 
 
 def _local_memory(dev) -> int | None:
-  """The allocator's limit of a GPU; a CPU device's share of the host's RAM."""
-  stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"])
+  """The allocator's limit of a GPU (or the test switch's); a CPU device's share of the host's RAM."""
+  limit = bytes_limit(dev)
+  if limit:
+    return limit
   try:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
   except (ValueError, OSError):
@@ -282,8 +287,8 @@ def make_target(cfg: Config, n_devices: int | None = None, n_nodes: int | None =
   """The devices at hand (all, or the first n_devices of one process), else (or with simulate) n_devices
   simulated ones for a GPU: this machine's kind and memory when it has a GPU, else an H200's (said so).
   device_memory: bytes of one device (a GPU's total, before xla.mem_fraction; on CPU what a device may use)."""
-  dev = jax.devices()[0]
-  gpu_here = dev.platform == "gpu"
+  dev = local_device()  # a process asks only its own devices (another process's are not addressable)
+  gpu_here = is_gpu(dev)
   frac_here = (fraction_in_environment() or XLA_DEFAULT_FRACTION) if gpu_here else None
   here = _local_memory(dev)
   at_hand = not simulate and ((n_devices is None and n_nodes is None) or (
@@ -293,10 +298,10 @@ def make_target(cfg: Config, n_devices: int | None = None, n_nodes: int | None =
     total = device_memory or (int(here / frac_here) if gpu_here and here else here)
     if not total:
       raise ConfigError("this device reports no memory size: give --device-memory-gb G")
-    return Target(n, n_nodes or jax.process_count(), dev.device_kind if gpu_here else "cpu", total, frac_here,
+    return Target(n, n_nodes or jax.process_count(), device_kind(dev) if gpu_here else "cpu", total, frac_here,
                   False, jax.devices()[:n])
   kind, total, assumed = DEFAULT_GPU + (" (assumed: no GPU here)",)
-  if gpu_here and here:
+  if dev.platform == "gpu" and here:
     kind, total, assumed = dev.device_kind, int(here / frac_here), ""
   frac = fraction_in_environment() or cfg.xla.mem_fraction or GPU_FRACTION
   n_nodes = n_nodes or 1

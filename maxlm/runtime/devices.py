@@ -1,5 +1,12 @@
 """Facts about the devices at hand, for the trainer, the dry run, the planner and doctor: a device's memory, the
-peak memory in use, and how a mesh lies over the processes."""
+peak memory in use, and how a mesh lies over the processes. Every fact comes from this process's own (local)
+devices: in a run of several processes the others' devices are not addressable (asking one for its memory is
+an error).
+
+The test switch (docs/testing.md): `MAXLM_TEST_GPU_PATHS=1` makes CPU devices take the code paths that only a GPU
+takes otherwise (`gpu_paths`): plan.mode=fit measuring on the devices at hand, the GPU memory arithmetic, the
+out-of-memory line. `MAXLM_TEST_DEVICE_BYTES=N` (with the switch) is what a local device reports as the
+allocator's limit, as a GPU's `bytes_limit`, so that tests can give processes different memories."""
 
 from __future__ import annotations
 
@@ -9,12 +16,45 @@ import jax
 import numpy as np
 
 
+GPU_PATHS_ENV = "MAXLM_TEST_GPU_PATHS"
+DEVICE_BYTES_ENV = "MAXLM_TEST_DEVICE_BYTES"
+
+
+def gpu_paths() -> bool:
+  """The test switch is on: CPU devices take the GPU-only code paths (module doc)."""
+  return os.environ.get(GPU_PATHS_ENV) == "1"
+
+
+def local_device():
+  """This process's first device: the one whose memory it can ask about."""
+  return jax.local_devices()[0]
+
+
+def is_gpu(dev) -> bool:
+  """A GPU, or any device under the test switch."""
+  return dev.platform == "gpu" or gpu_paths()
+
+
+def device_kind(dev) -> str:
+  """The device's kind as JAX names it; under the test switch a CPU device says that it stands for a GPU."""
+  return dev.device_kind if dev.platform == "gpu" else f"{dev.device_kind} (as a GPU: {GPU_PATHS_ENV}=1)"
+
+
+def bytes_limit(dev) -> int | None:
+  """The allocator's limit of a local device (a GPU's memory for XLA); the switch's MAXLM_TEST_DEVICE_BYTES where
+  set; None where the device reports none (CPU)."""
+  if gpu_paths() and os.environ.get(DEVICE_BYTES_ENV, "").isdigit():
+    return int(os.environ[DEVICE_BYTES_ENV])
+  stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+  return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
 def device_memory_bytes() -> int | None:
   """Memory of one local device: the allocator's limit on GPUs, host RAM shared by CPU devices."""
-  dev = jax.local_devices()[0]
-  stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"])
+  dev = local_device()
+  limit = bytes_limit(dev)
+  if limit:
+    return limit
   if dev.platform == "cpu":
     try:
       return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()

@@ -104,12 +104,18 @@ class Startup:
   def mark(self, name: str) -> None:
     self.marks[name] = time.perf_counter()
 
-  def parts(self, t_first: float, lower_s: float, compile_s: float, plan_s: float = 0.0) -> dict[str, float]:
-    """The parts and startup_s for a first step that ended at `t_first` (`plan_s`: plan.mode's measurements,
-    which happen between the backend's start and the state's)."""
+  def plan_s(self) -> float:
+    """The seconds of plan.mode's decision (its compiles): 0 where the run was not planned here."""
+    backend = self.marks.get("backend", self.t0)
+    return self.marks.get("plan", backend) - backend
+
+  def parts(self, t_first: float, lower_s: float, compile_s: float) -> dict[str, float]:
+    """The parts and startup_s for a first step that ended at `t_first` (the mark "plan": plan.mode's decision,
+    made between the backend's start and the state's; none where the run was not planned here)."""
     backend, ready = self.marks.get("backend", self.t0), self.marks.get("state", self.t0)
-    return {"startup_s": t_first - self.t0, "backend_s": backend - self.t0, "plan_s": plan_s,
-            "init_s": ready - backend - plan_s,
+    planned = self.marks.get("plan", backend)
+    return {"startup_s": t_first - self.t0, "backend_s": backend - self.t0, "plan_s": planned - backend,
+            "init_s": ready - planned,
             "lower_s": lower_s, "compile_s": compile_s,
             "first_run_s": max(0.0, t_first - ready - lower_s - compile_s)}
 

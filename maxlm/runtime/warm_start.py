@@ -18,9 +18,11 @@ them is a miss and the program is traced and compiled again, then stored beside 
 cannot see (a library patched in place without a version change) is why `compile.warm_start=false` exists.
 
 Where and who. Entries are files `<kind>-<key>.pkl` in `<compile cache dir>/maxlm-warm`, written atomically
-(a temporary file renamed into place) so a reader sees a whole entry or none. One process only: a serialized
-executable holds the device assignment of the process that compiled it, so multi-process runs use JAX's cache
-alone. An entry that cannot be read or loaded (truncated, another JAX) counts as a miss. The entries are
+(a temporary file renamed into place) so a reader sees a whole entry or none. Executables in a run of one
+process only: a serialized executable holds the device assignment of the process that compiled it, so
+multi-process runs use JAX's cache alone for them. The planner's decision is process 0's in a run of several
+processes (maxlm/plan/__init__.py `for_run`): process 0 alone keeps and loads it, and every process runs what
+process 0 decided, kept or new. An entry that cannot be read or loaded (truncated, another JAX) counts as a miss. The entries are
 pickles: loading one runs code, as loading JAX's cache entries does, hence a per-user default directory.
 
 Loaded ahead. Loading a kept executable is not free: on the H200, llama3.2-3b's train step took 1.7 s to load
@@ -83,8 +85,15 @@ def configure(cache_dir: Path | None, enabled: bool) -> str | None:
   return None if _dir is None else f"warm start: plans and executables in {_dir} (compile.warm_start)"
 
 
-def active() -> bool:
-  return _dir is not None and jax.process_count() == 1
+DECISIONS = ("plan",)  # kinds that process 0 keeps for every process of a run (not executables: module doc)
+
+
+def active(kind: str = "") -> bool:
+  """Entries are kept and loaded here: executables in a run of one process; decisions (DECISIONS) also by process
+  0 of several, which decides for all of them (maxlm/runtime/agree.py)."""
+  if _dir is None:
+    return False
+  return jax.process_count() == 1 or (kind in DECISIONS and jax.process_index() == 0)
 
 
 def run_signature(cfg: Config) -> dict:
@@ -162,7 +171,7 @@ class Entry:
   has the key of the state before the work (importing TE, for one, sets environment variables of its own)."""
 
   def __init__(self, kind: str, parts: Any):
-    self.path = _dir / f"{kind}-{key(kind, parts)}.pkl" if active() else None
+    self.path = _dir / f"{kind}-{key(kind, parts)}.pkl" if active(kind) else None
 
   def load(self) -> Any:
     """The value stored, None when off, when there is none or when it cannot be read."""

@@ -48,6 +48,25 @@ The probe (maxlm/checkpoint/disk.py) writes and reads back at most 16 MiB once a
 hands the numbers to the others. A probe that cannot run (a full disk) leaves the slow floor. `Limits` does the
 arithmetic; the trainer prints its `describe()` at start.
 
+Start-up. The train command starts the watchdog as soon as `distributed.initialize` returns (the join itself has
+its own limit, distributed.initialization_timeout_s), so the window from there to the first step is watched
+too: a peer stuck or stopped during start-up would otherwise hold every process until the job's time limit,
+since JAX's heartbeat is raised to a day while the watchdog is on (HEARTBEAT_S). Its phases, each with the limit
+`start_up_limit` derives from what the phase is expected to take:
+
+* "start-up: plan": process 0 measures the plan.mode candidates (maxlm/plan/__init__.py `for_run`), each
+  measurement one compile of the train step on abstract shapes, and re-arms the phase before each; the other
+  processes wait for its decision (maxlm/runtime/agree.py) and re-arm theirs at each compile process 0 begins;
+* "start-up: data and state": the data inputs opened and checked, the run directory claimed (process 0) and
+  the state built, which is one compile (its init) and one run;
+* then the trainer's own phases from "restore" on (the first step's compile and run under the slow limit).
+
+A compile is what these phases wait for, and the trainer already gives one compile, with everything around it
+that has no step time yet, train.watchdog_first_step_s: so each start-up phase gets the same limit, and the
+whole window is bounded by distributed.initialization_timeout_s + (compiles + 2) x train.watchdog_first_step_s
+(the join, each of the planner's compiles, data and state, the first step); a waiting process's limit counts
+from process 0's last sign of progress. No flat window: a planner that compiles 4 candidates has 4 phases.
+
 `train.watchdog=auto` turns it on for runs of several processes, the ones a hang holds up and a launcher
 requeues; a one-process run is often interactive (a notebook, a debugger paused on a breakpoint) and has
 no peer to wait for: `train.watchdog=always` watches it too.
@@ -308,8 +327,24 @@ class _Off:
     pass
 
 
-def start(t: TrainConfig, run_dir: Path, process_index: int, process_count: int) -> Watchdog | _Off:
-  """The run's watchdog (its thread waits for the first `arm`); `_Off` when train.watchdog is off for this run."""
+OFF = _Off()  # stateless
+
+
+def start_up_limit(t: TrainConfig) -> Limit:
+  """The limit of a start-up phase (the module doc: one compile and what surrounds it, as the trainer's phases
+  before a step time is known)."""
+  return Limit(t.watchdog_first_step_s,
+               f"train.watchdog_first_step_s={t.watchdog_first_step_s:g} s: a start-up phase is at most one compile "
+               "and its set-up")
+
+
+def start(t: TrainConfig, run_dir: Path, process_index: int, process_count: int,
+          phase: str | None = None) -> Watchdog | _Off:
+  """The run's watchdog, armed for the start-up `phase` when one is given (the train command starts it at
+  start-up, module doc), else waiting for the first `arm`; `OFF` when train.watchdog is off for this run."""
   if not enabled(t, process_count):
-    return _Off()
-  return Watchdog(t, Path(run_dir) / "watchdog", process_index)
+    return OFF
+  wd = Watchdog(t, Path(run_dir) / "watchdog", process_index)
+  if phase is not None:
+    wd.arm(phase, 0, limit=start_up_limit(t))
+  return wd

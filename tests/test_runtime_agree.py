@@ -1,0 +1,71 @@
+"""maxlm/runtime/agree.py: process 0 decides, every process receives its decision (or its one-line error); and what
+start-up decides that way with 4 processes: the plan (kept by process 0's warm start), one run directory, created
+by process 0, and one compilation cache, written by process 0 and read by every process."""
+
+import re
+
+import processes
+import pytest
+
+from maxlm.config import ConfigError
+from maxlm.runtime import agree, watchdog
+
+
+def test_one_process_decides_alone():
+  calls = []
+  assert agree.decide("x", lambda: calls.append(1) or {"a": 1}, watchdog.OFF, "start-up: x", 1.0, "") == {"a": 1}
+  assert calls == [1]
+  with pytest.raises(ConfigError, match="no"):
+    agree.decide("x", lambda: (_ for _ in ()).throw(ConfigError("no")), watchdog.OFF, "start-up: x", 1.0, "")
+
+
+def test_an_error_of_process_0_keeps_its_exit_code():
+  e = agree.Decided("run directory r already holds another run", 3)
+  assert e.exit_code == 3 and str(e) == "run directory r already holds another run"
+
+
+def _hits(err: str) -> list[str]:
+  """The programs a process loaded from JAX's persistent cache (JAX logs each at DEBUG: MAXLM_LOG=DEBUG)."""
+  return re.findall(r"Persistent compilation cache hit for '(\w+)'", err)
+
+
+@pytest.mark.slow
+def test_four_processes_share_one_cache_and_one_run_directory(tmp_path):
+  cache = tmp_path / "cache"
+  common = ["train.steps=2", "data.global_batch_size=8", "mesh.dcn_fsdp=4", f"compile.cache_dir={cache}",
+            "compile.min_compile_s=0"]
+  # the GPU paths (docs/testing.md): plan.mode=fit measures, and the warm start keeps process 0's decision
+  env = [{"MAXLM_LOG": "DEBUG", "MAXLM_TEST_GPU_PATHS": "1", "MAXLM_TEST_DEVICE_BYTES": str(2**30)}] * 4
+  first = tmp_path / "first"
+  first.mkdir()
+  assert processes.finish(processes.start(4, ["run_name=a", *common], first, env), 300) == [0] * 4
+  entries = sorted(p.name for p in cache.iterdir() if p.name.endswith("-cache"))
+  assert entries, "process 0 wrote nothing to the cache"
+  second = tmp_path / "second"
+  second.mkdir()
+  (second / "runs").symlink_to(first / "runs")  # the same output_dir: a second run beside the first
+  assert processes.finish(processes.start(4, ["run_name=b", *common], second, env), 300) == [0] * 4
+  outs = [processes.output(second, i) for i in range(4)]
+  # every process read the train step process 0 wrote; nobody wrote a new entry
+  for i, (_, err) in enumerate(outs):
+    assert "jit_train_step" in _hits(err), (i, err[-3000:])
+  assert sorted(p.name for p in cache.iterdir() if p.name.endswith("-cache")) == entries
+  assert "the train step came from the cache (hit" in outs[0][0]
+  # the planner's decision, kept by process 0 at the first run (warm start), taken by every process
+  assert "maxlm: plan: the config fits as written" in outs[0][0] and "(kept from an earlier start)" in outs[0][0]
+  assert not any("maxlm: plan:" in o or "warning" in o for o, _ in outs[1:])
+  # one run directory per run, as process 0 made it
+  runs = first / "runs"
+  assert sorted(p.name for p in runs.iterdir()) == ["a", "b"]
+  assert (runs / "b" / "config.yml").is_file() and len((runs / "b" / "metrics.jsonl").read_text().splitlines()) == 2
+  # a run directory that holds another run: process 0 refuses, and every process ends with its one line, exit 2
+  third = tmp_path / "third"
+  third.mkdir()
+  (third / "runs").symlink_to(runs)
+  codes = processes.finish(processes.start(4, ["run_name=a", *common, "optim.b1=0.8"], third), 300)
+  lines = [[ln for ln in processes.output(third, i)[1].splitlines() if ln.strip()] for i in range(4)]
+  assert codes == [2] * 4, lines
+  for i, ls in enumerate(lines):
+    assert len(ls) == 1 and re.fullmatch(
+        rf"\[process {i}/4 \S+\] maxlm: error: run directory \S+/a already holds another run .*", ls[0]), ls
+  assert len((runs / "a" / "metrics.jsonl").read_text().splitlines()) == 2  # untouched

@@ -235,6 +235,9 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Start
     if run.done < t.steps:
       hooks.compile(run)
       run.cache_hit = trainer.compile_train_step()  # ahead of the first step; hit or miss, for its line
+      # every process waits for the others, so that the first step's collectives start together: a process that
+      # compiled from scratch while another loaded from the cache is no stuck peer (maxlm/runtime/agree.py)
+      agree.barrier("first step", wd, "start-up: every process at the first step", watchdog.start_up_limit(t))
     batches = run.batches = Batches(trainer.train_data, finite=d.num_epochs > 0)
     for step in range(run.start_step, t.steps):
       hooks.step_start(run)

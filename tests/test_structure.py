@@ -3,6 +3,7 @@
 * `maxlm/layers/` and `maxlm/data/` import no higher module: only themselves, the config modules and
   `maxlm.errors` (so the data pipeline never pulls in model code, and the layers stay the bottom of the model);
 * only `maxlm/layers/` imports Transformer Engine, lazily or not;
+* the trainer does not plan (`maxlm/trainer.py` imports nothing of `maxlm/plan/`);
 * the wings `maxlm/config/` and `maxlm/runtime/` import only themselves and the floors below them (WINGS);
 * `maxlm/errors.py` imports nothing of maxlm (every layer may raise its errors);
 * the core never imports the commands (`maxlm/cli/`) or the tools (`maxlm/tools/`); they import the core;
@@ -96,6 +97,14 @@ def test_the_wings_import_only_what_lies_below_them():
                     and not (m == wing or m.startswith(wing + ".")))
         assert not up, f"{path}: the {wing} wing must not import {up}"
   assert seen == set(WINGS)
+
+
+def test_the_trainer_does_not_plan():
+  """The plan is decided before the Trainer is built (the train command calls plan.for_run): trainer.py imports
+  nothing of maxlm/plan/."""
+  tree = ast.parse((PACKAGE / "trainer.py").read_text())
+  planner = sorted(m for m in _imports(tree) if m == "maxlm.plan" or m.startswith("maxlm.plan."))
+  assert not planner, f"maxlm/trainer.py imports the planner {planner}"
 
 
 def test_only_layers_import_transformer_engine():

@@ -14,6 +14,9 @@ compile); a waiting process re-arms its start-up watchdog phase (maxlm/runtime/w
 so that a process 0 that stopped (SIGSTOP, a frozen node) ends the waiting processes with the watchdog's one line
 and exit 76, within the phase's limit of process 0's last sign of life.
 
+`barrier(name)` makes every process wait for all the others, watched the same way (the first step: processes that
+compiled from scratch and one that loaded from the cache start its collectives together).
+
 One process (no jax.distributed) decides alone; nothing is exchanged.
 """
 
@@ -97,3 +100,13 @@ def decide(name: str, make: Callable[[], Any], watch, phase: str, limit) -> Any:
   if "error" in got:
     raise Decided(got["error"], got["exit_code"])
   return got["value"]
+
+
+def barrier(name: str, watch, phase: str, limit) -> None:
+  """Every process waits here for all the others (nothing when alone), under `watch`'s `phase`: the watchdog ends
+  the wait at `limit` (a `watchdog.Limit`) with its line; the barrier's own timeout comes later (a minute more)."""
+  client = _client()
+  if client is None:
+    return
+  watch.arm(phase, limit=limit)
+  client.wait_at_barrier(f"{PREFIX}{name}", int((limit.seconds + 60) * 1000))

@@ -10,9 +10,10 @@ init_profile.py), and with `plan.mode=fit` the planner's own trace of the step (
 computed without tracing: a restart of the same run on the same machine loads them and runs.
 
 The key is a SHA-256 of everything that decides the program and can change between two starts: the config
-(all of it, less `KEEP_OUT`: names, paths, checkpointing, profiling and logging cadence, which no program
-reads), the program's argument shapes, dtypes and shardings, the source of every maxlm module, the versions of
-the libraries that build or compile programs (`LIBRARIES`), the backend (platform, its version, the devices),
+(all of it, less `KEEP_OUT`: names, paths, checkpointing, profiling and logging cadence, the coordinator's
+address, which no program reads), the program's argument shapes, dtypes and shardings, the source of every maxlm
+module, the versions of the libraries that build or compile programs (`LIBRARIES`), the backend (platform, its
+version, the devices),
 JAX's settings, and the environment variables XLA, JAX and TE read (`ENV_PREFIXES`). A change in any of
 them is a miss and the program is traced and compiled again, then stored beside the old entry. What the key
 cannot see (a library patched in place without a version change) is why `compile.warm_start=false` exists.
@@ -67,7 +68,7 @@ from maxlm.runtime import compile_cache
 SUBDIR = "maxlm-warm"
 KEEP_OUT = ("output_dir", "run_name", "checkpoint", "profile", "compile", "train.log_every", "train.eval_every",
             "train.eval_steps", "train.watchdog", "train.watchdog_factor", "train.watchdog_floor_s",
-            "train.watchdog_first_step_s")
+            "train.watchdog_first_step_s", "distributed.coordinator_address", "distributed.initialization_timeout_s")
 LIBRARIES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt",
              "transformer-engine", "transformer-engine-jax", "transformer_engine", "transformer_engine_jax",
              "flax", "optax", "ml-dtypes", "numpy")

@@ -11,10 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import shutil
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -43,18 +41,6 @@ from maxlm.step import jit_step, make_eval_step, make_train_step
 from maxlm.train_state import abstract_state, create_train_state
 
 __all__ = ["RunEnd", "RunError", "Trainer", "check_batch_split", "train"]
-
-
-def _check_writable(run_dir: Path) -> None:
-  """Stop with one line when the run directory cannot be created or written (read-only output_dir)."""
-  probe = run_dir if run_dir.exists() else next(p for p in run_dir.parents if p.exists())
-  try:
-    probe_file = probe / f".maxlm-write-test-{os.getpid()}"
-    probe_file.write_bytes(b"")
-    probe_file.unlink()
-  except OSError as e:
-    raise ConfigError(f"output_dir: cannot write the run directory {run_dir} ({e.strerror or e} in "
-                      f"{probe}); set output_dir to a writable place") from None
 
 
 def check_batch_split(d: DataConfig, t: TrainConfig, mesh_shape) -> None:
@@ -186,18 +172,6 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
     wd.stop()
 
 
-def claim_run_dir(cfg: Config) -> bool:
-  """Check that this run may use its run directory (maxlm/checkpoint/run_dir.py: one holding another run is used
-  only to resume it) and create it; True when it was created here. Process 0's alone in a run of several."""
-  run_dir = cfg.run_dir
-  if cfg.checkpoint.load_params and not Path(cfg.checkpoint.load_params).exists():
-    raise CheckpointError(f"checkpoint.load_params={cfg.checkpoint.load_params}: no such file or directory")
-  created = not run_dir.exists()
-  _check_writable(run_dir)
-  run_dir.mkdir(parents=True, exist_ok=True)
-  return created
-
-
 def run(trainer: Trainer, preemption: Preemption, startup: Startup, wd) -> RunEnd:
   """Train the built trainer's run under the watchdog `wd` (started at start-up). The run directory is created by
   process 0 alone, the others receiving its answer (maxlm/runtime/agree.py), then locked (one run at a time) and
@@ -205,10 +179,11 @@ def run(trainer: Trainer, preemption: Preemption, startup: Startup, wd) -> RunEn
   it logged a step or saved a checkpoint, so such a failure leaves nothing behind."""
   cfg, run_dir = trainer.cfg, trainer.cfg.run_dir
   limit = watchdog.start_up_limit(cfg.train)
-  created = agree.decide("run directory", lambda: claim_run_dir(cfg), wd, "start-up: run directory", limit)
+  created = agree.decide("run directory", lambda: run_dirs.create(cfg), wd, "start-up: run directory", limit)
   lock = run_lock.hold(run_dir)  # one run at a time (a second one stops here, the first untouched)
   try:
-    run_dirs.claim(run_dir, yaml.safe_load(dump_yaml(cfg)), cfg.checkpoint.enabled)
+    # process 0 looks at the directory (a run it holds is only resumed), every process gets its answer
+    agree.decide("run directory claim", lambda: _claim(cfg), wd, "start-up: run directory", limit)
     wd.arm("start-up: data and state", limit=limit)  # the state's init: one compile and one run
     return _train(cfg, trainer, preemption, startup, wd)
   except (ConfigError, CheckpointError, data_lib.DataError, PrecisionError):
@@ -218,6 +193,10 @@ def run(trainer: Trainer, preemption: Preemption, startup: Startup, wd) -> RunEn
   finally:
     if lock is not None:
       lock.release()
+
+
+def _claim(cfg: Config) -> None:
+  run_dirs.claim(cfg.run_dir, yaml.safe_load(dump_yaml(cfg)), cfg.checkpoint.enabled)
 
 
 def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Startup, wd) -> RunEnd:

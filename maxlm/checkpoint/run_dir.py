@@ -26,8 +26,8 @@ from typing import Any
 
 import yaml
 
-from maxlm.checkpoint.manager import complete_steps, config_changes
-from maxlm.config import ConfigError
+from maxlm.checkpoint.manager import CheckpointError, complete_steps, config_changes
+from maxlm.config import Config, ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,3 +151,28 @@ def record_config(run_dir: Path, text: str, step: int) -> Path | None:
   tmp.write_text(text)
   os.replace(tmp, path)  # a reader never sees half a config.yml
   return kept
+
+
+def _check_writable(run_dir: Path) -> None:
+  """Stop with one line when the run directory cannot be created or written (read-only output_dir)."""
+  probe = run_dir if run_dir.exists() else next(p for p in run_dir.parents if p.exists())
+  try:
+    probe_file = probe / f".maxlm-write-test-{os.getpid()}"
+    probe_file.write_bytes(b"")
+    probe_file.unlink()
+  except OSError as e:
+    raise ConfigError(f"output_dir: cannot write the run directory {run_dir} ({e.strerror or e} in "
+                      f"{probe}); set output_dir to a writable place") from None
+
+
+def create(cfg: Config) -> bool:
+  """Create this run's directory, after checking that checkpoint.load_params exists and output_dir is writable;
+  True when it was created here. Process 0's alone in a run of several (the trainer's `run`, which then takes the
+  run's lock and `claim`s the directory)."""
+  run_dir = cfg.run_dir
+  if cfg.checkpoint.load_params and not Path(cfg.checkpoint.load_params).exists():
+    raise CheckpointError(f"checkpoint.load_params={cfg.checkpoint.load_params}: no such file or directory")
+  created = not run_dir.exists()
+  _check_writable(run_dir)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  return created

@@ -185,7 +185,7 @@ def run(trainer: Trainer, preemption: Preemption, startup: Startup, wd) -> RunEn
     # process 0 looks at the directory (a run it holds is only resumed), every process gets its answer
     agree.decide("run directory claim", lambda: _claim(cfg), wd, "start-up: run directory", limit)
     wd.arm("start-up: data and state", limit=limit)  # the state's init: one compile and one run
-    return _train(cfg, trainer, preemption, startup, wd)
+    return _train(cfg, trainer, functools.partial(subscribe, preemption=preemption, startup=startup, wd=wd))
   except (ConfigError, CheckpointError, data_lib.DataError, PrecisionError):
     if created and jax.process_index() == 0 and not run_dirs.previous(run_dir).holds_run:
       shutil.rmtree(run_dir, ignore_errors=True)
@@ -199,12 +199,13 @@ def _claim(cfg: Config) -> None:
   run_dirs.claim(cfg.run_dir, yaml.safe_load(dump_yaml(cfg)), cfg.checkpoint.enabled)
 
 
-def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Startup, wd) -> RunEnd:
-  """The loop: the run's own work, with its services (maxlm/loop/services.py) called at fixed points."""
+def _train(cfg: Config, trainer: Trainer, services) -> RunEnd:
+  """The loop: the run's own work, with its services (maxlm/loop/services.py; `services(run)` makes them) called at
+  fixed points."""
   trainer.build()
   t, d = cfg.train, cfg.data
   run = Run(cfg, trainer, is_main=jax.process_index() == 0)
-  hooks = subscribe(run, preemption, startup, wd)
+  hooks = services(run)
   try:
     hooks.check(run)
     hooks.begin(run)
@@ -214,9 +215,6 @@ def _train(cfg: Config, trainer: Trainer, preemption: Preemption, startup: Start
     if run.done < t.steps:
       hooks.compile(run)
       run.cache_hit = trainer.compile_train_step()  # ahead of the first step; hit or miss, for its line
-      # every process waits for the others, so that the first step's collectives start together: a process that
-      # compiled from scratch while another loaded from the cache is no stuck peer (maxlm/runtime/agree.py)
-      agree.barrier("first step", wd, "start-up: every process at the first step", watchdog.start_up_limit(t))
     batches = run.batches = Batches(trainer.train_data, finite=d.num_epochs > 0)
     for step in range(run.start_step, t.steps):
       hooks.step_start(run)

@@ -20,6 +20,7 @@ from maxlm.config import ConfigError, load_config
 from maxlm.optim import LAG
 from maxlm.plan import measure as plan_measure
 from maxlm.plan.measure import Target
+from maxlm.plan.oom import oom_message
 from maxlm.trainer import Trainer
 
 # Tiny model whose activations matter next to its state: at 16 rows x 256 tokens over 8 devices, two
@@ -328,9 +329,9 @@ def test_out_of_memory_line_takes_its_inputs_as_arguments(monkeypatch):
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
   cfg = load_config([*BASE, "plan.mode=auto", "model.remat=save_attn"])
   error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.5GiB.")
-  line = plan.oom_message(cfg, "chosen by plan.mode=auto", 2**33 / 1e9, error)
+  line = oom_message(cfg, "chosen by plan.mode=auto", 2**33 / 1e9, error)
   assert line == ("out of memory on 8 x cpu (as a GPU: MAXLM_TEST_GPU_PATHS=1) with model.remat=save_attn, "
-                  "train.grad_accum=1, optim.offload=none, optim.state_dtype=float32 (chosen by plan.mode=auto): "
+                  "train.grad_accum=1, optim.offload=none, optim.mu_dtype=float32, optim.nu_dtype=float32 (chosen by plan.mode=auto): "
                   "XLA could not allocate 3.5GiB; XLA's estimate of the step is 8.0 GiB per device; the device has "
                   "10.0 GiB for XLA; next lever: model.remat=full")
 

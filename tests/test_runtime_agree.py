@@ -13,10 +13,10 @@ from maxlm.runtime import agree, watchdog
 
 def test_one_process_decides_alone():
   calls = []
-  assert agree.decide("x", lambda: calls.append(1) or {"a": 1}, watchdog.OFF, "start-up: x", 1.0, "") == {"a": 1}
+  assert agree.decide("x", lambda: calls.append(1) or {"a": 1}, watchdog.OFF, "start-up: x", watchdog.Limit(1.0, "")) == {"a": 1}
   assert calls == [1]
   with pytest.raises(ConfigError, match="no"):
-    agree.decide("x", lambda: (_ for _ in ()).throw(ConfigError("no")), watchdog.OFF, "start-up: x", 1.0, "")
+    agree.decide("x", lambda: (_ for _ in ()).throw(ConfigError("no")), watchdog.OFF, "start-up: x", watchdog.Limit(1.0, ""))
 
 
 def test_an_error_of_process_0_keeps_its_exit_code():

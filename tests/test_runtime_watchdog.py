@@ -379,7 +379,8 @@ def test_a_process_stopped_during_start_up_ends_the_others_in_one_line(tmp_path,
   lines = [ln for ln in (out + err).splitlines() if "maxlm: error:" in ln]
   assert code == 76 and len(lines) == 1 and err.rstrip().endswith(lines[0]), (code, out[-2000:], err[-3000:])
   m = re.fullmatch(rf"\[process 1/2 \S+\] maxlm: error: watchdog: {phase} \(waiting for process 0\) at step 0 has "
-                   rf"taken (1[5-7]\.\d) s \(limit {limit}\.0 s: train\.watchdog_first_step_s: a start-up phase is at "
+                   rf"taken (1[5-7]\.\d) s \(limit {limit}\.0 s: train\.watchdog_first_step_s={limit} s: a start-up phase is "
+                   r"at "
                    r"most one compile and its set-up\); stacks of every thread in (\S+); exiting with code 76",
                    lines[0])
   assert m, lines[0]

@@ -40,6 +40,7 @@ from maxlm.cli import dryrun
 from maxlm.config import Config, ConfigError, help_text, load_config
 from maxlm.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, MaxlmError, report
 from maxlm.metrics import echo
+from maxlm.plan.oom import oom_message
 from maxlm.plan.measure import is_oom, memory_stats
 from maxlm.plan.sizing import human_bytes
 from maxlm.runtime import compile_cache, distributed, startup, watchdog
@@ -104,7 +105,7 @@ def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemp
     if not is_oom(e):
       raise
     compiled_gb = getattr(getattr(trainer, "jitted_train_step", None), "compiled_memory_gb", None)
-    return _fail(plan.oom_message(cfg, how, compiled_gb, e), 1)
+    return _fail(oom_message(cfg, how, compiled_gb, e), 1)
   finally:
     if trainer is not None:
       trainer.close()  # its data's prefetch threads: a process that goes on after the run keeps none reading

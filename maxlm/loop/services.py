@@ -22,7 +22,7 @@ from maxlm.metrics import MetricsWriter, device_peak_flops, echo, progress_line,
 from maxlm.model import count_params, flops_per_step
 from maxlm.optim import warmup_warning
 from maxlm.profiling import Profiler
-from maxlm.runtime import compile_cache, watchdog
+from maxlm.runtime import agree, compile_cache, watchdog
 from maxlm.runtime.devices import mesh_placement, peak_memory_gb
 from maxlm.runtime.startup import Startup, first_step_line
 
@@ -53,6 +53,11 @@ class WatchdogService:
     self.wd.arm("compile", run.done + 1, limit=self.limits.compile())
 
   def step_start(self, run: Run) -> None:
+    if run.done == run.start_step:  # the first step of this start: its step is compiled (`compile`)
+      # every process waits for the others, so that the first step's collectives start together: a process that
+      # compiled from scratch while another loaded from the cache is no stuck peer (maxlm/runtime/agree.py)
+      agree.barrier("first step", self.wd, "start-up: every process at the first step",
+                    watchdog.start_up_limit(run.cfg.train))
     self.wd.arm("data wait", run.done + 1)
 
   def dispatch(self, run: Run) -> None:

@@ -2,7 +2,7 @@
 not speed: XLA:CPU's simulated devices share the host's cores, so a split step only adds work here).
 
 One process, `--xla_force_host_platform_device_count=8`. For each arm: the trainer's own pieces (train state
-initialized into its shards, `make_train_step` with AdamW, `jit_step` with explicit shardings, the scope of
+initialized into its shards, `make_train_step` with AdamW, `CompiledStep` with explicit shardings, the scope of
 mesh + logical rules), a flax-backend model, synthetic batches (unpacked, or packed rows of random documents with
 --packed); the compile time and the median wall time of --steps steps after the first, and the last step's loss
 against the unsharded arm's (they agree to float32 rounding: tests/test_sharding.py derives the bound). Arms:
@@ -37,7 +37,8 @@ from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
-from maxlm.step import jit_step, make_train_step
+from maxlm.build import CompiledStep
+from maxlm.step import make_train_step
 from maxlm.train_state import create_train_state
 
 MODEL = ModelConfig(vocab_size=1024, d_model=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, ffn_dim=384,
@@ -72,7 +73,7 @@ def run_arm(name: str, seq: int, batch: int, steps: int, packed: bool) -> dict:
   with scope():
     state, shardings = create_train_state(model, optimizer, mesh, seed=0, batch=batch, seq_len=seq)
   bs = batch_sharding(mesh)
-  step = jit_step(make_train_step(model, optimizer, schedule, packed=packed), shardings,
+  step = CompiledStep(make_train_step(model, optimizer, schedule, packed=packed), shardings,
                   {k: bs for k in BATCH_KEYS}, scope, metrics_sharding=replicated(mesh))
   rng = np.random.default_rng(0)
   batches = [{k: jax.device_put(v, bs) for k, v in batch_of(rng, batch, seq, packed).items()}

@@ -3,7 +3,7 @@
   python3 benchmarks/init_profile.py config=llama3.2-3b.yml [key=value ...] [--threefry-kernel] [--step]
       [--checksum] [--no-run] [--option XLA_OPTION=VALUE ...]
 
-Parts, each timed on its own: `eval_shape` (the abstract state: one trace of model.init + optimizer.init),
+Parts, each timed on its own: `eval_shape` (maxlm/build.py's abstract build: one trace of model.init + optimizer.init),
 `init_lower` (the jitted init's trace and lowering), `init_compile`, `init_run` (the RNG fills the state
 and blocks), and with --step the train step's `step_trace`, `step_lower` and `step_compile` on that state.
 It also counts the custom calls left in the compiled init (a forward pass that XLA did not remove would show
@@ -35,15 +35,9 @@ import numpy as np
 from flax import linen as nn
 
 from maxlm import train_state
+from maxlm.build import build_step
 from maxlm.config import load_config
-from maxlm.data.packing import BATCH_KEYS
-from maxlm.layers import resolve_backend
 from maxlm.mesh import make_mesh
-from maxlm.model import Transformer
-from maxlm.optim import make_optimizer
-from maxlm.scope import model_scope
-from maxlm.sharding import batch_sharding, replicated
-from maxlm.step import make_train_step
 
 
 def main(argv: list[str]) -> None:
@@ -59,17 +53,15 @@ def main(argv: list[str]) -> None:
     del args[i:i + 2]
   cfg = load_config(args)
   row = {"config": " ".join(args), "threefry_kernel": kernel, "options": options, "backend": jax.default_backend()}
-  mesh = make_mesh(cfg.mesh)
-  backend = resolve_backend(cfg.model.backend)
-  model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row)
-  optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
   micro = cfg.data.global_batch_size // cfg.train.grad_accum
   batch, seq = micro, cfg.data.seq_len
-  with model_scope(cfg.model, backend, mesh):
-    t = time.perf_counter()
-    abstract = jax.eval_shape(lambda r: train_state.init_boxed(model, optimizer, r, batch, seq), jax.random.PRNGKey(0))
-    row["eval_shape_s"] = time.perf_counter() - t
-    shardings = train_state.place(train_state.shardings_from_logical(abstract, mesh), cfg.optim.offload)
+  t = time.perf_counter()
+  # the trainer's builder (maxlm/build.py): model, optimizer, abstract state (one trace of model.init +
+  # optimizer.init under jax.eval_shape), shardings and the jitted steps
+  built = build_step(cfg, make_mesh(cfg.mesh), abstract=True)
+  row["eval_shape_s"] = time.perf_counter() - t
+  model, optimizer, shardings = built.model, built.optimizer, built.state_shardings
+  with built.scope():
 
     def init(r):
       return nn.unbox(train_state.init_boxed(model, optimizer, r, batch, seq))
@@ -99,16 +91,10 @@ def main(argv: list[str]) -> None:
                                           else x.astype(jnp.uint32), dtype=jnp.uint32)
                                   for x in jax.tree_util.tree_leaves(s)])(state)
         row["state_checksum"] = hashlib.sha256(np.asarray(jax.device_get(sums)).tobytes()).hexdigest()[:16]
-    if step:
-      fn = make_train_step(model, optimizer, schedule, grad_accum=cfg.train.grad_accum,
-                           packed=cfg.data.type != "synthetic")
-      bs = batch_sharding(mesh)
-      b = {k: jax.ShapeDtypeStruct((cfg.data.global_batch_size, cfg.data.seq_len), jnp.int32, sharding=bs)
-           for k in BATCH_KEYS}  # [B, T] each
-      jitted = jax.jit(fn, in_shardings=(shardings, {k: bs for k in BATCH_KEYS}),
-                       out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
+    if step:  # the trainer's train step on that state
+      jitted = built.train_step.jitted
       t = time.perf_counter()
-      traced = jitted.trace(state, b)
+      traced = jitted.trace(state, built.batch_structs())
       row["step_trace_s"] = time.perf_counter() - t
       t = time.perf_counter()
       low = traced.lower()

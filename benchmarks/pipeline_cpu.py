@@ -44,7 +44,8 @@ from maxlm.optim import make_optimizer  # noqa: E402
 from maxlm.pipeline import bubble_fraction  # noqa: E402
 from maxlm.scope import model_scope  # noqa: E402
 from maxlm.sharding import batch_sharding, replicated  # noqa: E402
-from maxlm.step import jit_step, make_train_step  # noqa: E402
+from maxlm.build import CompiledStep  # noqa: E402
+from maxlm.step import make_train_step  # noqa: E402
 from maxlm.train_state import create_train_state  # noqa: E402
 
 KEYS = ("inputs", "targets", "segment_ids", "positions")
@@ -78,7 +79,7 @@ def arm(name: str, cfg: ModelConfig, micro: int, data: list[dict]) -> dict:
   with scope():
     state, shardings = create_train_state(model, optimizer, mesh, seed=0, batch=b // micro, seq_len=t)
   bs = batch_sharding(mesh)
-  step = jit_step(make_train_step(model, optimizer, schedule, grad_accum=micro), shardings, {k: bs for k in KEYS},
+  step = CompiledStep(make_train_step(model, optimizer, schedule, grad_accum=micro), shardings, {k: bs for k in KEYS},
                   scope, metrics_sharding=replicated(mesh))
   losses, times = [], []
   for i, batch in enumerate(data):

@@ -21,12 +21,15 @@ from maxlm.sharding import TE_MESH_AXES, axis_rules
 @contextlib.contextmanager
 def model_scope(m: ModelConfig, backend: str, mesh=None, *, quantized: bool = True):
   """Mesh (when given) + axis rules + precision scope. Without a mesh (one-device generation) no rules are set
-  and TE gets no mesh resource."""
+  and TE gets no mesh resource. An AbstractMesh (the dry run sizes meshes of devices it does not have) gets the
+  axis rules alone: `jax.set_mesh` takes only a concrete mesh, and TE no mesh resource."""
   precision = m.precision if quantized else "bf16"
+  concrete = isinstance(mesh, jax.sharding.Mesh)
   with contextlib.ExitStack() as stack:
-    if mesh is not None:
+    if concrete:
       stack.enter_context(jax.set_mesh(mesh))
+    if mesh is not None:
       stack.enter_context(axis_rules())
     stack.enter_context(precision_scope(precision, backend, m.fp8_amax_history_len,
-                                        TE_MESH_AXES if mesh is not None else None))
+                                        TE_MESH_AXES if concrete else None))
     yield

@@ -12,10 +12,8 @@ dynamic loss scale before differentiation (maxlm/loss_scale.py); an overflow ski
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import time
 from typing import Callable
 
 import jax
@@ -314,57 +312,3 @@ def make_eval_step(model: nn.Module, *, packed: bool = False) -> Callable:
     loss, n = loss_fn(state.params, state.model_state, batch)
     return {"loss_sum": loss, "tokens": n}
   return step
-
-
-def jit_step(step: Callable, state_shardings, batch_shardings, scope: Callable[[], contextlib.AbstractContextManager],
-             donate: bool = True, metrics_sharding=None, compiler: Callable | None = None,
-             name: str = "train_step") -> Callable:
-  """Jit with explicit shardings; every call (hence every trace) runs inside `scope()`. `compiler(name, jitted,
-  args)`, when given, supplies the executable (maxlm/runtime/warm_start.py `compiled`: loaded from an earlier start,
-  else compiled and kept), and the calls run that executable."""
-  jitted = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
-                   out_shardings=(state_shardings, metrics_sharding) if donate else metrics_sharding,
-                   donate_argnums=(0,) if donate else ())
-
-  def compile_in_scope(state, batch):
-    if compiler is not None:
-      got = compiler(name, jitted, (state, batch))
-      call.executable, call.loaded, call.lower_s, call.compile_s = (got.executable, got.loaded, got.lower_s,
-                                                                    got.compile_s)
-      call.background_s = got.background_s
-    else:
-      t0 = time.perf_counter()
-      lowered = jitted.lower(state, batch)
-      t1 = time.perf_counter()
-      call.executable = lowered.compile()  # kept for profiling (its optimized HLO)
-      call.lower_s, call.compile_s = t1 - t0, time.perf_counter() - t1
-    call.compiled_memory_gb = compiled_memory_gb(call.executable)
-    return call.executable
-
-  def compile(state, batch):
-    """Trace, lower and compile for these arguments (arrays, or ShapeDtypeStructs carrying their shardings:
-    the same program); the calls reuse the executable. Keeps the seconds of each part (maxlm/runtime/startup.py)."""
-    with scope():
-      return compile_in_scope(state, batch)
-
-  def call(state, batch):
-    with scope():  # once per call
-      if call.executable is None:  # the first call compiles ahead of time to read XLA's estimate; jitted reuses it
-        compile_in_scope(state, batch)
-      return jitted(state, batch) if compiler is None else call.executable(state, batch)
-  call.compile = compile
-  call.executable, call.compiled_memory_gb, call.lower_s, call.compile_s = None, None, None, None  # set by compile
-  call.loaded = False  # True: the executable came from an earlier start (warm start), nothing was traced
-  call.background_s = None  # loaded ahead, in the background (warm_start.prefetch): that load's seconds
-  return call
-
-
-def compiled_memory_gb(compiled) -> float | None:
-  """XLA's estimate of one device's memory for a compiled step (GB, 1e9 bytes): arguments + outputs +
-  temporaries - what the outputs alias (donated buffers), as MaxText's `Total estimated memory size`
-  (which prints GiB). None where the backend gives no analysis."""
-  m = compiled.memory_analysis()
-  if m is None:
-    return None
-  total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-  return total / 1e9

@@ -15,12 +15,12 @@ import shutil
 import time
 
 import jax
-import numpy as np
 import yaml
 
 from maxlm import data as data_lib
 from maxlm import evaluate
 from maxlm.batches import Batches
+from maxlm.build import build_step
 from maxlm.checkpoint import CheckpointError, Preemption
 from maxlm.checkpoint import run_dir as run_dirs
 from maxlm.checkpoint import run_lock
@@ -30,15 +30,9 @@ from maxlm.layers import PrecisionError, check_precision, check_remat, resolve_b
 from maxlm.loop import Run, RunError, subscribe
 from maxlm.mesh import check_context_split, make_mesh
 from maxlm.metrics import echo
-from maxlm.model import Transformer
-from maxlm.optim import make_optimizer
 from maxlm.runtime import agree, compile_cache, warm_start, watchdog
 from maxlm.runtime.startup import Startup
 from maxlm.pipeline import check as check_pipeline
-from maxlm.scope import model_scope
-from maxlm.sharding import batch_sharding, replicated
-from maxlm.step import jit_step, make_eval_step, make_train_step
-from maxlm.train_state import abstract_state, create_train_state
 
 __all__ = ["RunEnd", "RunError", "Trainer", "check_batch_split", "train"]
 
@@ -69,10 +63,6 @@ class Trainer:
     self._check_batch_split()
     if warm_start.active():  # the config is final: load the executables kept by the last start, in the background
       warm_start.prefetch(warm_start.run_signature(cfg))
-    self.packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
-    self.model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row,
-                             context_strategy=cfg.mesh.context_strategy, stages=self.mesh.shape["pipeline"],
-                             microbatches=cfg.train.grad_accum)
     pi, pc = jax.process_index(), jax.process_count()
     self.train_data = data_lib.make_train_iterator(cfg.data, cfg.model.vocab_size, pi, pc)
     self.eval_data_factory = None
@@ -88,42 +78,22 @@ class Trainer:
     check_batch_split(self.cfg.data, self.cfg.train, self.mesh.shape)
     check_context_split(self.cfg.data.seq_len, self.mesh.shape["context"])
 
-  def scope(self):
-    """Mesh + logical axis rules + TE autocast (maxlm/scope.py): entered for init and for every trace."""
-    return model_scope(self.cfg.model, self.backend, self.mesh)
-
   def build(self, abstract: bool = False):
-    """The optimizer, the state and the jitted steps; abstract: the state as ShapeDtypeStructs carrying their
-    shardings, nothing allocated (`--compile-only`)."""
-    cfg = self.cfg
-    self.optimizer, self.schedule = make_optimizer(cfg.optim, cfg.train.steps)
-    micro = cfg.data.global_batch_size // cfg.train.grad_accum
-    # compile.warm_start (maxlm/runtime/warm_start.py): executables kept from an earlier start of this run, else kept now
-    compiler = warm_start.Compiler(warm_start.run_signature(cfg)) if warm_start.active() else None
-    make = (abstract_state if abstract else
-            functools.partial(create_train_state, seed=cfg.train.seed, compiler=compiler))
-    with self.scope():
-      self.state, self.state_shardings = make(self.model, self.optimizer, self.mesh, batch=micro,
-                                              seq_len=cfg.data.seq_len, offload=cfg.optim.offload)
-    self.batch_sharding = batch_sharding(self.mesh)
-    bs = {k: self.batch_sharding for k in data_lib.BATCH_KEYS}
-    step = make_train_step(self.model, self.optimizer, self.schedule, grad_accum=cfg.train.grad_accum,
-                           packed=self.packed)
+    """The optimizer, the state and the jitted steps (maxlm/build.py); abstract: the state as ShapeDtypeStructs
+    carrying their shardings, nothing allocated (`--compile-only`)."""
+    built = self.built = build_step(self.cfg, self.mesh, abstract=abstract)
+    self.model, self.optimizer, self.schedule = built.model, built.optimizer, built.schedule
+    self.state, self.state_shardings, self.batch_sharding = built.state, built.state_shardings, built.batch_sharding
     # jitted_train_step keeps XLA's memory estimate (compiled_memory_gb) also where train_step gets wrapped
-    self.train_step = self.jitted_train_step = jit_step(step, self.state_shardings, bs, self.scope,
-                                                        metrics_sharding=replicated(self.mesh), compiler=compiler)
-    self.eval_step = jit_step(make_eval_step(self.model, packed=self.packed), self.state_shardings, bs,
-                              self.scope, donate=False, metrics_sharding=replicated(self.mesh))
+    self.train_step = self.jitted_train_step = built.train_step
+    self.eval_step = built.eval_step
     self.n_devices = jax.device_count()
 
   def compile_train_step(self) -> bool:
     """Trace, lower and compile the train step for the state (arrays or abstract) and the batch's shape ahead
     of the first step: the steps then reuse it. True when XLA's executable came from the persistent cache."""
-    d = self.cfg.data
-    batch = {k: jax.ShapeDtypeStruct((d.global_batch_size, d.seq_len), np.int32, sharding=self.batch_sharding)
-             for k in data_lib.BATCH_KEYS}  # [B, T] each, as `to_device` makes them
     hits = compile_cache.COUNTER.snapshot()[0]
-    self.jitted_train_step.compile(self.state, batch)
+    self.jitted_train_step.compile(self.state, self.built.batch_structs())  # [B, T] each, as `to_device` makes them
     return compile_cache.COUNTER.snapshot()[0] > hits
 
   def to_device(self, batch):

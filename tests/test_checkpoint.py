@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from maxlm.build import build_step
 from maxlm.checkpoint import CheckpointError, Checkpointer, load_params, start
 from maxlm.checkpoint.verify import json_digest, reason
 from maxlm.config import CheckpointConfig, DataConfig, MeshConfig, load_config, to_dict
 from maxlm.data import make_train_iterator, merge_states
 from maxlm.mesh import make_mesh
-from maxlm.optim import make_optimizer
-from maxlm.train_state import abstract_state
 from maxlm.trainer import Trainer
 
 
@@ -88,8 +87,8 @@ def _target(*extra):
   """(config, restore target, its shardings) for a run, without initializing or compiling anything."""
   cfg = load_config(TINY + list(extra))
   t = Trainer(cfg)
-  optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
-  target, shardings = abstract_state(t.model, optimizer, t.mesh, cfg.data.global_batch_size, cfg.data.seq_len)
+  built = build_step(cfg, t.mesh, abstract=True)
+  target, shardings = built.state, built.state_shardings
   t.train_data.close()
   return cfg, target, shardings
 
@@ -150,8 +149,7 @@ def test_restore_onto_other_meshes_is_identical(saved, tmp_path):
   # one device: abstract_state() on a 1-device mesh is the restore target
   cfg = saved["cfg"]
   mesh1 = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
-  t = Trainer(cfg)
-  target, _ = abstract_state(t.model, make_optimizer(cfg.optim, cfg.train.steps)[0], mesh1, 8, 16)
+  target = build_step(cfg, mesh1, abstract=True).state
   ckpt = Checkpointer(saved["root"], CheckpointConfig(enabled=True))
   one = ckpt.restore_latest(target, to_dict(saved["cfg"]))
   ckpt.close()

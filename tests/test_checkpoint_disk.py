@@ -84,7 +84,7 @@ def _target(args: list[str]):
   them: the state does not depend on it)."""
   cfg = load_config([*RUN, *args, "data.global_batch_size=8"])
   t = Trainer(cfg)
-  with t.scope():
+  with t.built.scope():
     target, _ = abstract_state(t.model, make_optimizer(cfg.optim, cfg.train.steps)[0], t.mesh,
                                        cfg.data.global_batch_size, cfg.data.seq_len)
   return cfg, target

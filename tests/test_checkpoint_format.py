@@ -13,10 +13,9 @@ import jax
 import numpy as np
 import pytest
 
+from maxlm.build import build_step
 from maxlm.checkpoint import Checkpointer
 from maxlm.config import CheckpointConfig, load_config, to_dict
-from maxlm.optim import make_optimizer
-from maxlm.train_state import abstract_state
 from maxlm.trainer import Trainer
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "checkpoint_format.md"
@@ -111,19 +110,19 @@ def _close(a, b) -> bool:
   return bool(np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(b)))
 
 
-def _model_logits(trainer, params, tokens):
-  with trainer.scope():
-    return np.asarray(jax.jit(trainer.model.apply)({"params": params}, tokens[None]))[0]  # [T, V]
+def _model_logits(built, params, tokens):
+  with built.scope():
+    return np.asarray(jax.jit(built.model.apply)({"params": params}, tokens[None]))[0]  # [T, V]
 
 
 def test_reference_forward_of_the_doc_matches_the_model(run):
   ns, t = run["ns"], run["trainer"]
   config = ns["json_item"](run["step_dir"], "config")
   tokens = np.arange(8) % 5  # the doc's example
-  model = _model_logits(t, t.state.params, tokens)
+  model = _model_logits(t.built, t.state.params, tokens)
   assert _close(model, ns["logits"])
   tokens = (np.arange(16) * 37) % 128  # a full-length sequence: the sliding window (6) matters
-  model = _model_logits(t, t.state.params, tokens)
+  model = _model_logits(t.built, t.state.params, tokens)
   assert _close(model, ns["forward"](ns["params"], config, tokens))
   # sensitivity: the same check fails for a wrong reading of the fused QKV kernel
   split = ns["split_qkv"]
@@ -143,8 +142,9 @@ def test_unrolled_layers_are_the_slices_of_the_scanned_ones(run):
   for i in range(run["cfg"].model.n_layers):
     params[f"layers_{i}"] = jax.tree_util.tree_map(lambda x, i=i: np.asarray(x)[i], stacked)
   unrolled = Trainer(load_config(TINY + ["model.scan_layers=false"]))
+  unrolled = build_step(unrolled.cfg, unrolled.mesh, abstract=True)
   tokens = (np.arange(16) * 11) % 128
-  want = _model_logits(t, t.state.params, tokens)
+  want = _model_logits(t.built, t.state.params, tokens)
   assert _close(_model_logits(unrolled, params, tokens), want)
   config = ns["json_item"](run["step_dir"], "config")
   assert np.array_equal(ns["forward"](params, config, tokens), ns["forward"](ns["params"], config, tokens))
@@ -185,8 +185,7 @@ def _documented(section: str, m, applies) -> dict[str, tuple]:
 def _abstract(*extra):
   cfg = load_config(TINY + list(extra))
   t = Trainer(cfg)
-  with t.scope():  # TE layers need the mesh resource even to trace shapes
-    state, _ = abstract_state(t.model, make_optimizer(cfg.optim, cfg.train.steps)[0], t.mesh, 8, 16)
+  state = build_step(cfg, t.mesh, abstract=True).state  # in the model's scope: TE layers need its mesh resource
   t.train_data.close()
   return cfg, state
 

@@ -17,11 +17,10 @@ import pytest
 from resume_launcher import compile_cache, poisoned_losses
 
 from maxlm import step as step_lib
+from maxlm.build import build_step
 from maxlm.checkpoint import Checkpointer, abstract_like, complete_steps
 from maxlm.cli.train import main
 from maxlm.config import load_config, to_dict
-from maxlm.optim import make_optimizer
-from maxlm.train_state import abstract_state
 from maxlm.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,9 +52,7 @@ def _rows(run_dir):
 def _restore(run_dir, args):
   cfg = load_config(args)
   t = Trainer(cfg)
-  with t.scope():  # TE layers need the mesh resource even to trace shapes
-    target, _ = abstract_state(t.model, make_optimizer(cfg.optim, cfg.train.steps)[0], t.mesh,
-                               cfg.data.global_batch_size, cfg.data.seq_len)
+  target = build_step(cfg, t.mesh, abstract=True).state  # in the model's scope: TE layers need its mesh resource
   ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
   try:
     return ckpt.restore_latest(target, to_dict(cfg))

@@ -28,7 +28,7 @@ from maxlm.plan.measure import measure
 from maxlm.plan.sizing import estimate
 from maxlm.step import make_train_step
 from maxlm.sharding import replicated
-from maxlm.step import jit_step
+from maxlm.build import CompiledStep
 from maxlm.train_state import create_train_state, threefry_kernel
 from maxlm.trainer import Trainer
 
@@ -356,7 +356,7 @@ def _cp_step(mesh_cfg, devices, batch, packed, **model_kw):
     warnings.simplefilter("error", UserWarning)  # an unfused-attention fallback would warn
     state, shardings = create_train_state(model, opt, mesh, 0, 4, 512)
   bs = batch_sharding(mesh)
-  step = jit_step(make_train_step(model, opt, sched, packed=packed), shardings, {k: bs for k in batch}, scope,
+  step = CompiledStep(make_train_step(model, opt, sched, packed=packed), shardings, {k: bs for k in batch}, scope,
                   metrics_sharding=replicated(mesh))
   with warnings.catch_warnings():
     warnings.simplefilter("error", UserWarning)

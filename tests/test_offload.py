@@ -16,7 +16,8 @@ from maxlm.model import Transformer
 from maxlm.offload import in_host_memory, place, to_device_memory, to_host_memory
 from maxlm.optim import make_optimizer
 from maxlm.sharding import batch_sharding, replicated
-from maxlm.step import jit_step, make_train_step
+from maxlm.build import CompiledStep
+from maxlm.step import make_train_step
 from maxlm.train_state import abstract_state, create_train_state
 
 MODEL = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
@@ -89,7 +90,7 @@ def _run(offload, moments, batches):
   with scope(), precision_scope("bf16", "flax"):
     state, shardings = create_train_state(model, opt, MESH, 0, 4, 8, offload)
   bs = {k: batch_sharding(MESH) for k in KEYS}
-  step = jit_step(make_train_step(model, opt, sched), shardings, bs, scope, metrics_sharding=replicated(MESH))
+  step = CompiledStep(make_train_step(model, opt, sched), shardings, bs, scope, metrics_sharding=replicated(MESH))
   finite, kinds = [], []
   for b in batches:
     with precision_scope("bf16", "flax"):

@@ -21,7 +21,8 @@ from maxlm.optim import make_optimizer
 from maxlm.pipeline import bubble_fraction, check, micro_batches, pipeline_stack, whole_batch
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
-from maxlm.step import jit_step, make_train_step
+from maxlm.build import CompiledStep
+from maxlm.step import make_train_step
 from maxlm.train_state import abstract_state, create_train_state
 from maxlm.trainer import Trainer
 
@@ -160,7 +161,7 @@ def _train(mesh_cfg: MeshConfig, n_devices: int, grad_accum: int, model_cfg: Mod
     state, shardings = create_train_state(model, optimizer, mesh, seed=0, batch=B // grad_accum, seq_len=T)
   init = jax.tree_util.tree_map(np.asarray, state.params)
   bs = batch_sharding(mesh)
-  step = jit_step(make_train_step(model, optimizer, schedule, grad_accum=grad_accum, packed=True), shardings,
+  step = CompiledStep(make_train_step(model, optimizer, schedule, grad_accum=grad_accum, packed=True), shardings,
                   {k: bs for k in BATCH_KEYS}, scope, metrics_sharding=replicated(mesh))
   metrics, grads = [], []
   for i in range(STEPS):
@@ -258,7 +259,7 @@ def _restored(run_dir, args):
   cfg = load_config(args)
   t = Trainer(cfg)
   try:
-    with t.scope():
+    with t.built.scope():
       target, _ = abstract_state(t.model, make_optimizer(cfg.optim, cfg.train.steps)[0], t.mesh,
                                  cfg.data.global_batch_size, cfg.data.seq_len)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)

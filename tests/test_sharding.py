@@ -16,7 +16,8 @@ from maxlm.mesh import make_mesh, mesh_shape
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
 from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
-from maxlm.step import jit_step, make_train_step
+from maxlm.build import CompiledStep
+from maxlm.step import make_train_step
 from maxlm.train_state import create_train_state
 
 MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, ffn_dim=128,
@@ -96,8 +97,8 @@ def one_step(mesh_cfg, devices, backend="flax", optimizer=None, packed=False, **
   with scope():
     state, shardings = create_train_state(model, optimizer, mesh, seed=0, batch=8, seq_len=16)
   bs = batch_sharding(mesh)
-  step = jit_step(make_train_step(model, optimizer, schedule, packed=packed), shardings, {k: bs for k in BATCH},
-                  scope, metrics_sharding=replicated(mesh))
+  step = CompiledStep(make_train_step(model, optimizer, schedule, packed=packed), shardings, {k: bs for k in BATCH},
+                      scope, metrics_sharding=replicated(mesh))
   losses, grads = [], []
   for i in range(2):
     rng = np.random.default_rng(i)

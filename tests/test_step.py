@@ -2,7 +2,6 @@
 the loss over every valid token, multi-step AdamW with its schedules, clipping and decay mask,
 token-weighted gradient accumulation; non-finite skipping; FP8 delayed-scaling state."""
 
-import contextlib
 import dataclasses
 import math
 
@@ -12,7 +11,6 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import reference as R
 from maxlm.config import MeshConfig, ModelConfig, OptimConfig
@@ -20,7 +18,7 @@ from maxlm.layers import FP8_COLLECTION, PrecisionError, check_precision, precis
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
-from maxlm.step import (cast_matmul_weights, chunked_token_losses, fp8_chunked_head, jit_step, make_eval_step,
+from maxlm.step import (cast_matmul_weights, chunked_token_losses, fp8_chunked_head, make_eval_step,
                         make_train_step, pow2_scale, quantize, token_losses, use_chunked_loss)
 from maxlm.train_state import abstract_state, create_train_state
 
@@ -369,38 +367,6 @@ def test_fp8_delayed_state_threads_through_steps(fake_fp8_gpu):
   # rounding, <= 64 ulps); decay or clipping of this state would change it by O(1).
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=64 * U32, atol=0),
                          sb1.model_state, s1.model_state)
-
-
-# ---- jit_step --------------------------------------------------------------------------------------
-
-def test_jit_step_places_outputs_enters_the_scope_per_call_and_donates():
-  """The trainer's jit wrapper: outputs land on the given shardings (state split over 2 devices, metrics
-  replicated), every call runs inside `scope()`, the state is donated (its buffers consumed) unless
-  donate=False, which returns the metrics alone and leaves the state usable."""
-  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-  split, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-  entered = []
-
-  @contextlib.contextmanager
-  def scope():
-    entered.append(len(entered))
-    yield
-
-  def step(state, batch):
-    return {"w": state["w"] + batch["x"].sum()}, {"m": state["w"] * 2}
-
-  train = jit_step(step, {"w": split}, {"x": rep}, scope, metrics_sharding=rep)
-  state = {"w": jax.device_put(np.arange(4.0, dtype=np.float32), split)}
-  new, m = train(state, {"x": np.ones(3, np.float32)})
-  np.testing.assert_array_equal(new["w"], [3.0, 4.0, 5.0, 6.0])  # exact small integers
-  np.testing.assert_array_equal(m["m"], [0.0, 2.0, 4.0, 6.0])
-  assert new["w"].sharding.is_equivalent_to(split, 1) and m["m"].sharding.is_equivalent_to(rep, 1)
-  assert state["w"].is_deleted() and entered == [0]
-  evaluate = jit_step(lambda s, b: {"loss": s["w"].sum() + b["x"].sum()}, {"w": split}, {"x": rep}, scope,
-                      donate=False, metrics_sharding=rep)
-  out = evaluate(new, {"x": np.ones(3, np.float32)})
-  assert set(out) == {"loss"} and float(out["loss"]) == 21.0 and out["loss"].sharding.is_equivalent_to(rep, 0)
-  assert not new["w"].is_deleted() and entered == [0, 1]
 
 
 # ---- chunked LM head + cross-entropy ---------------------------------------------------------------
@@ -761,29 +727,6 @@ def test_fp16_gradients_are_unscaled_and_the_loss_scale_updated():
   new, m = run(at_scale(24), bt)  # 2**24 / 32 tokens on the logits' fp16 gradient overflows (> 65504)
   assert not bool(m["finite"]) and float(m["loss_scale"]) == float(new.loss_scale.scale) == 2.0 ** 23
   assert (int(m["overflow_steps"]), int(m["nonfinite_steps"])) == (1, 0)
-
-
-def test_jit_step_compiles_for_the_batch_shardings_and_estimates_per_device_memory():
-  """The batch is placed as batch_shardings say before the step runs: split over 2 devices, XLA's
-  per-device estimate (compiled_memory_gb, 1e9 bytes) holds half of its 4 MiB; replicated, at least all of it.
-  The donated state (1 MiB per device) counts once, its update reusing its buffer; the rest (a scalar metric,
-  no temporaries worth a page) stays under 1 KiB."""
-  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-  split, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-
-  def step(state, batch):
-    return {"w": state["w"] + batch["x"].sum()}, {"m": state["w"].sum()}
-  gb = {}
-  for name, batch_sharding in (("split", split), ("replicated", rep)):
-    train = jit_step(step, {"w": split}, {"x": batch_sharding}, contextlib.nullcontext, metrics_sharding=rep)
-    assert train.compiled_memory_gb is None  # until the first call compiles
-    state = {"w": jax.device_put(np.zeros(2 ** 19, np.float32), split)}  # 1 MiB per device, donated
-    train(state, {"x": np.ones(2 ** 20, np.float32)})
-    gb[name] = train.compiled_memory_gb
-  # split: half the batch (2 MiB) and the donated state's 1 MiB once (the new state reuses its buffer)
-  assert 2 ** 21 + 2 ** 20 <= gb["split"] * 1e9 <= 2 ** 21 + 2 ** 20 + 1024
-  assert gb["replicated"] * 1e9 >= gb["split"] * 1e9 + 2 ** 21  # the whole batch on each device
-
 
 
 @pytest.mark.parametrize("loss_chunk,chunked", [(0, False), (1, True), (3, True)])

@@ -80,7 +80,7 @@ def reference_eval_loss(tr):
   apply = jax.jit(tr.model.apply)
   it = tr.eval_data_factory()
   for b in it:
-    with tr.scope():
+    with tr.built.scope():
       logits = apply({"params": tr.state.params, **tr.state.model_state}, b["inputs"], b["positions"],
                      b["segment_ids"])
     logits = np.asarray(logits, np.float64)  # [B, T, V]

@@ -26,6 +26,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 from maxlm import plan as planner
+from maxlm.build import Built, build_step
 from maxlm.config import Config, ConfigError, DataConfig, load_config
 from maxlm.data import DataError
 from maxlm.data.readers import META_NAME, file_format, resolve_files, split_list
@@ -34,16 +35,14 @@ from maxlm.data.sources import resolve_type
 from maxlm.plan import sizing
 from maxlm.runtime import xla_presets
 from maxlm.layers import context
-from maxlm.layers import (PRECISIONS, RECIPES, PrecisionError, check_remat, precision_scope, resolve_backend,
+from maxlm.layers import (PRECISIONS, RECIPES, PrecisionError, check_remat, resolve_backend,
                           supported_precisions)
 from maxlm.mesh import AXES, check_context_split, mesh_shape
 from maxlm.metrics import device_peak_flops
-from maxlm.model import Transformer, count_params, flops_per_step
-from maxlm.optim import make_optimizer, warmup_warning
+from maxlm.model import count_params, flops_per_step
+from maxlm.optim import warmup_warning
 from maxlm.runtime.devices import device_memory_bytes
 from maxlm.runtime.env import apply_mem_fraction
-from maxlm.sharding import axis_rules
-from maxlm.train_state import abstract_state
 from maxlm.pipeline import bubble_fraction, check as check_pipeline
 from maxlm.trainer import check_batch_split
 
@@ -83,15 +82,12 @@ def _shard_bytes(structs, shardings) -> int:
   return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in zip(leaves, shards, strict=True))
 
 
-def abstract_train_state(cfg: Config, mesh: AbstractMesh, precision: str):
-  """(ShapeDtypeStructs, shardings) of the train state; nothing is allocated."""
-  m = dataclasses.replace(cfg.model, scan_layers=True, remat="none")  # one traced layer, same parameters
-  backend = resolve_backend(m.backend)
-  optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
-  # Not scope.model_scope: its mesh scope (jax.set_mesh) takes a concrete Mesh, and a dry run sizes meshes of
-  # devices it does not have (AbstractMesh); the axis rules and the precision scope are the trainer's.
-  with axis_rules(), precision_scope(precision, backend, m.fp8_amax_history_len):
-    return abstract_state(Transformer(m), optimizer, mesh, 1, min(cfg.data.seq_len, 16))  # init: any length
+def build(cfg: Config, mesh, exact_meta: bool) -> Built:
+  """The trainer's build (maxlm/build.py) of the abstract train state, nothing allocated: on an AbstractMesh, with
+  one traced layer standing for all (scanned, no remat: the same parameters). exact_meta=False: traced
+  unquantized (the FP8 recipe does not run here; its state is sized by formula)."""
+  m = dataclasses.replace(cfg.model, scan_layers=True, remat="none")
+  return build_step(dataclasses.replace(cfg, model=m), mesh, abstract=True, quantized=exact_meta)
 
 
 def _data_entry(spec: str, fmt: str) -> dict:
@@ -147,7 +143,8 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   here = supported_precisions() if backend == "te" else [n for n in PRECISIONS if n not in RECIPES]
   exact_meta = m.precision in here  # TE builds the FP8 state only where the recipe runs
   mesh = AbstractMesh(tuple(degrees.values()), AXES)
-  structs, shardings = abstract_train_state(cfg, mesh, m.precision if exact_meta else "bf16")
+  built = build(cfg, mesh, exact_meta)
+  structs, shardings = built.state, built.state_shardings
 
   total = sum(a.size for a in jax.tree.leaves(structs.params))
   embedding = structs.params["embed"]["embedding"].size

@@ -41,7 +41,8 @@ from maxlm.config import Config, ConfigError, help_text, load_config
 from maxlm.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, MaxlmError, report
 from maxlm.metrics import echo
 from maxlm.plan.oom import oom_message
-from maxlm.plan.measure import is_oom, memory_stats
+from maxlm.build import memory_stats
+from maxlm.plan.measure import is_oom
 from maxlm.plan.sizing import human_bytes
 from maxlm.runtime import compile_cache, distributed, startup, watchdog
 from maxlm.runtime.startup import Startup

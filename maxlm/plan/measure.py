@@ -1,10 +1,10 @@
 """Per-device memory of the real train step, measured by XLA: compiled ahead of time on abstract shapes.
 
-`measure(cfg)` builds the train step exactly as `maxlm.trainer.Trainer.build` does (model, optimizer,
-shardings, `make_train_step`, the same `jax.jit` in/out shardings and donation), lowers it on
-`jax.ShapeDtypeStruct`s that carry their shardings, compiles it and reads `memory_analysis()`. Nothing is
-allocated. Per device: arguments + outputs + temporaries - aliased (the donated state), the formula of
-`maxlm.step.compiled_memory_gb`; the host_* fields (state in pinned host memory) are kept apart.
+`measure(cfg)` builds the train step with the trainer's builder (maxlm/build.py: the same model, optimizer,
+shardings, `jax.jit` in/out shardings and donation), lowers it on `jax.ShapeDtypeStruct`s that carry their
+shardings, compiles it and reads `memory_analysis()`. Nothing is allocated. Per device: arguments + outputs +
+temporaries - aliased (the donated state), `maxlm.build.memory_stats`; the host_* fields (state in pinned host
+memory) are kept apart.
 
 On the devices at hand the step is the one that will run. For more devices than are present,
 `Simulator(n)` runs the same measurement in one child process on n simulated CPU devices
@@ -28,7 +28,9 @@ conservative stand-in, not a measurement of the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -37,42 +39,19 @@ import sys
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
+from maxlm.build import Built, build_step, memory_stats
 from maxlm.config import Config, ConfigError, from_dict, to_dict
-from maxlm.data.packing import BATCH_KEYS
 from maxlm.layers import resolve_backend
 from maxlm.mesh import make_mesh
+from maxlm.optim import LAG
 from maxlm.pipeline import check as check_pipeline
-from maxlm.model import Transformer
-from maxlm.optim import LAG, make_optimizer
 from maxlm.plan.sizing import human_bytes
 from maxlm.plan.standins import GPU_DTYPE_OPTIONS, fused_attention_footprint, gpu_dot_dtypes
-from maxlm.runtime import warm_start
 from maxlm.runtime.devices import bytes_limit, device_kind, is_gpu, local_device
 from maxlm.runtime.env import GPU_FRACTION, XLA_DEFAULT_FRACTION, fraction_in_environment
-from maxlm.scope import model_scope
-from maxlm.sharding import batch_sharding, replicated
-from maxlm.step import make_train_step
-from maxlm.train_state import abstract_state
 
-FIELDS = ("argument", "output", "alias", "temp")
 OOM_STATUS = "RESOURCE_EXHAUSTED"
-
-
-def memory_stats(compiled) -> dict[str, int]:
-  """Bytes per device of a compiled step: XLA's fields, `device` (arguments + outputs + temporaries -
-  aliased, as step.compiled_memory_gb) and `host` (the same over the host_* fields)."""
-  m = compiled.memory_analysis()
-  if m is None:
-    raise RuntimeError("this JAX backend gives no compiled memory analysis")
-  out = {}
-  for where in ("", "host_"):
-    for k in FIELDS:
-      out[where + k] = int(getattr(m, f"{where}{k}_size_in_bytes", 0) or 0)
-  out["device"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
-  out["host"] = out["host_argument"] + out["host_output"] + out["host_temp"] - out["host_alias"]
-  return out
 
 
 def _shard_bytes(structs) -> int:
@@ -82,47 +61,48 @@ def _shard_bytes(structs) -> int:
 
 def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrolled: bool = False):
   """(compiled train step of `cfg` on `devices` (default: all), {"params", "opt_state", "opt_leaf_fp32": bytes
-  per device, "bf16_kept"}), from abstract shapes only. fused_attention (measuring a GPU's step): with fused
-  attention's footprint, and on CPU devices with bf16 kept (GPU_DTYPE_OPTIONS; bf16_kept: True, False where
-  XLA:CPU could not compile it so, None where not asked). unrolled: the model is scanned for the measurement
-  only, so a scanned stack counts per layer in opt_leaf_fp32."""
-  mesh = make_mesh(cfg.mesh, devices)
-  backend = resolve_backend(cfg.model.backend)
-  check_pipeline(cfg.model, cfg.train, cfg.mesh, mesh.shape["pipeline"], mesh.shape["context"])
-  model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row,
-                      context_strategy=cfg.mesh.context_strategy, stages=mesh.shape["pipeline"],
-                      microbatches=cfg.train.grad_accum)  # as the trainer builds it
-  optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
-  micro = cfg.data.global_batch_size // cfg.train.grad_accum
-  step = make_train_step(model, optimizer, schedule, grad_accum=cfg.train.grad_accum,
-                         packed=cfg.data.type != "synthetic")  # data.type=auto is never synthetic
-  gpu_dtypes = fused_attention and mesh.devices.flat[0].platform == "cpu"  # a GPU's step, on XLA:CPU
-  with (model_scope(cfg.model, backend, mesh), fused_attention_footprint(backend, fused_attention),  # as the trainer
-        gpu_dot_dtypes(gpu_dtypes)):
-    structs, shardings = abstract_state(model, optimizer, mesh, micro, cfg.data.seq_len, cfg.optim.offload)
-    bs = batch_sharding(mesh)
-    batch = {k: jax.ShapeDtypeStruct((cfg.data.global_batch_size, cfg.data.seq_len), jnp.int32, sharding=bs)
-             for k in BATCH_KEYS}  # [B, T] each
-    jitted = jax.jit(step, in_shardings=(shardings, {k: bs for k in BATCH_KEYS}),
-                     out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
-    kept = True if gpu_dtypes else None
-    if warm_start.active() and not fused_attention and not unrolled:
-      # the trainer's own program (the same jit, shardings and arguments): kept, so that the run's start loads it
-      # instead of tracing it again (maxlm/runtime/warm_start.py)
-      compiled = warm_start.compiled("train_step", jitted, (structs, batch), warm_start.run_signature(cfg)).executable
-    else:
-      lowered = jitted.lower(structs, batch)
-      try:
-        compiled = lowered.compile(GPU_DTYPE_OPTIONS if gpu_dtypes else None)
-      except jax.errors.JaxRuntimeError as e:
-        if not gpu_dtypes or is_oom(e):
-          raise
-        # a bf16 instruction XLA:CPU cannot emit (a bf16 GEMM not traced through `_gpu_dot`): its usual
-        # program, bf16 computed in f32 (higher, as before GPU_DTYPE_OPTIONS)
-        compiled, kept = lowered.compile(), False
+  per device, "bf16_kept"}), from abstract shapes only: the trainer's step (maxlm/build.py). fused_attention
+  (measuring a GPU's step): with fused attention's footprint, and on CPU devices with bf16 kept
+  (GPU_DTYPE_OPTIONS; bf16_kept: True, False where XLA:CPU could not compile it so, None where not asked).
+  unrolled: the model is scanned for the measurement only, so a scanned stack counts per layer in opt_leaf_fp32."""
+  built, gpu_dtypes = measured_build(cfg, devices, fused_attention)
+  structs, batch = built.state, built.batch_structs()
+  kept = None
+  if not gpu_dtypes:
+    compiled = built.train_step.compile(structs, batch)
+  else:
+    lowered, kept = built.train_step.lower(structs, batch), True
+    try:
+      compiled = lowered.compile(GPU_DTYPE_OPTIONS)
+    except jax.errors.JaxRuntimeError as e:
+      if is_oom(e):
+        raise
+      # a bf16 instruction XLA:CPU cannot emit (a bf16 GEMM not traced through `_gpu_dot`): its usual
+      # program, bf16 computed in f32 (higher, as before GPU_DTYPE_OPTIONS)
+      compiled, kept = lowered.compile(), False
   return compiled, {"params": _shard_bytes(structs.params), "opt_state": _shard_bytes(structs.opt_state),
                     "opt_leaf_fp32": _largest_parameter(structs.params, cfg.model.n_layers if unrolled else 1),
                     "bf16_kept": kept}
+
+
+def measured_build(cfg: Config, devices=None, fused_attention: bool = False) -> tuple[Built, bool]:
+  """(the abstract build of `cfg`'s train step on `devices` that `compile_step` compiles, whether it keeps bf16
+  as a GPU does). Without fused_attention it is the trainer's own program: under compile.warm_start it is kept,
+  so that the run's start loads it instead of tracing it again (maxlm/runtime/warm_start.py)."""
+  mesh = make_mesh(cfg.mesh, devices)
+  check_pipeline(cfg.model, cfg.train, cfg.mesh, mesh.shape["pipeline"], mesh.shape["context"])  # as the trainer
+  gpu_dtypes = fused_attention and mesh.devices.flat[0].platform == "cpu"  # a GPU's step, on XLA:CPU
+  standins = None
+  if fused_attention:
+    standins = functools.partial(_standins, resolve_backend(cfg.model.backend), gpu_dtypes)
+  return build_step(cfg, mesh, abstract=True, standins=standins), gpu_dtypes
+
+
+@contextlib.contextmanager
+def _standins(backend: str, gpu_dtypes: bool):
+  """What a GPU's step is measured with on XLA:CPU (maxlm/plan/standins.py)."""
+  with fused_attention_footprint(backend), gpu_dot_dtypes(gpu_dtypes):
+    yield
 
 
 def _largest_parameter(params, n_layers: int) -> int:

@@ -295,8 +295,9 @@ def compiled(kind: str, jitted: Callable, args: tuple, cfg_parts: dict) -> Timed
 
 
 class Compiler:
-  """`compiled` for one run (its config less `KEEP_OUT`), as maxlm/step.py's and maxlm/train_state.py's
-  `compiler` argument; `kept` gives an executable only when one is already kept for the arguments."""
+  """`compiled` for one run (its config less `KEEP_OUT`), as maxlm/build.py's `CompiledStep` and
+  maxlm/train_state.py's `compiler` argument; `kept` gives an executable only when one is already kept for the
+  arguments."""
 
   def __init__(self, cfg_parts: dict):
     self.cfg_parts = cfg_parts

@@ -23,7 +23,7 @@ import optax
 from maxlm.config import Config
 from maxlm.data.packing import BATCH_KEYS
 from maxlm.layers import resolve_backend
-from maxlm.model import Transformer
+from maxlm.model import Overrides, Transformer
 from maxlm.optim import make_optimizer
 from maxlm.runtime import warm_start
 from maxlm.scope import model_scope
@@ -136,27 +136,36 @@ class Built:
             for k in BATCH_KEYS}
 
 
+@dataclasses.dataclass(frozen=True)
+class Standins:
+  """What a measurement of the step changes in what it builds (maxlm/plan/standins.py): the model's overrides,
+  and a scope entered beside the model's for every trace. Such a program is never the run's."""
+  overrides: Overrides = Overrides()
+  scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
 @contextlib.contextmanager
-def _scope(cfg: Config, backend: str, mesh, quantized: bool, standins):
-  with model_scope(cfg.model, backend, mesh, quantized=quantized), (standins or contextlib.nullcontext)():
+def _scope(cfg: Config, backend: str, mesh, quantized: bool, standins: Standins | None):
+  with model_scope(cfg.model, backend, mesh, quantized=quantized), (standins or Standins()).scope():
     yield
 
 
 def build_step(cfg: Config, mesh, *, abstract: bool = False, quantized: bool = True,
-               standins: Callable[[], contextlib.AbstractContextManager] | None = None) -> Built:
+               standins: Standins | None = None) -> Built:
   """Build `cfg`'s train step on `mesh` (a Mesh; an AbstractMesh for the abstract state alone, whose steps
   cannot be lowered).
 
   abstract: the state as ShapeDtypeStructs with their shardings, nothing allocated (`--compile-only`, the planner,
   the dry run); else initialized into its shards from train.seed. quantized=False: traced under the unquantized
-  precision scope whatever model.precision says (the dry run, where the FP8 recipe does not run). standins: a
-  context entered beside the model's scope for every trace (the planner's measurement stand-ins,
-  maxlm/plan/standins.py); such a program is never the run's, so it is never kept for a warm start. Otherwise,
-  with compile.warm_start active, the init and the train step come from (and go to) the warm start's store."""
+  precision scope whatever model.precision says (the dry run, where the FP8 recipe does not run). standins: the
+  planner's measurement stand-ins (maxlm/plan/standins.py); such a program is never the run's, so it is never
+  kept for a warm start. Otherwise, with compile.warm_start active, the init and the train step come from (and
+  go to) the warm start's store."""
   backend = resolve_backend(cfg.model.backend)
   model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row,
                       context_strategy=cfg.mesh.context_strategy, stages=mesh.shape["pipeline"],
-                      microbatches=cfg.train.grad_accum)
+                      microbatches=cfg.train.grad_accum,
+                      overrides=standins.overrides if standins is not None else None)
   optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
   # compile.warm_start (maxlm/runtime/warm_start.py): executables kept from an earlier start of this run, else kept now
   compiler = (warm_start.Compiler(warm_start.run_signature(cfg)) if warm_start.active() and standins is None

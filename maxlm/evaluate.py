@@ -29,6 +29,12 @@ from maxlm.sharding import batch_sharding, replicated
 from maxlm.step import make_eval_step
 
 
+def perplexity(loss: float) -> float:
+  """exp(loss), the loss clamped at 700 nats so that a diverged run's perplexity stays a finite float (exp(709.8)
+  is the largest)."""
+  return math.exp(min(loss, 700.0))
+
+
 @dataclasses.dataclass(frozen=True)
 class Sums:
   loss_sum: float
@@ -41,7 +47,7 @@ class Sums:
 
   @property
   def perplexity(self) -> float:
-    return math.exp(min(self.loss, 700.0))
+    return perplexity(self.loss)
 
 
 def token_weighted(run_batch: Callable[[dict], dict], batches: Iterable[dict], max_batches: int = 0,
@@ -83,7 +89,7 @@ def segment_bytes(tok: Tokenizer, targets: np.ndarray, segment_ids: np.ndarray, 
 def summarize(loss_sum: float, tokens: float, n_bytes: int) -> dict:
   """loss (nats/token), perplexity and bits per byte from the summed NLL, token and byte counts."""
   loss = loss_sum / tokens
-  return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+  return {"loss": loss, "perplexity": perplexity(loss),
           "bits_per_byte": loss_sum / (math.log(2) * n_bytes) if n_bytes else None,
           "tokens": int(tokens), "bytes": int(n_bytes)}
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from maxlm.config import ModelConfig
+from maxlm.tables import PRECISIONS
 
 MAX_SCALE = 2.0 ** 24  # beyond this every fp16 gradient that does not overflow would already be exact
 
@@ -33,7 +34,7 @@ class LossScale:
 
 
 def uses_loss_scale(cfg: ModelConfig) -> bool:
-  return cfg.precision == "fp16"
+  return PRECISIONS[cfg.precision].loss_scaling
 
 
 def init_loss_scale(cfg: ModelConfig) -> LossScale | None:

@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from maxlm.tables import gpu
+
 
 def _summary_writer_class():
   """tensorboardX's SummaryWriter, imported without PyTorch. tensorboardX's writer module runs `import torch` when
@@ -33,22 +35,10 @@ def _summary_writer_class():
 
 SummaryWriter = _summary_writer_class()
 
-# Dense BF16 peak per device (FLOP/s), by `jax.Device.device_kind` substring.
-PEAK_BF16_FLOPS = (
-    ("GB200", 2.5e15),
-    ("B200", 2.25e15),
-    ("H200", 989e12),
-    ("H100", 989e12),
-    ("H800", 989e12),
-    ("A100", 312e12),
-)
-
-
 def device_peak_flops(device_kind: str) -> float | None:
-  for key, peak in PEAK_BF16_FLOPS:
-    if key.lower() in device_kind.lower():
-      return peak
-  return None
+  """Dense BF16 peak FLOP/s of a `jax.Device.device_kind` (maxlm/tables.py GPUS), None where unknown."""
+  row = gpu(device_kind)
+  return row.bf16_flops if row else None
 
 
 def throughput(tokens: float, flops: float, seconds: float, n_devices: int,

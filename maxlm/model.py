@@ -7,6 +7,9 @@ The model knows logical axis names only; `maxlm.sharding` maps them onto the mes
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -17,6 +20,7 @@ from maxlm.layers import get_backend, remat_policy, resolve_backend
 from maxlm.layers.kv_cache import attention_with_cache, update_positions
 from maxlm.layers.rope import apply_rope, rope_frequencies
 from maxlm.pipeline import pipeline_stack
+from maxlm.tables import PRECISIONS
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
 BTHD = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
@@ -28,8 +32,16 @@ def _dtype(name: str):
 
 
 def compute_dtype(m: ModelConfig):
-  """The activations' dtype: float16 under `precision=fp16` (loss-scaled), else `m.dtype`."""
-  return jnp.dtype("float16") if m.precision == "fp16" else jnp.dtype(m.dtype)
+  """The activations' dtype: the one `model.precision` forces (float16 for fp16, loss-scaled), else `m.dtype`."""
+  return jnp.dtype(PRECISIONS[m.precision].compute_dtype or m.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+  """What a measurement of the step replaces in the model (maxlm/plan/standins.py), never set in a run:
+  `attention` in place of the layer backend's (the same signature), `policy(p)` wrapping the remat policy."""
+  attention: Callable | None = None
+  policy: Callable | None = None
 
 
 class Block(nn.Module):
@@ -38,6 +50,7 @@ class Block(nn.Module):
   backend: str
   max_segments: int = 1
   context_strategy: str = "auto"
+  attention: Callable | None = None  # Overrides.attention
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, cache_kv=None, cache_pos=None):
@@ -60,9 +73,9 @@ class Block(nn.Module):
     k = apply_rope(k, positions, inv_freq)  # [B, T, KV, Dh]
     new_kv = None
     if cache_kv is None:
-      ctx = be.attention(q, k, v, segment_ids=segment_ids, positions=positions, window=m.sliding_window,
-                         max_segments=self.max_segments, context_strategy=self.context_strategy,
-                         name="attention")  # [B, T, H, Dh]
+      ctx = (self.attention or be.attention)(q, k, v, segment_ids=segment_ids, positions=positions,
+                                             window=m.sliding_window, max_segments=self.max_segments,
+                                             context_strategy=self.context_strategy, name="attention")  # [B, T, H, Dh]
     else:  # generation: over this layer's KV cache, pure JAX for both backends (layers/kv_cache.py)
       ctx, *new_kv = attention_with_cache(q, k, v, *cache_kv, cache_pos, positions, segment_ids > 0,
                                           m.sliding_window)  # [B, T, H, Dh]
@@ -97,6 +110,7 @@ class Transformer(nn.Module):
   context_strategy: str = "auto"
   stages: int = 1
   microbatches: int = 1
+  overrides: Overrides | None = None  # measurements only
 
   @nn.compact
   def __call__(self, tokens, positions=None, segment_ids=None, cache=None, hidden: bool = False):
@@ -112,23 +126,25 @@ class Transformer(nn.Module):
                                                                  ("vocab", "embed")))
     x = nn.with_logical_constraint(embed(tokens), BTD)  # [B, T, D]
 
-    block = Block
+    block, over = Block, self.overrides or Overrides()
     policy = remat_policy(m.remat, backend)
+    if over.policy is not None:
+      policy = over.policy(policy)
     if m.remat != "none" and cache is None:
       block = nn.remat(Block, policy=policy, prevent_cse=not m.scan_layers)
     if cache is not None:  # generation
       x = self._cached_layers(x, positions, segment_ids, cache, backend)  # [B, 1, D]
     elif m.scan_layers and self.stages > 1 and not self.is_initializing():
-      x = self._pipelined(x, positions, segment_ids, backend, policy)  # [B, T, D]
+      x = self._pipelined(x, positions, segment_ids, backend, policy, over.attention)  # [B, T, D]
     elif m.scan_layers:  # (also the init of a pipelined model: the same parameters, made the same way)
       stack = nn.scan(block, variable_axes={"params": 0, "fp8_metas": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
                       metadata_params={nn.PARTITION_NAME: "layers"})
-      x, _ = stack(m, backend, self.max_segments, self.context_strategy, name="layers")(
+      x, _ = stack(m, backend, self.max_segments, self.context_strategy, over.attention, name="layers")(
           x, positions, segment_ids)  # [B, T, D]
     else:
       for i in range(m.n_layers):
-        x, _ = block(m, backend, self.max_segments, self.context_strategy, name=f"layers_{i}")(
+        x, _ = block(m, backend, self.max_segments, self.context_strategy, over.attention, name=f"layers_{i}")(
             x, positions, segment_ids)  # [B, T, D]
 
     init = nn.initializers.normal(m.init_std)
@@ -146,10 +162,10 @@ class Transformer(nn.Module):
                              quantize=m.te_fp8_lm_head)  # [B, T, V]
     return nn.with_logical_constraint(logits, BTV)
 
-  def _pipelined(self, x, positions, segment_ids, backend, policy):
+  def _pipelined(self, x, positions, segment_ids, backend, policy, attention):
     """The scanned stack's own parameters [L, ...] applied by maxlm/pipeline.py's stages, one Block at a time."""
     m = self.cfg
-    block = Block(m, backend, self.max_segments, self.context_strategy)
+    block = Block(m, backend, self.max_segments, self.context_strategy, attention)
 
     def layer(p, h, pos, seg):  # one layer: its params p, h [B/M, T, D]
       return block.apply({"params": p}, h, pos, seg)[0]

@@ -25,9 +25,9 @@ from maxlm.config import ModelConfig
 from maxlm.layers import context
 from maxlm.loss_scale import update_loss_scale
 from maxlm.model import BTV, compute_dtype
+from maxlm.tables import PRECISIONS
 from maxlm.train_state import TrainState
 
-UNQUANTIZED = ("bf16", "fp16")  # precisions whose GEMMs all run in the compute dtype
 MATMUL_WEIGHTS = ("kernel", "wi_kernel", "wo_kernel")  # the parameters that multiply activations
 
 
@@ -47,7 +47,7 @@ def use_chunked_loss(cfg: ModelConfig) -> bool:
 
 def fp8_chunked_head(cfg: ModelConfig) -> bool:
   """The chunked head runs its three GEMMs in FP8: `model.fp8_lm_head` under a quantized precision."""
-  return use_chunked_loss(cfg) and cfg.fp8_lm_head and cfg.precision not in UNQUANTIZED
+  return use_chunked_loss(cfg) and cfg.fp8_lm_head and PRECISIONS[cfg.precision].quantized
 
 
 # The chunked FP8 head (fp8=True below) quantizes like TE's HYBRID format: e4m3 for the hidden states and
@@ -235,7 +235,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
   """`step(state, batch) -> (state, metrics)`; batch arrays are [B, T] with B = global batch."""
   loss_fn = _forward_loss(model, packed)
   cfg = model.cfg
-  cast_once = cfg.cast_params_once and cfg.precision in UNQUANTIZED
+  cast_once = cfg.cast_params_once and not PRECISIONS[cfg.precision].quantized  # GEMMs all in the compute dtype
   if getattr(model, "stages", 1) > 1:  # a pipelined model (maxlm/pipeline.py) cuts the batch into its
     grad_accum = 1  # micro-batches itself: they are in flight together, not one after the other
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import shutil
 import time
 
@@ -116,7 +115,7 @@ class Trainer:
       it.close()
     if sums.tokens == 0:
       return {}
-    return {"eval_loss": sums.loss, "eval_perplexity": math.exp(min(sums.loss, 50.0))}
+    return {"eval_loss": sums.loss, "eval_perplexity": sums.perplexity}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ import pytest
 from maxlm.cli.dryrun import parse_flags, plan
 from maxlm.cli.train import main
 from maxlm.config import load_config
-from maxlm.layers import PRECISIONS, RECIPES
+from maxlm.layers import RECIPES
+from maxlm.tables import PRECISIONS
 
 # Llama 3 8B: d=4096, 32 layers, 32 heads / 8 kv heads of 128, ffn 14336, vocab 128256, untied.
 L8_LAYER = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336  # qkv, out, SwiGLU (3 matrices)

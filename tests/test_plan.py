@@ -21,6 +21,7 @@ from maxlm.optim import LAG
 from maxlm.plan import measure as plan_measure
 from maxlm.plan.measure import Target
 from maxlm.plan.oom import oom_message
+from maxlm.tables import DEFAULT_GPU, gpu_named, human_bytes
 from maxlm.trainer import Trainer
 
 # Tiny model whose activations matter next to its state: at 16 rows x 256 tokens over 8 devices, two
@@ -93,7 +94,7 @@ def test_trainer_and_dry_run_apply_the_plan(reference, tmp_path, monkeypatch, ca
   assert len(out) == 1 and out[0].startswith(
       "maxlm: plan: model.remat=none, train.grad_accum=2, optim.offload=none, optim.mu_dtype=float32, "
       f"optim.nu_dtype=float32 (peak "
-      f"{plan.sizing.human_bytes(reference[2])} of ")
+      f"{human_bytes(reference[2])} of ")
   assert out[0].endswith("usable per device; measured by XLA on the devices at hand; 2 compiled, 0 not)")
   code = train_main(["--dry-run", "--json", *auto])
   p = json.loads(capsys.readouterr().out)
@@ -114,7 +115,7 @@ def test_fit_keeps_a_config_that_fits_and_plans_one_that_does_not(reference, whe
   assert cfg.plan.mode == "fit"
   decided, how = plan.for_run(cfg, print)
   out = capsys.readouterr().out.splitlines()
-  h = plan.sizing.human_bytes
+  h = human_bytes
   if where == "roomy":
     assert decided is cfg and [c["train.grad_accum"] for c in compiled] == [1]
     assert how == "as written, measured to fit by plan.mode=fit"
@@ -158,7 +159,7 @@ def test_llama70b_bytes_per_device_match_a_small_compile():
 def test_llama70b_on_one_gpu_names_the_smallest_device_count(tmp_path, monkeypatch, capsys):
   # The trainer on one (faked) H200: nothing fits; the doubling skips 2 and 4 devices by the certain bytes and
   # measures 8 and 16, here with a made-up XLA that needs 70 GiB over the certain bytes (8 do not fit, 16 do)
-  h200 = Target(1, 1, "NVIDIA H200", plan_measure.DEFAULT_GPU[1], 0.95, False)
+  h200 = Target(1, 1, "NVIDIA H200", gpu_named(DEFAULT_GPU).memory, 0.95, False)
   monkeypatch.setattr(plan, "gpu_here", lambda: True)
   monkeypatch.setattr(plan, "make_target", lambda *a, **k: h200)
   seen = []

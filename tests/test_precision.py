@@ -12,9 +12,10 @@ import pytest
 from maxlm import layers
 from maxlm.config import CHOICES, load_config
 from maxlm.layers import PrecisionError, check_precision, make_recipe, precision_scope, supported_precisions
+from maxlm.tables import PRECISIONS
 
 # Precisions without a TE quantization recipe (bf16, and fp16 where present) run on any device.
-ANYWHERE = [p for p in layers.PRECISIONS if p not in layers.RECIPES]
+ANYWHERE = [p for p in PRECISIONS if p not in layers.RECIPES]
 HOPPER = ANYWHERE + ["fp8_delayed", "fp8_current"]  # written out: what TE 2.20 runs on compute capability 9.0
 BLACKWELL = HOPPER + ["mxfp8", "nvfp4"]  # and on 10.0 with CUDA/cuBLASLt >= 12.8
 
@@ -39,7 +40,7 @@ def fake_blackwell(monkeypatch):
 def test_config_accepts_the_new_names_and_matches_the_layers():
   for name in ("mxfp8", "nvfp4"):
     assert load_config([f"model.precision={name}"]).model.precision == name
-  assert set(CHOICES["model.precision"]) == set(layers.PRECISIONS)
+  assert set(CHOICES["model.precision"]) == set(PRECISIONS)
 
 
 @pytest.mark.te

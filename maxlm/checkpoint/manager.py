@@ -38,6 +38,7 @@ from maxlm.checkpoint.verify import (Corrupt, OrbaxNoise, check_files, describe,
                                      mismatches, quiet, reason, write_manifest, wrong_checksums)
 from maxlm.config import CheckpointConfig
 from maxlm.data import merge_states
+from maxlm.tables import human_bytes
 from maxlm.errors import CheckpointFailure
 from maxlm.metrics import echo
 
@@ -133,10 +134,6 @@ def complete_steps(directory: Path) -> list[int]:
   if not directory.is_dir():
     return []
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
-
-
-def _size(n: int) -> str:
-  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _primary() -> bool:
@@ -283,7 +280,7 @@ class Checkpointer:
       self._pending = None
     size = self._written.pop(step, None)
     if size is not None:
-      echo(f"maxlm: checkpoint step {step} written: {_size(size)} in {time.perf_counter() - self._t0:.1f} s, "
+      echo(f"maxlm: checkpoint step {step} written: {human_bytes(size)} in {time.perf_counter() - self._t0:.1f} s, "
            f"training blocked {self._blocked:.2f} s ({self.directory / str(step)})")
 
   def close(self) -> None:

@@ -35,8 +35,7 @@ from maxlm.data.sources import resolve_type
 from maxlm.plan import sizing
 from maxlm.runtime import xla_presets
 from maxlm.layers import context
-from maxlm.layers import (PRECISIONS, RECIPES, PrecisionError, check_remat, resolve_backend,
-                          supported_precisions)
+from maxlm.layers import PrecisionError, check_remat, resolve_backend, supported_precisions
 from maxlm.mesh import AXES, check_context_split, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
@@ -44,6 +43,7 @@ from maxlm.optim import warmup_warning
 from maxlm.runtime.devices import device_memory_bytes
 from maxlm.runtime.env import apply_mem_fraction
 from maxlm.pipeline import bubble_fraction, check as check_pipeline
+from maxlm.tables import PRECISIONS, human_bytes
 from maxlm.trainer import check_batch_split
 
 FLAGS = ("--dry-run", "--json")
@@ -140,7 +140,7 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   check_context_split(d.seq_len, degrees["context"])
   backend = resolve_backend(m.backend)
   check_remat(m.remat, backend)
-  here = supported_precisions() if backend == "te" else [n for n in PRECISIONS if n not in RECIPES]
+  here = supported_precisions() if backend == "te" else [n for n, p in PRECISIONS.items() if not p.quantized]
   exact_meta = m.precision in here  # TE builds the FP8 state only where the recipe runs
   mesh = AbstractMesh(tuple(degrees.values()), AXES)
   built = build(cfg, mesh, exact_meta)
@@ -193,10 +193,6 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   return out
 
 
-def _gib(n: float) -> str:
-  return sizing.human_bytes(n)
-
-
 def render(p: dict) -> str:
   """The plan as text, one topic per block."""
   c, m, ms, pa, fl, mem, da = (p["config"], p["config"]["model"], p["mesh"], p["params"], p["flops"], p["memory"],
@@ -242,21 +238,21 @@ def render(p: dict) -> str:
           ("activations", "rough: everything the backward pass reads, every layer" if mem["remat"] == "none"
            else f"rough: what remat={mem['remat']} keeps per layer + one layer recomputed")]
   for key, why in rows:
-    lines.append(f"  {key:<12}{_gib(est[key]):>11}   {why}")
-  lines.append(f"  {'lower bound':<12}{_gib(est['lower_bound']):>11}   certainly held at once: the state, and the "
-               f"gradients or the LM head's output ({_gib(est['head'])}), both when accumulating "
+    lines.append(f"  {key:<12}{human_bytes(est[key]):>11}   {why}")
+  lines.append(f"  {'lower bound':<12}{human_bytes(est['lower_bound']):>11}   certainly held at once: the state, and the "
+               f"gradients or the LM head's output ({human_bytes(est['head'])}), both when accumulating "
                f"({est['lower_bound'] / 1e9:.1f} GB)")
-  lines.append(f"  {'total':<12}{_gib(est['total']):>11}   ({est['total'] / 1e9:.1f} GB, the unit of peak_memory_gb)")
+  lines.append(f"  {'total':<12}{human_bytes(est['total']):>11}   ({est['total'] / 1e9:.1f} GB, the unit of peak_memory_gb)")
   if est["host"]:
-    lines.append(f"  {'host':<12}{_gib(est['host']):>11}   the optimizer state in pinned host memory, not in "
+    lines.append(f"  {'host':<12}{human_bytes(est['host']):>11}   the optimizer state in pinned host memory, not in "
                  "the totals")
   if "device_bytes" in mem:
     verdict = "fits" if mem["fits"] else ("the lower bound fits, the total does not" if mem["lower_bound_fits"]
                                           else "does NOT fit (the run stops at start)")
-    lines.append(f"  {'device':<12}{_gib(mem['device_bytes']):>11}   {verdict}")
+    lines.append(f"  {'device':<12}{human_bytes(mem['device_bytes']):>11}   {verdict}")
   src = da.get("source")
   if src is None:
-    src = "; ".join(f"{e['path']} ({e['format']}, {e['files']} file(s), {_gib(e['bytes'])}"
+    src = "; ".join(f"{e['path']} ({e['format']}, {e['files']} file(s), {human_bytes(e['bytes'])}"
                     + (f", {e['documents']:,} documents, {e['tokens']:,} tokens" if "tokens" in e else "") + ")"
                     for e in da["sources"])
   lines.append(f"data    {da['type']}: {src}")

@@ -28,15 +28,8 @@ from maxlm.cli.dryrun import parse_flags
 from maxlm.cli.grammar import command_main
 from maxlm.config import ConfigError, load_config
 from maxlm.plan.measure import make_target
-from maxlm.plan.sizing import human_bytes
+from maxlm.tables import human_bytes
 from maxlm.runtime import startup
-
-COLUMNS = ("model.remat", "train.grad_accum", "optim.offload", "optim.mu_dtype", "optim.nu_dtype")
-
-
-def _cell(x, fmt: str) -> str:
-  return "-" if x is None else format(x, fmt)
-
 
 def render(p: plan.Plan, cfg, everything: bool = False) -> str:
   """The table: every compiled candidate (every candidate with --all), the chosen one marked."""

@@ -43,7 +43,7 @@ from maxlm.metrics import echo
 from maxlm.plan.oom import oom_message
 from maxlm.build import memory_stats
 from maxlm.plan.measure import is_oom
-from maxlm.plan.sizing import human_bytes
+from maxlm.tables import human_bytes
 from maxlm.runtime import compile_cache, distributed, startup, watchdog
 from maxlm.runtime.startup import Startup
 from maxlm.trainer import RunError, Trainer, train

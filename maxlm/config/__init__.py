@@ -22,6 +22,7 @@ from maxlm.config import schema
 from maxlm.config.files import (  # noqa: F401 (CONFIG_DIR, load_yaml, parse_overrides: re-exported)
     CONFIG_DIR, load_yaml, parse_overrides, resolve_config_path, yaml_layers)
 from maxlm.config.schema import ConfigError, option
+from maxlm.tables import PRECISIONS, REMATS
 from maxlm.config.sections import (  # the process and tool sections, re-exported
     CompileConfig, PlanConfig, ProfileConfig, XlaConfig)
 
@@ -64,7 +65,7 @@ class ModelConfig:
                         choices=("auto", "te", "flax"))
   precision: str = option("bf16", "matmul precision; fp16 = float16 compute with dynamic loss scaling; FP8 "
                           "needs the te backend (from Hopper), mxfp8 and nvfp4 a Blackwell GPU",
-                          choices=("bf16", "fp16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4"))
+                          choices=tuple(PRECISIONS))
   fp16_initial_scale: float = option(2.0 ** 16, "fp16: the first loss scale (a power of 2 keeps unscaling exact)",
                                      within="[1, 2**24]")
   fp16_growth_interval: int = option(2000, "fp16: double the loss scale after this many steps in a row without "
@@ -79,8 +80,7 @@ class ModelConfig:
                                  "every use (bf16 and fp16 only; holds a compute-dtype copy for the step)")
   scan_layers: bool = option(True, "scan over layers (faster compiles); false: unrolled (faster steps)")
   remat: str = option("full", "rematerialization policy (what the backward pass keeps vs recomputes)",
-                      choices=("none", "full", "save_dots", "save_dots_attn", "save_attn", "save_qkv_attn",
-                               "recompute_norm_act"))
+                      choices=tuple(REMATS))
   init_std: float = option(0.02, "standard deviation of the normal weight initializer", within="(0, inf)")
 
   @property

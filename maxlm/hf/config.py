@@ -7,7 +7,6 @@ other architectures) is refused with one line naming the field; nothing is silen
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -146,10 +145,3 @@ def to_hf(cfg: ModelConfig, dtype: str, base: dict[str, Any] | None = None, max_
     if key not in out and tok >= 0:
       out[key] = tok
   return out
-
-
-def same_model(a: ModelConfig, b: ModelConfig) -> list[str]:
-  """Fields (other than name and run-time settings) where two ModelConfigs differ."""
-  skip = {"name", "param_dtype", "dtype", "backend", "precision", "scan_layers", "remat", "init_std",
-          "fp8_amax_history_len", "fp8_lm_head"}
-  return [f.name for f in dataclasses.fields(a) if f.name not in skip and getattr(a, f.name) != getattr(b, f.name)]

@@ -24,7 +24,7 @@ from maxlm.hf.files import (HF_SIDE_FILES, HF_SOURCE_FILE, atomic_dir, checkpoin
                             read_step_config, run_tokenizer_files, write_config_json)
 from maxlm.hf.safetensors_io import SafetensorsReader
 from maxlm.hf.transfer import export_hf, hf_to_orbax, orbax_reader, source_dtype
-from maxlm.plan.sizing import human_bytes
+from maxlm.tables import human_bytes
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 

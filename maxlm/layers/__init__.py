@@ -14,13 +14,12 @@ import jax
 from maxlm.errors import BadInput
 from maxlm.layers import flax_backend
 from maxlm.layers.te_env import import_te, on_gpu, te_installed
+from maxlm.tables import PRECISIONS, REMATS
 
 BACKENDS = ("te", "flax")
-PRECISIONS = ("bf16", "fp16", "fp8_delayed", "fp8_current", "mxfp8", "nvfp4")
-# model.precision -> the TE recipe class that runs it (transformer_engine.common.recipe). TE reports
-# which of these the GPU supports (`supported_precisions`): FP8 from Hopper, MXFP8 and NVFP4 from Blackwell.
-RECIPES = {"fp8_delayed": "DelayedScaling", "fp8_current": "Float8CurrentScaling",
-           "mxfp8": "MXFP8BlockScaling", "nvfp4": "NVFP4BlockScaling"}
+# model.precision -> the TE recipe class that runs it (maxlm/tables.py). TE reports which of these the GPU
+# supports (`supported_precisions`): FP8 from Hopper, MXFP8 and NVFP4 from Blackwell.
+RECIPES = {name: p.recipe for name, p in PRECISIONS.items() if p.quantized}
 FP8_COLLECTION = "fp8_metas"  # == transformer_engine.jax.NVTE_FP8_COLLECTION_NAME
 
 
@@ -60,7 +59,7 @@ def make_recipe(precision: str, amax_history_len: int = 1024):
                                  amax_compute_algo="max")
   if precision == "fp8_current":
     return recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID)
-  if precision == "mxfp8":  # E4M3 values, one E8M0 scale per 32 elements, forward and backward
+  if precision == "mxfp8":  # forward and backward
     return recipe.MXFP8BlockScaling(fp8_format=recipe.Format.E4M3)
   # NVFP4 (E2M1 values, E4M3 scale per 16 elements + a per-tensor scale) with TE's defaults: random
   # Hadamard transform and 2D weight blocks on. Stochastic rounding of gradients is off: it draws from an
@@ -70,7 +69,7 @@ def make_recipe(precision: str, amax_history_len: int = 1024):
 
 def supported_precisions() -> list[str]:
   """Precisions this machine can run with TE (bf16 and fp16 always; FP8 recipes as the GPU reports)."""
-  out = ["bf16", "fp16"]
+  out = [name for name, p in PRECISIONS.items() if not p.quantized]
   if not te_installed():
     return out
   te = import_te()
@@ -92,7 +91,7 @@ def check_precision(precision: str, backend: str) -> None:
   """Stop with a clear message when `precision` cannot run here; never fall back silently."""
   if precision not in PRECISIONS:
     raise PrecisionError(f"unknown model.precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-  if precision in ("bf16", "fp16"):  # unquantized: any backend, any device
+  if not PRECISIONS[precision].quantized:  # any backend, any device
     return
   if backend != "te":
     raise PrecisionError(f"model.precision={precision} needs model.backend=te (quantized matmuls run "
@@ -100,15 +99,19 @@ def check_precision(precision: str, backend: str) -> None:
   ok = supported_precisions()
   if precision not in ok:
     where = jax.devices()[0].device_kind
-    need = " (MXFP8 and NVFP4 need a Blackwell GPU)" if precision in ("mxfp8", "nvfp4") else ""
+    later = [n for n, p in PRECISIONS.items() if p.gpu == "Blackwell"]
+    need = f" ({' and '.join(n.upper() for n in later)} need a Blackwell GPU)" if precision in later else ""
     raise PrecisionError(f"model.precision={precision} is not supported on this device ({where}){need}; "
                          f"supported here: {', '.join(ok)}")
 
 
 def check_remat(remat: str, backend: str) -> None:
-  """`recompute_norm_act` recognizes TE's RMSNorm and activation primitives: the TE backend only."""
-  if remat == "recompute_norm_act" and backend != "te":
-    raise PrecisionError("model.remat=recompute_norm_act needs model.backend=te (it leaves out the outputs of "
+  """A policy that recomputes TE's primitives (`recompute_norm_act`: its RMSNorm and activation) needs the TE
+  backend."""
+  if remat not in REMATS:
+    raise ValueError(f"unknown remat policy {remat!r}")
+  if REMATS[remat].te_only and backend != "te":
+    raise PrecisionError(f"model.remat={remat} needs model.backend=te (it leaves out the outputs of "
                          "TE's RMSNorm and activation kernels)")
 
 
@@ -135,52 +138,51 @@ def precision_scope(precision: str, backend: str, amax_history_len: int = 1024,
 
 
 def remat_policy(name: str, backend: str):
-  """Named rematerialization policies; `None` means no remat at all. The policies that keep the attention
-  output ("context") keep, on the TE backend, what cuDNN's fused attention returns as well (its output and
-  softmax statistics): its backward needs both, so keeping "context" alone would still recompute attention.
-  `recompute_norm_act` (TE backend) keeps everything except the outputs of TE's RMSNorm and activation
-  primitives ([B, T, D] twice and [B, T, F] per layer), which the backward recomputes from what it keeps:
-  elementwise kernels, no GEMM. On CPU (TE's pure-JAX path) those primitives do not run and it keeps all."""
+  """The `model.remat` policy of its row in maxlm/tables.py (what each saves); `None` means no remat at all. On
+  the TE backend, saving the attention output ("context") also saves what cuDNN's fused attention returns (its
+  output and softmax statistics): its backward needs both, so keeping "context" alone would still recompute
+  attention; and `dots` counts TE's GEMMs too. A policy recomputing TE primitives (`recompute_norm_act`) keeps
+  everything but their outputs (elementwise kernels, no GEMM); on CPU (TE's pure-JAX path) those primitives do
+  not run and it keeps all."""
   cp = jax.checkpoint_policies
   check_remat(name, backend)
+  r = REMATS[name]
   if name == "none":
     return None
-  if name == "full":
-    return cp.nothing_saveable
-  dots = cp.checkpoint_dots_with_no_batch_dims
-  attention = cp.save_only_these_names("context")
-  if backend == "te":
+  te = backend == "te"
+  if te:
     # lazy on purpose (PLC0415): TE is imported only once the TE backend is chosen (and set up for this host)
     from transformer_engine.jax.checkpoint_policies import dots_and_te_gemms_with_no_batch_dims  # noqa: PLC0415
-    from transformer_engine.jax.cpp_extensions.activation import ActLuPrimitive  # noqa: PLC0415
-    from transformer_engine.jax.cpp_extensions import attention as tea  # noqa: PLC0415
-    from transformer_engine.jax.cpp_extensions.normalization import NormFwdPrimitive  # noqa: PLC0415
+    from transformer_engine.jax.cpp_extensions import activation, attention, normalization  # noqa: PLC0415
 
-    if name == "recompute_norm_act":  # everything but the RMSNorm and SwiGLU outputs: elementwise to redo
-      redone = (NormFwdPrimitive.outer_primitive, ActLuPrimitive.outer_primitive)
+    primitives = {"NormFwdPrimitive": normalization.NormFwdPrimitive, "ActLuPrimitive": activation.ActLuPrimitive,
+                  "FusedAttnFwdPrimitive": attention.FusedAttnFwdPrimitive}
+    if r.te_recomputed:
+      redone = tuple(primitives[p].outer_primitive for p in r.te_recomputed)
       return lambda prim, *_, **__: prim not in redone
-
     # cuDNN's forward, alone or inside one of TE's context-parallel strategies (maxlm/layers/context.py)
-    fused = {getattr(tea, n).outer_primitive for n in (
+    fused = {getattr(attention, n).outer_primitive for n in (
         "FusedAttnFwdPrimitive", "FusedAttnCPWithAllGatherFwdPrimitive", "FusedAttnCPStripedWithAllGatherFwdPrimitive",
         "FusedRingAttnFwdPrimitive", "FusedRingAttnStripedFwdPrimitive")}
+  saved = []
+  if r.dots:
+    saved.append(dots_and_te_gemms_with_no_batch_dims if te else cp.checkpoint_dots_with_no_batch_dims)
+  names = [n for n in r.names if n != "context"]  # the names first, then the attention output (policy order)
+  if names:
+    saved.append(cp.save_only_these_names(*names))
+  if "context" in r.names:
+    saved.append(cp.save_only_these_names("context"))
+    if te:
+      saved.append(lambda prim, *_, **__: prim in fused)
+  if not saved:
+    return cp.nothing_saveable
+  policy = saved[0]
+  for p in saved[1:]:
+    policy = cp.save_from_both_policies(policy, p)
+  return policy
 
-    def fused_attention(prim, *_, **__) -> bool:
-      return prim in fused
-    dots = dots_and_te_gemms_with_no_batch_dims
-    attention = cp.save_from_both_policies(attention, fused_attention)
-  if name == "save_dots":
-    return dots
-  if name == "save_dots_attn":  # MaxText's minimal_with_context: no GEMM and no attention recomputed
-    return cp.save_from_both_policies(dots, attention)
-  if name == "save_attn":
-    return attention
-  if name == "save_qkv_attn":
-    return cp.save_from_both_policies(cp.save_only_these_names("qkv_proj"), attention)
-  raise ValueError(f"unknown remat policy {name!r}")
 
-
-__all__ = ["BACKENDS", "FP8_COLLECTION", "PRECISIONS", "RECIPES", "PrecisionError", "check_precision",
+__all__ = ["BACKENDS", "FP8_COLLECTION", "RECIPES", "PrecisionError", "check_precision",
            "check_remat", "get_backend", "make_recipe", "on_gpu", "precision_scope", "remat_policy",
            "resolve_backend",
            "supported_precisions", "te_installed"]

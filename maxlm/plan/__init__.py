@@ -44,9 +44,8 @@ from maxlm.plan.measure import Target, make_target
 from maxlm.metrics import echo
 from maxlm.runtime import agree, warm_start, watchdog
 from maxlm.runtime.devices import device_kind, device_memory_bytes, is_gpu, local_device
+from maxlm.tables import REMATS, human_bytes
 
-# remat policies from the most kept to the least (what each keeps per layer: maxlm/layers remat_policy)
-REMAT_ORDER = ("none", "recompute_norm_act", "save_dots_attn", "save_dots", "save_qkv_attn", "save_attn", "full")
 LEVERS = ("model.remat", "train.grad_accum", "optim.offload", *moments.KEYS)
 
 
@@ -82,7 +81,8 @@ def lever_values(cfg: Config, target: Target, backend: str) -> dict[str, tuple]:
   powers = (2 ** i for i in range(int(math.log2(batch)) + 1))
   # a pipeline of S stages needs S micro-batches at least (maxlm/pipeline.py)
   accums = tuple(a for a in powers if batch % a == 0 and (batch // a) % dp == 0 and a >= deg["pipeline"])
-  remats = tuple(r for r in REMAT_ORDER if r != "recompute_norm_act" or backend == "te")
+  # from the most kept to the least (maxlm/tables.py REMATS: what each keeps per layer)
+  remats = tuple(name for name, r in REMATS.items() if not r.te_only or backend == "te")
   offloads = ("none", "host") if target.gpu else ("none",)  # a CPU has one memory: host offload saves nothing
   pairs = moments.settings(cfg, chosen)  # in their order, none lossy (maxlm/plan/moments.py)
   values = {"model.remat": remats, "train.grad_accum": accums, "optim.offload": offloads,
@@ -150,7 +150,7 @@ class Plan:
     speed = (f"; step {c.seconds:.3g} s measured, the fastest of {len(timed)} timed" if c.seconds is not None
              else f"; step {c.time['total_s']:.3g} s estimated (roofline), not measured" if self.target.gpu
              else "")  # CPU devices: no roofline, nothing timed
-    return (f"plan: {levers} (peak {sizing.human_bytes(c.measured)} of {sizing.human_bytes(self.target.usable)} "
+    return (f"plan: {levers} (peak {human_bytes(c.measured)} of {human_bytes(self.target.usable)} "
             f"usable per device; {how}{speed}; {n} compiled, {len(self.rows) - n} not)"
             + (f"; {self.moments}" if self.moments else ""))
 
@@ -200,8 +200,8 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
     plausible = need["certain"] + int(share * need["activations"])
     if measured is None and plausible > target.usable:
       row.status, row.plausible = "pruned", plausible
-      row.note = (f"certain {sizing.human_bytes(need['certain'])}" if need["certain"] > target.usable else
-                  f"certain + {share:.2f} x activations = {sizing.human_bytes(plausible)}")
+      row.note = (f"certain {human_bytes(need['certain'])}" if need["certain"] > target.usable else
+                  f"certain + {share:.2f} x activations = {human_bytes(plausible)}")
       continue
     share = _fits(cfg, target, row, need, measure(c) if measured is None else measured, share, rows)
     if row.status == "fits" and len(fits) < want:
@@ -272,19 +272,19 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
     c = apply(cfg, least.overrides)
     est = sizing.estimate(c, t.n_devices, t.n_nodes)
     both = est["params"] + est["gradients"]
-    msg += (f"; the least measured, {_label(least.overrides)}, needs {sizing.human_bytes(least.measured)}, of which "
-            f"the parameters and their gradients take {sizing.human_bytes(both)}: no lever in plan.levers shrinks "
+    msg += (f"; the least measured, {_label(least.overrides)}, needs {human_bytes(least.measured)}, of which "
+            f"the parameters and their gradients take {human_bytes(both)}: no lever in plan.levers shrinks "
             "those (the missing lever: parameters or gradients kept in host memory)")
   elif pruned:
     r = min(pruned, key=lambda r: r.plausible)
     msg += (f"; the least of the {len(pruned)} candidates pruned is {_label(r.overrides)} at "
-            f"{sizing.human_bytes(r.plausible)} ({r.note})")
+            f"{human_bytes(r.plausible)} ({r.note})")
   else:
     msg += "; no candidate: the global batch does not split over the data-parallel devices"
   found = smallest_devices(cfg, t) if t.gpu else None
   if found:
     n, o, need = found
-    msg += (f"; the smallest device count that fits is {n} ({_label(o)}: {sizing.human_bytes(need)} per device, "
+    msg += (f"; the smallest device count that fits is {n} ({_label(o)}: {human_bytes(need)} per device, "
             f"measured on {n} simulated CPU devices; `maxlm plan ... --devices {n}` shows the plan)")
   elif t.gpu and most_saving(cfg, dataclasses.replace(t, n_devices=2 * t.n_devices)) is None:
     msg += (f"; data.global_batch_size={cfg.data.global_batch_size} does not split over {2 * t.n_devices} "
@@ -331,14 +331,14 @@ def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = Non
   target.on_measure = on_measure
   try:
     known, certain = {}, certain_bytes(cfg, target)["certain"]
-    why = f"certainly needs {sizing.human_bytes(certain)}"
+    why = f"certainly needs {human_bytes(certain)}"
     if certain <= target.usable:
       m = known[tuple(current(cfg).items())] = target.measure(cfg)
       if "oom" not in m and m["device"] <= target.usable:
-        return cfg, (f"plan: the config fits as written (peak {sizing.human_bytes(m['device'])} of "
-                     f"{sizing.human_bytes(target.usable)} usable per device, measured by XLA; plan.mode=fit "
+        return cfg, (f"plan: the config fits as written (peak {human_bytes(m['device'])} of "
+                     f"{human_bytes(target.usable)} usable per device, measured by XLA; plan.mode=fit "
                      "keeps it)")
-      why = "ran XLA out of memory compiling" if "oom" in m else f"peaks at {sizing.human_bytes(m['device'])}"
+      why = "ran XLA out of memory compiling" if "oom" in m else f"peaks at {human_bytes(m['device'])}"
     p = search(cfg, target, target.measure, resolve_backend(cfg.model.backend), known=known,
                timer=timer(cfg, target), timed=cfg.plan.timed)
     if p.chosen is None:
@@ -409,8 +409,8 @@ def for_run(cfg: Config, say=None, watch=None) -> tuple[Config, str]:
   out = cfg if got["levers"] == current(cfg) else apply(cfg, got["levers"])
   mine = view() if jax.process_index() > 0 and cfg.plan.mode != "off" else got["view"]
   if mine != got["view"]:
-    echo(f"maxlm: warning: plan: this process sees {mine[0]} with {sizing.human_bytes(mine[1] or 0)}, process 0 "
-         f"{got['view'][0]} with {sizing.human_bytes(got['view'][1] or 0)}; every process runs process 0's plan "
+    echo(f"maxlm: warning: plan: this process sees {mine[0]} with {human_bytes(mine[1] or 0)}, process 0 "
+         f"{got['view'][0]} with {human_bytes(got['view'][1] or 0)}; every process runs process 0's plan "
          f"({', '.join(f'{k}={v}' for k, v in got['levers'].items())})")
   if say is not None and got["line"] is not None:
     say(f"maxlm: {got['line']}")

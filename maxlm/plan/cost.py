@@ -28,21 +28,11 @@ from __future__ import annotations
 
 from maxlm.config import Config
 from maxlm.mesh import AXES, mesh_shape
-from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
 from maxlm.plan import sizing
 from maxlm.plan.measure import Target
+from maxlm.tables import DEFAULT_GPU, REMATS, gpu, gpu_named
 
-# bytes/s from the datasheets: HBM, NVLink per direction, host link (PCIe Gen5 x16: 64 GB/s per direction, 55
-# in practice; Grace's NVLink-C2C for GH/GB), network per GPU (400 Gb/s InfiniBand: 50 GB/s; 800 Gb/s: 100)
-# (matched in this order: GH200 before H200, GB200 before B200)
-_BANDWIDTH = {"GH200": (4.0e12, 450e9, 450e9, 50e9), "GB200": (8e12, 900e9, 450e9, 100e9),
-              "H200": (4.8e12, 450e9, 55e9, 50e9), "H100": (3.35e12, 450e9, 55e9, 50e9),
-              "B200": (8e12, 900e9, 55e9, 100e9)}
-# forward parts of a layer that each remat policy recomputes (TE backend: fused attention outputs kept)
-_RECOMPUTED = {"none": (), "recompute_norm_act": (), "save_dots_attn": (), "save_dots": ("attn",),
-               "save_qkv_attn": ("out", "mlp"), "save_attn": ("qkv", "out", "mlp"),
-               "full": ("qkv", "out", "mlp", "attn")}
 
 
 def degrees(cfg: Config, target: Target) -> dict:
@@ -52,12 +42,13 @@ def degrees(cfg: Config, target: Target) -> dict:
 
 
 def _hardware(kind: str) -> tuple[float, float, float, float, float]:
-  """(peak bf16 FLOP/s, HBM, link, host link, network bytes/s); H200 figures where the kind is unknown."""
-  peak = device_peak_flops(kind) or 989e12
-  for name, bw in _BANDWIDTH.items():
-    if name.lower() in kind.lower():
-      return (peak, *bw)
-  return (peak, *_BANDWIDTH["H200"])
+  """(peak bf16 FLOP/s, HBM, link, host link, network bytes/s) of the GPU's row in maxlm/tables.py; the default
+  GPU's (an H200's) figures where the kind or its links are unknown (the estimate then only orders the
+  candidates)."""
+  row, default = gpu(kind), gpu_named(DEFAULT_GPU)
+  peak = (row and row.bf16_flops) or default.bf16_flops
+  links = row if row is not None and row.hbm is not None else default
+  return peak, links.hbm, links.nvlink, links.host_link, links.network
 
 
 def _recompute_flops(cfg: Config) -> float:
@@ -68,7 +59,7 @@ def _recompute_flops(cfg: Config) -> float:
   per_token = {"qkv": 2 * m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim,
                "out": 2 * m.n_heads * m.head_dim * m.d_model, "mlp": 6 * m.d_model * m.ffn_dim,
                "attn": 4 * (s * w - w * w / 2) / s * m.n_heads * m.head_dim}
-  parts = _RECOMPUTED[m.remat]
+  parts = REMATS[m.remat].recomputed  # forward parts of a layer (TE backend: fused attention outputs kept)
   return d.global_batch_size * s * m.n_layers * sum(per_token[p] for p in parts)
 
 

@@ -28,9 +28,7 @@ conservative stand-in, not a measurement of the GPU.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -42,14 +40,13 @@ import jax
 
 from maxlm.build import Built, build_step, memory_stats
 from maxlm.config import Config, ConfigError, from_dict, to_dict
-from maxlm.layers import resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.optim import LAG
 from maxlm.pipeline import check as check_pipeline
-from maxlm.plan.sizing import human_bytes
-from maxlm.plan.standins import GPU_DTYPE_OPTIONS, fused_attention_footprint, gpu_dot_dtypes
+from maxlm.plan.standins import GPU_DTYPE_OPTIONS, for_gpu_step
 from maxlm.runtime.devices import bytes_limit, device_kind, is_gpu, local_device
 from maxlm.runtime.env import GPU_FRACTION, XLA_DEFAULT_FRACTION, fraction_in_environment
+from maxlm.tables import DEFAULT_GPU, gpu_named, human_bytes
 
 OOM_STATUS = "RESOURCE_EXHAUSTED"
 
@@ -92,17 +89,8 @@ def measured_build(cfg: Config, devices=None, fused_attention: bool = False) -> 
   mesh = make_mesh(cfg.mesh, devices)
   check_pipeline(cfg.model, cfg.train, cfg.mesh, mesh.shape["pipeline"], mesh.shape["context"])  # as the trainer
   gpu_dtypes = fused_attention and mesh.devices.flat[0].platform == "cpu"  # a GPU's step, on XLA:CPU
-  standins = None
-  if fused_attention:
-    standins = functools.partial(_standins, resolve_backend(cfg.model.backend), gpu_dtypes)
+  standins = for_gpu_step(gpu_dtypes) if fused_attention else None
   return build_step(cfg, mesh, abstract=True, standins=standins), gpu_dtypes
-
-
-@contextlib.contextmanager
-def _standins(backend: str, gpu_dtypes: bool):
-  """What a GPU's step is measured with on XLA:CPU (maxlm/plan/standins.py)."""
-  with fused_attention_footprint(backend), gpu_dot_dtypes(gpu_dtypes):
-    yield
 
 
 def _largest_parameter(params, n_layers: int) -> int:
@@ -203,7 +191,6 @@ class Simulator:
 
 
 MARGIN = 0.02  # of the usable memory, for fragmentation of XLA's pool (see maxlm/plan/__init__.py)
-DEFAULT_GPU = ("NVIDIA H200", int(139.87 * 2**30))  # what JAX reports of an H200: 104.9 GiB at 0.75
 
 
 @dataclasses.dataclass
@@ -280,8 +267,8 @@ def make_target(cfg: Config, n_devices: int | None = None, n_nodes: int | None =
       raise ConfigError("this device reports no memory size: give --device-memory-gb G")
     return Target(n, n_nodes or jax.process_count(), device_kind(dev) if gpu_here else "cpu", total, frac_here,
                   False, jax.devices()[:n])
-  kind, total, assumed = DEFAULT_GPU + (" (assumed: no GPU here)",)
-  if dev.platform == "gpu" and here:
+  kind, total, assumed = f"NVIDIA {DEFAULT_GPU}", gpu_named(DEFAULT_GPU).memory, " (assumed: no GPU here)"
+  if gpu_here and here:
     kind, total, assumed = dev.device_kind, int(here / frac_here), ""
   frac = fraction_in_environment() or cfg.xla.mem_fraction or GPU_FRACTION
   n_nodes = n_nodes or 1

@@ -10,10 +10,11 @@ import jax
 
 from maxlm.config import Config, ConfigError
 from maxlm.layers import resolve_backend
-from maxlm.plan import LEVERS, current, lever_values, sizing
+from maxlm.plan import LEVERS, current, lever_values
 from maxlm.plan.measure import Target
 from maxlm.runtime.devices import bytes_limit, device_kind, is_gpu, local_device
 from maxlm.runtime.env import fraction_in_environment
+from maxlm.tables import human_bytes
 
 
 def next_lever(cfg: Config, target: Target) -> str:
@@ -43,10 +44,10 @@ def oom_message(cfg: Config, how: str, compiled_gb: float | None, error: BaseExc
   alloc = re.search(r"allocat\w*\s+([\d.]+\s*[KMGTP]?i?B)", text)
   sizes = [f"XLA could not allocate {alloc.group(1)}" if alloc else "XLA ran out of device memory"]
   if compiled_gb is not None:
-    sizes.append(f"XLA's estimate of the step is {sizing.human_bytes(compiled_gb * 1e9)} per device")
+    sizes.append(f"XLA's estimate of the step is {human_bytes(compiled_gb * 1e9)} per device")
   if limit:
     frac = fraction_in_environment()
-    sizes.append(f"the device has {sizing.human_bytes(limit)} for XLA"
+    sizes.append(f"the device has {human_bytes(limit)} for XLA"
                  + (f" (xla.mem_fraction {frac:g})" if frac else ""))
   levers = ", ".join(f"{k}={v}" for k, v in current(cfg).items())
   how = how or f"plan.mode={cfg.plan.mode}"

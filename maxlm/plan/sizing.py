@@ -50,21 +50,9 @@ from __future__ import annotations
 import math
 
 from maxlm.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig
+from maxlm.tables import PRECISIONS, REMATS, human_bytes
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
-
-
-def human_bytes(n: int | float) -> str:
-  """1536 -> '1.5 KiB' (binary units, one decimal)."""
-  if n < 1024:
-    return f"{int(n)} B"
-  x = float(n)
-  for unit in UNITS[1:]:
-    x /= 1024
-    if x < 1024 or unit == UNITS[-1]:
-      return f"{x:.1f} {unit}"
-  raise AssertionError("unreachable")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def moment_bytes(optim: OptimConfig) -> int:
@@ -90,20 +78,22 @@ def _activation_elements(cfg: Config, n_layers: int) -> int:
   """Rough activation elements per token: saved by the remat policy over `n_layers` layers + one layer."""
   m = cfg.model
   d, f, qkv, ctx = m.d_model, m.ffn_dim, (m.n_heads + 2 * m.n_kv_heads) * m.head_dim, m.n_heads * m.head_dim
-  # Everything one block's backward reads without remat: norm inputs/outputs, q/k/v, context,
-  # projection outputs, gate/up/product of the MLP.
-  whole = 6 * d + qkv + ctx + 3 * f
-  dots = 3 * d + qkv + 2 * f  # the GEMM outputs
-  kept = {"none": whole, "full": d, "save_dots": dots, "save_dots_attn": dots + ctx, "save_attn": d + ctx,
-          "save_qkv_attn": d + qkv + ctx, "recompute_norm_act": whole - 2 * d - f}[m.remat]
-  # + what the backward recomputes, for one layer at a time
-  redone = {"none": 0, "recompute_norm_act": 2 * d + f}.get(m.remat, whole)
-  return n_layers * kept + redone
+  terms = {"input": d, "qkv": qkv, "context": ctx,
+           "dots": 3 * d + qkv + 2 * f,  # the GEMM outputs
+           # Everything one block's backward reads without remat: norm inputs/outputs, q/k/v, context,
+           # projection outputs, gate/up/product of the MLP.
+           "whole": 6 * d + qkv + ctx + 3 * f,
+           "norm_act": 2 * d + f}  # the two RMSNorm outputs and the SwiGLU product
+
+  def total(names: tuple[str, ...]) -> int:
+    return sum(-terms[n[1:]] if n.startswith("-") else terms[n] for n in names)
+  r = REMATS[m.remat]  # what the policy keeps of every layer, + what the backward recomputes of one at a time
+  return n_layers * total(r.kept) + total(r.redone)
 
 
 def fp8_meta_bytes(m: ModelConfig) -> int:
   """Bytes of TE's delayed-scaling state: (history + scale) x 3 tensors x 4 B per quantized GEMM."""
-  if m.precision != "fp8_delayed":
+  if not PRECISIONS[m.precision].fp8_state:
     return 0
   gemms = 4 * m.n_layers + (1 if m.te_fp8_lm_head and not m.tie_embeddings else 0)  # qkv, out, MLP in, MLP out
   return gemms * 3 * (m.fp8_amax_history_len + 1) * 4
@@ -127,7 +117,7 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
   deg = mesh_degrees(cfg.mesh, n_devices, n_nodes)
   counts, stages = count_params(m), deg["pipeline"]
   n_params = counts["total"] - counts["layers"] + -(-counts["layers"] // stages)  # per pipeline stage
-  p_bytes, c_bytes = DTYPE_BYTES[m.param_dtype], 2 if m.precision == "fp16" else DTYPE_BYTES[m.dtype]
+  p_bytes, c_bytes = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[PRECISIONS[m.precision].compute_dtype or m.dtype]
   shards = deg["fsdp"] * deg["tensor"]
   params = -(-n_params * p_bytes // shards)  # ceil
   micro = d.global_batch_size // (1 if stages > 1 else cfg.train.grad_accum)  # pipelined: all micro-batches at once

@@ -1,19 +1,23 @@
 """Stand-ins for measuring a GPU's train step on XLA:CPU (maxlm/plan/measure.py, simulated devices): fused
 attention's memory footprint in place of CPU attention's [B, H, T, T] scores, and bf16 kept as bf16 where
 XLA:CPU would compute it (and gather FSDP's weights) in f32. Measurements only: these programs are never run.
-"""
 
+`for_gpu_step` gives them to the builder (maxlm/build.py): the attention stand-in and the remat policies that
+keep the rounded GEMM results go through the model (`maxlm.model.Overrides`), the bf16 GEMMs through
+`gpu_dot_dtypes`, entered while the step is traced.
+"""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax._src.lax import lax as _lax_internal  # jnp.dot and jnp.matmul call its dot_general
 from jax.ad_checkpoint import checkpoint_name
 
-from maxlm import model as model_module
-from maxlm.layers import get_backend
+from maxlm.build import Standins
+from maxlm.model import Overrides
 
 
 @jax.custom_vjp
@@ -50,17 +54,11 @@ def standin_attention(q, k, v, **_):
   return _fused_standin(q, k, v)  # [B, T, H, Dh]
 
 
-@contextlib.contextmanager
-def fused_attention_footprint(backend: str, enabled: bool = True):
-  """Swap the backend's `attention` for the stand-in while a step is traced (measurements only)."""
-  module = get_backend(backend)
-  saved = module.attention
-  if enabled:
-    module.attention = standin_attention
-  try:
-    yield
-  finally:
-    module.attention = saved
+def for_gpu_step(gpu_dtypes: bool) -> Standins:
+  """The stand-ins of a GPU's step measured on XLA:CPU: fused attention's footprint; with gpu_dtypes (simulated
+  CPU devices) also bf16 kept, and the remat policies keeping the rounded GEMM results."""
+  return Standins(Overrides(attention=standin_attention, policy=_saving_sim_dots if gpu_dtypes else None),
+                  scope=functools.partial(gpu_dot_dtypes, gpu_dtypes))
 
 
 # XLA:CPU has no bf16 arithmetic: its pass float-normalization-bf16 rewrites every bf16 instruction it does not
@@ -111,17 +109,21 @@ def _saving_sim_dots(policy):
   return keep
 
 
+# Why JAX's dot_general is rebound while a simulated step is traced, not reached by a supported route: the GEMMs
+# to change are called inside code maxlm does not own (TE's layers call jax.lax.dot_general themselves, jnp.dot and
+# flax's `attend` call JAX's private lax.dot_general), JAX has no hook that substitutes one primitive for another
+# in a traced function short of a jaxpr interpreter over every higher-order primitive (scan, cond, remat, pjit,
+# custom_vjp), and XLA:CPU cannot compile the bf16 dot as it is (dot_op_emitter.cc: RET_CHECK on the element type,
+# with float-normalization-bf16 disabled). A model flag reaches only maxlm's own GEMMs; the attention and the
+# remat policy do go through the model (`for_gpu_step`).
 @contextlib.contextmanager
 def gpu_dot_dtypes(enabled: bool = True):
   """While a step is traced: `jax.lax.dot_general` (what both layer backends and the LM head call; also as
-  jax.numpy's dot and matmul call it, e.g. the tied head's `attend`) as `_gpu_dot`, and the model's remat
-  policies as `_saving_sim_dots` (measurements on XLA:CPU only)."""
-  saved = model_module.remat_policy
+  jax.numpy's dot and matmul call it, e.g. the tied head's `attend`) as `_gpu_dot` (measurements on XLA:CPU
+  only)."""
   if enabled:
     jax.lax.dot_general = _lax_internal.dot_general = _gpu_dot
-    model_module.remat_policy = lambda name, backend: _saving_sim_dots(saved(name, backend))
   try:
     yield
   finally:
     jax.lax.dot_general = _lax_internal.dot_general = _LAX_DOT
-    model_module.remat_policy = saved

@@ -4,8 +4,8 @@
 preset's flags to `XLA_FLAGS`, except those whose name the user already set there (the user's flags
 win). `auto` cannot ask JAX for the device kind (that would start the backend), so it asks the driver:
 `nvidia-smi --query-gpu=name,compute_cap` (compute capability 9.x -> hopper, 10.x -> blackwell), else
-the GPU model names in /proc/driver/nvidia/gpus/*/information (H100/H200/H800/H20/GH200 -> hopper,
-B100/B200/B300/GB200/GB300 -> blackwell); no GPU, `JAX_PLATFORMS` without cuda/gpu, or any other GPU
+the GPU model names in /proc/driver/nvidia/gpus/*/information (maxlm/tables.py GPUS: H100/H200/H800/H20/GH200
+-> hopper, B100/B200/B300/GB200/GB300 -> blackwell); no GPU, `JAX_PLATFORMS` without cuda/gpu, or any other GPU
 (Ampere, consumer Blackwell 12.x) -> none.
 
 Every flag below is accepted by jaxlib 0.10.2, CPU build included (XLA registers all its debug
@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 from maxlm.runtime.env import backend_started
+from maxlm.tables import GPUS
 
 PRESET_NAMES = ("auto", "none", "hopper", "blackwell")
 
@@ -73,8 +74,13 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "blackwell": _OVERLAP + _NO_TRITON_GEMM,
 }
 
-_HOPPER_NAMES = re.compile(r"\b(GH200|H100|H200|H800|H20)\b")
-_BLACKWELL_NAMES = re.compile(r"\b(GB200|GB300|B100|B200|B300)\b")
+
+def _names(arch: str) -> re.Pattern:
+  """The GPU model names of one generation (maxlm/tables.py GPUS), as whole words."""
+  return re.compile(r"\b(" + "|".join(g.name for g in GPUS if g.arch == arch) + r")\b")
+
+
+_HOPPER_NAMES, _BLACKWELL_NAMES = _names("hopper"), _names("blackwell")
 GPU_INFO_GLOB = "/proc/driver/nvidia/gpus/*/information"
 
 

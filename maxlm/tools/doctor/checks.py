@@ -15,7 +15,7 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from maxlm.plan.sizing import human_bytes
+from maxlm.tables import human_bytes
 
 STATUSES = ("pass", "warn", "fail", "skip")
 NO_GPU = "skipped: no GPU"

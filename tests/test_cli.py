@@ -5,6 +5,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -14,7 +15,7 @@ import pytest
 
 from maxlm import cli
 from maxlm.cli import train
-from maxlm.cli.grammar import UsageError, parse_args
+from maxlm.cli.grammar import UsageError, parse_args, parse_options
 
 # subprocess runs compile like the suite's own (conftest): XLA's CPU backend at optimization level 0
 FAST_CPU = "--xla_backend_optimization_level=0"
@@ -169,3 +170,21 @@ def test_grammar_positional_words():
       parse_args(["a.txt", word, "d"], {"out": str}, positional="inputs")
   with pytest.raises(UsageError, match="unknown argument 'a'"):
     parse_args(["a=b.txt"], {"out": str}, positional="inputs")
+
+
+def test_grammar_options_of_commands_that_take_config_words():
+  """`parse_options` (train, --dry-run, plan, doctor): the command's own --options out, every other word left in
+  order for load_config (whose messages name a stray word), `--help SECTION` taking the next word unless it holds
+  '=', `-h` as `--help`, numbers as `--name N` or `--name=N`."""
+  words = ["config=x.yml", "--steps", "5", "--json", "-h", "model", "output_dir=o", "--devices=4", "--dryrun"]
+  own, rest = parse_options(words, ("--json",), {"--devices": int}, optional=("--help",))
+  assert own == {"json": True, "help": "model", "devices": 4}
+  assert rest == ["config=x.yml", "--steps", "5", "output_dir=o", "--dryrun"]
+  assert parse_options(["--help", "a.b=1"], optional=("--help",)) == ({"help": None}, ["a.b=1"])
+  assert parse_options(["a.b=1", "--help"], optional=("--help",)) == ({"help": None}, ["a.b=1"])
+  for argv, message in ((["--nodes"], "argument --nodes needs a value"),
+                        (["--nodes", "0"], "argument --nodes must be a positive number, got '0'"),
+                        (["--gb=inf"], "argument --gb must be a positive number, got 'inf'"),
+                        (["--nodes", "--json"], "argument --nodes must be a positive number, got '--json'")):
+    with pytest.raises(UsageError, match=f"^{re.escape(message)}$"):
+      parse_options(argv, ("--json",), {"--nodes": int, "--gb": float})

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from maxlm.cli.dryrun import parse_flags, plan
+from maxlm.cli.dryrun import FLAGS, plan
+from maxlm.cli.grammar import SIZING, parse_options
 from maxlm.cli.train import main
 from maxlm.config import load_config
 from maxlm.layers import RECIPES
@@ -215,8 +216,11 @@ def test_context_axis_in_the_mesh_line(capsys):
 
 
 def test_flag_parsing():
-  opts, rest = parse_flags(["--dry-run", "--json", "config=x", "--devices", "16", "--nodes=2", "a.b=1"])
-  assert opts == {"json": True, "devices": 16, "nodes": 2} and rest == ["config=x", "a.b=1"]
+  """The dry run's options through the one grammar (maxlm/cli/grammar.py): `--devices 16` and `--nodes=2` alike."""
+  opts, rest = parse_options(["--dry-run", "--json", "config=x", "--devices", "16", "--nodes=2", "a.b=1",
+                              "--device-memory-gb", "0.5"], FLAGS, SIZING)
+  assert opts == {"dry_run": True, "json": True, "devices": 16, "nodes": 2, "device_memory_gb": 0.5}
+  assert rest == ["config=x", "a.b=1"]
 
 
 def test_mistral_window_counts_only_attended_pairs(capsys):

@@ -9,8 +9,8 @@ import typing
 
 import pytest
 
-from maxlm.config import (CHOICES, CONFIG_DIR, Config, ConfigError, dump_yaml, from_dict, help_text, load_config,
-                          load_yaml, to_dict, validate)
+from maxlm.config import CHOICES, Config, ConfigError, dump_yaml, from_dict, help_text, load_config, to_dict, validate
+from maxlm.config.files import CONFIG_DIR, load_yaml
 from maxlm.model import count_params
 from maxlm.train import main as train_main
 

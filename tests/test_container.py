@@ -121,7 +121,7 @@ def test_train_as_non_root_into_a_mounted_host_dir(image, tmp_path):
 
 
 PROBE = """
-import importlib.metadata as md, jax, maxlm, maxlm.config as c
+import importlib.metadata as md, jax, maxlm, maxlm.config.files as c
 from maxlm.layers.te_env import import_te
 te = import_te()
 print(jax.__version__, jax.default_backend(), maxlm.__file__, c.CONFIG_DIR.joinpath("llama8b.yml").is_file(),

@@ -96,7 +96,7 @@ def test_the_nightly_command_is_in_the_convergence_grammar(tmp_path):
                                venv=False, python3_has_maxlm=True)
   assert code == 0, err
   words = argv[argv.index("-m") + 1:]
-  assert words[:2] == ["maxlm.convergence", "run"]
+  assert words[:2] == ["maxlm.tools.convergence", "run"]
   sub, args = _arguments(words[1:])
   assert (sub, args.suite, args.jobs, args.out.parent) == ("run", "cpu", 2, tmp_path / "reports")
   assert args.overrides == ["distributed.mode=off", "train.steps=1"]  # the template's own, then the job's

@@ -33,7 +33,7 @@ if mode == "foreign":  # a SIGTERM handler Python does not know about (as JAX's 
 p = Preemption(process_count=2 if mode == "foreign" else None)
 assert not backend_started(), "Preemption() started the JAX backend"
 if len(sys.argv) > 3:  # a multi-process run's `[process i/N host] ` line prefix
-  from maxlm.runtime.distributed import prefix_output
+  from maxlm.runtime.process_output import prefix_output
   prefix_output(sys.argv[3])
 if mode == "ccall":  # a long C call that, unlike XLA's compile, never lets a Python handler run
   import hashlib

@@ -20,7 +20,8 @@ import pytest
 from maxlm.config import ConfigError, DistributedConfig, load_config
 from maxlm.runtime import distributed
 from maxlm.runtime.devices import mesh_placement
-from maxlm.runtime.distributed import Launch, PrefixedStream, resolve
+from maxlm.runtime.distributed import Launch, resolve
+from maxlm.runtime.process_output import PrefixedStream, prefix_output, restore_output
 
 # subprocess runs compile like the suite's own (conftest): XLA's CPU backend at optimization level 0
 FAST_CPU = "--xla_backend_optimization_level=0"
@@ -200,12 +201,12 @@ def test_prefix_output_covers_print_and_logging(capsys):
   handler = logging.StreamHandler(sys.stderr)
   root.addHandler(handler)
   try:
-    distributed.prefix_output("[process 3/4 h] ")
+    prefix_output("[process 3/4 h] ")
     print("hello")
     logger.warning("careful")
     print("maxlm: error: x", file=sys.stderr)
   finally:
-    distributed.restore_output()
+    restore_output()
     root.removeHandler(handler)
   captured = capsys.readouterr()
   assert captured.out == "[process 3/4 h] hello\n"

@@ -27,10 +27,9 @@ OVER: dict[tuple[str, str], int] = {}
 TRAINER_LINES, TRAIN_LOOP_LINES = 300, 60
 # Above the core: the `maxlm` command with its grammar and thin commands, and the tools (doctor, convergence).
 ABOVE = ("maxlm.cli", "maxlm.tools")
-# Modules outside cli/ and tools/ that may import them: the old names `python -m maxlm.train` (README, launch/'s
-# templates, the SLURM and container jobs) and `python -m maxlm.convergence` (launch/'s nightly templates), each a
-# thin entry over its command. Each must exist (a stale entry fails).
-NOT_YET_ABOVE = {"maxlm.train", "maxlm.convergence"}
+# Modules outside cli/ and tools/ that may import them: `python -m maxlm.train` (README, launch/'s templates, the
+# SLURM and container jobs), a thin entry over its command. Each must exist (a stale entry fails).
+NOT_YET_ABOVE = {"maxlm.train"}
 # The wings, each importing only itself and what lies below it: config/ (the schema, files, sections, names) sits
 # on maxlm.errors and maxlm.tables; runtime/ (process start-up, XLA settings, caches, distributed, watchdog) on
 # config/, tables and errors.

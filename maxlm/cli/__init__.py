@@ -4,7 +4,8 @@
 `maxlm <command> --help` shows that command's own help. Commands are listed only once their module
 exists, and listing them reads each module's docstring without importing it (no JAX start-up).
 The commands are thin modules over the library (maxlm/cli/<command>.py; the tools are maxlm/tools/), sharing
-one grammar, maxlm/cli/grammar.py: `maxlm CMD key=value ... --flag`.
+one grammar, maxlm/cli/grammar.py: `maxlm CMD key=value ... --flag` (train, its --dry-run, plan and doctor take
+config words and their own --options, parsed there too).
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from maxlm.cli.grammar import UsageError, command_main, parse_args
-
-__all__ = ["COMMANDS", "UsageError", "command_main", "main", "parse_args"]  # the grammar is maxlm.cli's too
 
 # command -> module; each module has a docstring whose first line is its summary, and
 # `main(argv: list[str] | None = None) -> int`. A command whose module does not exist yet is not offered.

@@ -27,15 +27,16 @@ from jax.sharding import AbstractMesh
 
 from maxlm import plan as planner
 from maxlm.build import Built, build_step
+from maxlm.cli.grammar import SIZING, parse_options
 from maxlm.config import Config, ConfigError, DataConfig, load_config
-from maxlm.data import DataError
+from maxlm.errors import BadInput, report
 from maxlm.data.readers import META_NAME, file_format, resolve_files, split_list
 from maxlm.data.shards import read_meta
 from maxlm.data.sources import resolve_type
 from maxlm.plan import sizing
 from maxlm.runtime import xla_presets
 from maxlm.layers import context
-from maxlm.layers import PrecisionError, check_remat, resolve_backend, supported_precisions
+from maxlm.layers import check_remat, resolve_backend, supported_precisions
 from maxlm.mesh import AXES, check_context_split, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
@@ -46,34 +47,7 @@ from maxlm.pipeline import bubble_fraction, check as check_pipeline
 from maxlm.tables import PRECISIONS, human_bytes
 from maxlm.trainer import check_batch_split
 
-FLAGS = ("--dry-run", "--json")
-VALUE_FLAGS = ("--devices", "--nodes", "--device-memory-gb")
-
-
-def parse_flags(argv: list[str]) -> tuple[dict, list[str]]:
-  """Split the dry-run's own flags (`--devices 8` or `--devices=8`) from the config words."""
-  opts, rest, i = {"json": False}, [], 0
-  while i < len(argv):
-    a = argv[i]
-    name, eq, value = a.partition("=")
-    if a in FLAGS:
-      opts["json"] |= a == "--json"
-    elif name in VALUE_FLAGS:
-      if not eq:
-        if i + 1 >= len(argv):
-          raise ConfigError(f"argument {name} needs a value")
-        i, value = i + 1, argv[i + 1]
-      try:
-        number = float(value) if name == "--device-memory-gb" else int(value)
-      except ValueError:
-        number = 0
-      if not number > 0 or not math.isfinite(number):
-        raise ConfigError(f"argument {name} must be a positive number, got {value!r}")
-      opts[name[2:].replace("-", "_")] = number
-    else:
-      rest.append(a)
-    i += 1
-  return opts, rest
+FLAGS = ("--dry-run", "--json")  # and maxlm/cli/grammar.py SIZING: --devices, --nodes, --device-memory-gb
 
 
 def _shard_bytes(structs, shardings) -> int:
@@ -271,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
   """`--dry-run` of maxlm.train: 0 after printing, 2 on bad config or input (one line)."""
   argv = sys.argv[1:] if argv is None else argv
   try:
-    opts, words = parse_flags(argv)
+    opts, words = parse_options(argv, FLAGS, SIZING)
     cfg = load_config(words)
     apply_mem_fraction(cfg.xla.mem_fraction, xla_presets.detect_gpu() is not None)  # as the trainer does
     # the trainer's plan.mode, measured the same way (maxlm/plan/__init__.py): fit acts on the GPUs at hand only
@@ -284,9 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         device_memory_bytes() if local else None)
     kind = jax.devices()[0].device_kind if local and jax.default_backend() != "cpu" else None
     p = plan(cfg, n_devices, n_nodes, memory, kind)
-  except (ConfigError, DataError, PrecisionError) as e:
-    print(f"maxlm: error: {e}", file=sys.stderr, flush=True)
-    return 2
+  except BadInput as e:  # a config, an argument, data or a precision: one line, exit 2
+    return report(e)
   if chosen is not None:
     p["plan"] = chosen
   p["warnings"] = [w for w in (warmup_warning(cfg.optim, cfg.train.steps),) if w]
@@ -295,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     note += ("\nnote    no GPU here: the verdict is for this machine's memory. For GPUs: `maxlm plan "
             "config=... --devices N --simulate` (what the planner would choose on N H200s), or this dry run with "
             "--devices N --device-memory-gb G")
-  print(json.dumps(p, indent=1) if opts["json"] else render(p) + note + (f"\n{chosen}" if chosen else ""), flush=True)
+  print(json.dumps(p, indent=1) if opts.get("json") else render(p) + note + (f"\n{chosen}" if chosen else ""), flush=True)
   return 0
 
 

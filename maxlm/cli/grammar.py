@@ -1,12 +1,15 @@
 """The one grammar of the `maxlm` commands: `maxlm CMD [SUBCOMMAND] key=value ... --flag`.
 
 `parse_args` splits the words into the command's own settings (undotted keys, typed), config overrides (dotted
-keys, e.g. model.dtype=float32) and --flags; `command_main` is every command module's `main`: `--help` prints the
-module's docstring, and a MaxlmError (maxlm/errors.py) becomes one `maxlm: error:` line and its exit code.
+keys, e.g. model.dtype=float32) and --flags; `parse_options` serves the commands whose key=value words are all
+config words (train and its --dry-run, plan, doctor): their --options, the rest left for `load_config`.
+`command_main` is every command module's `main`: `--help` prints the module's docstring, and a MaxlmError
+(maxlm/errors.py) becomes one `maxlm: error:` line and its exit code.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
@@ -47,6 +50,51 @@ def parse_args(argv: list[str], keys: dict[str, type], repeated=(), positional: 
                        f"e.g. model.dtype=float32)")
     own[key] = _convert(key, value, keys[key]) if key not in repeated else own[key] + [value]
   return own, overrides, flags
+
+
+# The options that size a run for devices it may not have (the dry run, `maxlm plan`): a positive number each.
+SIZING = {"--devices": int, "--nodes": int, "--device-memory-gb": float}
+
+
+def parse_options(argv: list[str], flags=(), values: dict[str, type] | None = None, optional=()
+                  ) -> tuple[dict, list[str]]:
+  """(own options, the other words in order) of a command whose key=value words are config words.
+
+  flags: `--name` words (own["name"] = True). values: {"--name": int | float}: `--name V` or `--name=V`, a
+  positive finite number (UsageError otherwise). optional: `--name [WORD]`: own["name"] = the next word when it
+  holds no '=' (`--help SECTION`), else None; `-h` is `--help`. Own keys are the names without the dashes, '-'
+  as '_'. Every other word stays for `load_config`, whose messages say what a stray word was meant to be."""
+  own, rest, i = {}, [], 0
+  while i < len(argv):
+    word = "--help" if argv[i] == "-h" else argv[i]
+    name, eq, value = word.partition("=")
+    key = name.lstrip("-").replace("-", "_")
+    if word in flags:
+      own[key] = True
+    elif word in optional:
+      takes = i + 1 < len(argv) and "=" not in argv[i + 1]
+      own.setdefault(key, argv[i + 1] if takes else None)
+      i += takes
+    elif values and name in values:
+      if not eq:
+        if i + 1 >= len(argv):
+          raise UsageError(f"argument {name} needs a value")
+        i, value = i + 1, argv[i + 1]
+      own[key] = _positive(name, value, values[name])
+    else:
+      rest.append(argv[i])
+    i += 1
+  return own, rest
+
+
+def _positive(name: str, value: str, typ: type):
+  try:
+    number = typ(value)
+  except ValueError:
+    number = 0
+  if not number > 0 or not math.isfinite(number):
+    raise UsageError(f"argument {name} must be a positive number, got {value!r}")
+  return number
 
 
 def _bare_hint(word: str, keys: dict[str, type]) -> str:

@@ -24,8 +24,7 @@ import json
 import sys
 
 from maxlm import plan
-from maxlm.cli.dryrun import parse_flags
-from maxlm.cli.grammar import command_main
+from maxlm.cli.grammar import SIZING, command_main, parse_options
 from maxlm.config import ConfigError, load_config
 from maxlm.plan.measure import make_target
 from maxlm.tables import human_bytes
@@ -79,19 +78,19 @@ def as_json(p: plan.Plan) -> str:
 
 
 def run(argv: list[str]) -> int:
-  everything, simulate = "--all" in argv, "--simulate" in argv
-  opts, words = parse_flags([a for a in argv if a not in ("--all", "--simulate")])
+  opts, words = parse_options(argv, ("--json", "--all", "--simulate"), SIZING)
+  everything, simulate, want_json = opts.get("all", False), opts.get("simulate", False), opts.get("json", False)
   cfg = load_config(words)
   plan.parse_levers(cfg.plan.levers)
   for line in startup.begin(cfg):  # as the trainer starts; the cache keeps the compiles for the run
-    print(f"maxlm: {line}", file=sys.stderr if opts["json"] else sys.stdout, flush=True)  # stderr under --json
+    print(f"maxlm: {line}", file=sys.stderr if want_json else sys.stdout, flush=True)  # stderr under --json
   memory = int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None
   target = make_target(cfg, opts.get("devices"), opts.get("nodes"), memory, simulate)
   try:
     p = plan.run_search(cfg, target, everything)
   finally:
     target.close()
-  print(as_json(p) if opts["json"] else render(p, cfg, everything), flush=True)
+  print(as_json(p) if want_json else render(p, cfg, everything), flush=True)
   if p.chosen is None:
     raise ConfigError(plan.no_fit_message(cfg, p))
   return 0

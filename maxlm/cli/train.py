@@ -35,20 +35,21 @@ import jax
 from maxlm import data as data_lib
 from maxlm import plan
 from maxlm import trainer as trainer_lib
+from maxlm.build import memory_stats
 from maxlm.checkpoint import EXIT_PREEMPTED, Preemption
 from maxlm.cli import dryrun
+from maxlm.cli.grammar import parse_options
 from maxlm.config import Config, ConfigError, help_text, load_config
-from maxlm.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, MaxlmError, report
+from maxlm.errors import EXIT_BAD_INPUT, MaxlmError, report
 from maxlm.metrics import echo
 from maxlm.plan.oom import oom_message
-from maxlm.build import memory_stats
 from maxlm.plan.measure import is_oom
 from maxlm.tables import human_bytes
 from maxlm.runtime import compile_cache, distributed, startup, watchdog
 from maxlm.runtime.startup import Startup
-from maxlm.trainer import RunError, Trainer, train
+from maxlm.trainer import Trainer
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_CHECKPOINT", "RunError", "Trainer", "main", "run", "train"]
+FLAGS = ("--dry-run", "--compile-only")  # and --help [SECTION]; the dry run's own: maxlm/cli/dryrun.py FLAGS
 
 
 def _fail(msg: str, code: int) -> int:
@@ -132,30 +133,32 @@ def compile_step_only(trainer: Trainer, t_start: float) -> int:
 def main(argv: list[str] | None = None) -> int:
   t_start = startup.process_start()  # the process's start: the time to the first step counts the imports
   argv = sys.argv[1:] if argv is None else argv
-  for i, a in enumerate(argv):
-    if a in ("-h", "--help"):
-      section = argv[i + 1] if i + 1 < len(argv) and "=" not in argv[i + 1] else None
-      try:
-        keys = help_text(section)
-      except ConfigError as e:
-        return _fail(str(e), EXIT_BAD_INPUT)
-      try:
-        if section is None:
-          print(__doc__.strip() + "\n\nExample: python -m maxlm.train config=llama8b.yml train.steps=100\n")
-        print(keys, flush=True)
-      except BrokenPipeError:  # `--help | head`: the reader left; exit quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-      return 0
-  if "--dry-run" in argv:  # abstract shapes only: nothing allocated, nothing written
+  opts, words = parse_options(argv, FLAGS, optional=("--help",))
+  if "help" in opts:  # `--help [SECTION]` anywhere
+    return _help(opts["help"])
+  if opts.get("dry_run"):  # abstract shapes only: nothing allocated, nothing written
     return dryrun.main(argv)
-  compile_only = "--compile-only" in argv  # no train state, nothing in the run directory
-  argv = [a for a in argv if a != "--compile-only"]
   logging.basicConfig(level=os.environ.get("MAXLM_LOG", "WARNING"), format="%(name)s: %(message)s")
   try:
-    cfg = load_config(argv)
+    cfg = load_config(words)
   except ConfigError as e:
     return _fail(str(e), EXIT_BAD_INPUT)
-  return run(cfg, t_start, compile_only)
+  return run(cfg, t_start, opts.get("compile_only", False))  # --compile-only: no train state, no run directory
+
+
+def _help(section: str | None) -> int:
+  """`--help`: this doc and every config key; `--help SECTION`: that section's keys."""
+  try:
+    keys = help_text(section)
+  except ConfigError as e:
+    return _fail(str(e), EXIT_BAD_INPUT)
+  try:
+    if section is None:
+      print(__doc__.strip() + "\n\nExample: python -m maxlm.train config=llama8b.yml train.steps=100\n")
+    print(keys, flush=True)
+  except BrokenPipeError:  # `--help | head`: the reader left; exit quietly
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+  return 0
 
 
 if __name__ == "__main__":

@@ -19,8 +19,7 @@ import yaml
 
 from maxlm.config import names as config_names
 from maxlm.config import schema
-from maxlm.config.files import (  # noqa: F401 (CONFIG_DIR, load_yaml, parse_overrides: re-exported)
-    CONFIG_DIR, load_yaml, parse_overrides, resolve_config_path, yaml_layers)
+from maxlm.config.files import parse_overrides, resolve_config_path, yaml_layers
 from maxlm.config.schema import ConfigError, option
 from maxlm.tables import PRECISIONS, REMATS
 from maxlm.config.sections import (  # the process and tool sections, re-exported

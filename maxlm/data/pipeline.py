@@ -16,7 +16,6 @@ import numpy as np
 
 from maxlm.config import DataConfig
 from maxlm.data import sources, streams
-from maxlm.data.sources import resolve_type  # noqa: F401 - re-exported by maxlm.data
 from maxlm.data.errors import DataError, Skips, first_line, log
 from maxlm.data.packing import BATCH_KEYS, PadRows, finish, pack, read_options
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 
 from maxlm.config import Config, ConfigError, DistributedConfig, local_device_ids, to_dict
 from maxlm.runtime import watchdog
-from maxlm.runtime.process_output import PrefixedStream, prefix_output, restore_output  # noqa: F401 (re-exported)
+from maxlm.runtime.process_output import prefix_output
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 OMPI_URI = "OMPI_MCA_orte_hnp_uri"  # OpenMPI 4 (ORTE) sets it; OpenMPI 5 no longer does

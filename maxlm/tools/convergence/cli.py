@@ -13,7 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from maxlm.cli.grammar import UsageError, command_main, parse_args
-from maxlm.config import CONFIG_DIR, ConfigError, load_config
+from maxlm.config import ConfigError, load_config
+from maxlm.config.files import CONFIG_DIR
 from maxlm.tools import convergence
 from maxlm.tools.convergence import golden as goldens
 from maxlm.tools.convergence import report

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from maxlm.config import CONFIG_DIR
+from maxlm.config.files import CONFIG_DIR
 from maxlm.tools.convergence.bands import BandSpec
 from maxlm.errors import BadInput
 

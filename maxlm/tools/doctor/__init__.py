@@ -28,14 +28,14 @@ import sys
 import traceback
 from collections.abc import Callable
 
+from maxlm.cli.grammar import command_main, parse_options
 from maxlm.config import Config, ConfigError, MeshConfig, load_config
 from maxlm.plan import sizing
-from maxlm.runtime import distributed, startup, xla_presets
+from maxlm.runtime import distributed, process_output, startup, xla_presets
 from maxlm.tools.doctor import checks, probes
 from maxlm.tools.doctor.checks import STATUSES, Result
 
 EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 BACKEND_CHECKS = ("devices", "cuda", "te", "fused_attention", "cudnn", "fp8", "nccl", "memory_settings",
                   "memory_fit")
 
@@ -142,7 +142,7 @@ def run_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
   except ConfigError:
     launch = None  # the devices check reports it, after the checks that need no backend
   if launch is not None:
-    distributed.prefix_output(launch.prefix)
+    process_output.prefix_output(launch.prefix)
   startup.begin(cfg)  # as `maxlm train` starts: the preset, deterministic flags, memory share, cache
   preset_line = "xla.preset={} ({})".format(*xla_presets.resolve(cfg.xla.preset))
   emit(guarded("versions", lambda: checks.check_versions(probes.installed_versions(), probes.required_ranges(),
@@ -176,13 +176,9 @@ def _stdout_to_stderr():
     os.close(saved)
 
 
-def main(argv: list[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  if any(a in ("-h", "--help") for a in argv):
-    print(__doc__.strip(), flush=True)
-    return 0
-  as_json = "--json" in argv
-  args = [a for a in argv if a != "--json"]
+def run(argv: list[str]) -> int:
+  opts, args = parse_options(argv, ("--json",))
+  as_json = opts.get("json", False)
   results: list[Result] = []
 
   def emit(r: Result) -> None:
@@ -190,17 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     if not as_json:
       print(format_line(r), flush=True)
 
-  try:
-    with _stdout_to_stderr() if as_json else contextlib.nullcontext():
-      cfg = load_config(args)
-      hung = run_checks(cfg, emit)
-  except ConfigError as e:
-    print(f"maxlm: error: {e}", file=sys.stderr, flush=True)
-    return EXIT_BAD_INPUT
+  with _stdout_to_stderr() if as_json else contextlib.nullcontext():
+    cfg = load_config(args)  # a bad config or argument: one line, exit 2 (command_main)
+    hung = run_checks(cfg, emit)
   summary = {s: sum(r.status == s for r in results) for s in STATUSES}
   code = EXIT_FAILED if summary["fail"] else 0
   if as_json:  # unprefixed: the document is the whole of stdout (its `devices` result names the process)
-    distributed.restore_output()
+    process_output.restore_output()
     print(json.dumps({"results": [dataclasses.asdict(r) for r in results], "summary": summary, "exit_code": code}),
           flush=True)
   else:
@@ -209,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.flush()
     os._exit(code)
   return code
+
+
+def main(argv: list[str] | None = None) -> int:
+  return command_main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,15 @@ they are ordered and pruned). It prints a table of the candidates it compiled: p
 analytic model says are certainly needed, and an estimated step time and tokens/s; the chosen row is
 marked `*`. `plan.mode=auto` makes the trainer (and `--dry-run`) apply the same choice.
 
-Options: `--devices N` / `--nodes M` plan for N devices over M nodes (default: the devices here; more than
-are here are simulated on CPU devices in a child process: XLA:CPU's buffer assignment with fused
-attention's footprint, which differs from XLA:GPU's, see maxlm/plan/measure.py); `--device-memory-gb G`
-one device's memory in GB (a GPU's total before `xla.mem_fraction`; default: this GPU's, or an H200's when
-simulating without a GPU here); `--simulate` measures on simulated CPU devices even where the devices are
-here (to compare the two); `--all` compiles every plausible candidate for the table; `--json`.
+Options: `--devices N` / `--nodes M` plan for N devices over M nodes (default: the devices here). More than
+are here are measured in a child process: by XLA:GPU on N compile-only GPUs of the kind `--target`
+names (h200, h100, b200; default: this machine's GPU, else h200) where JAX's CUDA plugin is installed
+(maxlm/plan/target.py; scripts/setup.sh installs it), else on N simulated CPU devices (XLA:CPU's buffer
+assignment with fused attention's footprint, which differs from XLA:GPU's, see maxlm/plan/measure.py); the
+table's first line says which. `--device-memory-gb G` one device's memory in GB (a GPU's total before
+`xla.mem_fraction`; default: the target's, this GPU's, or an H200's); `--simulate` measures on simulated CPU
+devices even where the devices are here or XLA:GPU could (to compare); `--all` compiles every plausible
+candidate for the table; `--json`.
 
 Exit codes: 0 with a plan; 2 when nothing fits or on a bad config (one line naming the smallest device
 count that fits, when there is one).
@@ -81,19 +84,37 @@ def as_json(p: plan.Plan) -> str:
   t = p.target
   return json.dumps({"target": {"devices": t.n_devices, "nodes": t.n_nodes, "kind": t.kind,
                                 "device_bytes": t.device_bytes, "mem_fraction": t.fraction, "usable_bytes": t.usable,
-                                "simulated": t.simulated},
+                                "simulated": t.simulated, "gpu_target": t.gpu_target, "measured_by": t.measured_by},
                      "chosen": p.chosen.overrides if p.chosen else None, "candidates": rows}, indent=1)
+
+
+def _pop_target(argv: list[str]) -> tuple[str | None, list[str]]:
+  """(--target's value, the other arguments)."""
+  rest, gpu, i = [], None, 0
+  while i < len(argv):
+    name, eq, value = argv[i].partition("=")
+    if name == "--target":
+      if not eq:
+        if i + 1 >= len(argv):
+          raise ConfigError("argument --target needs a value")
+        i, value = i + 1, argv[i + 1]
+      gpu = value
+    else:
+      rest.append(argv[i])
+    i += 1
+  return gpu, rest
 
 
 def run(argv: list[str]) -> int:
   everything, simulate = "--all" in argv, "--simulate" in argv
+  gpu, argv = _pop_target(argv)
   opts, words = parse_flags([a for a in argv if a not in ("--all", "--simulate")])
   cfg = load_config(words)
   plan.parse_levers(cfg.plan.levers)
   for line in startup.begin(cfg):  # as the trainer starts; the cache keeps the compiles for the run
     print(f"maxlm: {line}", file=sys.stderr if opts["json"] else sys.stdout, flush=True)  # stderr under --json
   memory = int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None
-  target = make_target(cfg, opts.get("devices"), opts.get("nodes"), memory, simulate)
+  target = make_target(cfg, opts.get("devices"), opts.get("nodes"), memory, simulate, gpu)
   try:
     p = plan.run_search(cfg, target, everything)
   finally:

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from maxlm.config import load_config
 from maxlm.plan import collectives, target
 
 # Written in XLA's text form: a while loop (5 trips) holding an asynchronous all-gather and a reduce-scatter
@@ -110,13 +111,38 @@ def test_parse_counts_bytes_and_links_of_a_written_module():
   # the loop without a known trip count: counted once, and said so; groups {0,4},{1,5},... cross nodes
   assert (ops["g"].bytes, ops["g"].group, ops["g"].times, ops["g"].exact, ops["g"].dcn) == (64, 2, 1, False, True)
   inv = collectives.inventory(HLO, devices_per_node=4, n_devices=8)
+  # through each GPU's NIC: a pair across 2 nodes (one device a node) takes in the half on the other node, 32 B
+  # of the 64 B gather; an all-reduce twice that (2 x 64 B of each 128 B one); the permute its 128 B
   assert inv["all-gather"] == {"count": 6, "bytes": 5 * 1024 + 64, "wire": 5 * 768 + 32, "ici_wire": 5 * 768,
-                               "dcn_wire": 32}
+                               "dcn_wire": 32, "network": 32}
   assert inv["reduce-scatter"]["count"] == 5 and inv["reduce-scatter"]["bytes"] == 5 * 1024
-  assert inv["all-reduce"] == {"count": 2, "bytes": 256, "wire": 256, "ici_wire": 0, "dcn_wire": 256}
+  assert inv["all-reduce"] == {"count": 2, "bytes": 256, "wire": 256, "ici_wire": 0, "dcn_wire": 256, "network": 256}
+  assert inv["collective-permute"]["network"] == 128
   assert inv["exact"] is False
   # one node of 8: nothing crosses nodes
   assert collectives.inventory(HLO, devices_per_node=8, n_devices=8)["all-reduce"]["dcn_wire"] == 0
+
+
+def test_network_share_of_a_gather_over_nodes():
+  # 64 devices, 8 a node, one group of all: a node takes in the 7/8 of the buffer on other nodes over its 8 NICs
+  c = collectives.Collective("all-gather", "g", 8 * 2 ** 20, 64, 1, True, True, 8)
+  assert c.network == 8 * 2 ** 20 * 7 / 8 / 8 and c.wire == 8 * 2 ** 20 * 63 / 64
+  assert collectives.Collective("all-to-all", "a", 1024, 16, 1, True, True, 2).network == 512
+  assert collectives.Collective("all-reduce", "r", 1024, 8, 1, False, True, 1).network == 0
+
+
+def test_fsdp_expectation_by_hand():
+  m = load_config(["config=tiny.yml"]).model  # d 128, 2 layers, 4 heads, 2 kv heads of 32, ffn 384, vocab 8192
+  layer = 128 * (4 + 2 * 2) * 32 + 4 * 32 * 128 + 3 * 128 * 384  # qkv, out, mlp: 196,608 weights
+  head = 128 * 8192
+  weights = (2 * layer + head) * 2  # bf16
+  assert collectives.fsdp_expectation(m, 1, {"fsdp": 8, "tensor": 1}) == {"all-gather": 2 * weights,
+                                                                          "reduce-scatter": weights}
+  assert collectives.fsdp_expectation(m, 4, {"fsdp": 8, "tensor": 2}) == {"all-gather": 4 * weights,
+                                                                          "reduce-scatter": 2 * weights}
+  assert collectives.fsdp_expectation(m, 2, {"fsdp": 2, "pipeline": 2}) == {
+      "all-gather": 4 * (layer + head) * 2, "reduce-scatter": 2 * (layer + head) * 2}
+  assert collectives.fsdp_expectation(m, 1, {"fsdp": 1, "data": 8}) == {"all-gather": 0, "reduce-scatter": 0}
 
 
 def test_array_bytes_of_shapes_and_tuples():
@@ -142,9 +168,11 @@ def _program(mesh):
 
 
 # What _program moves per step, worked out by hand (4 devices a node: axis b inside a node, axis a across)
-EXPECTED = {"all-gather": {"count": 3, "bytes": 3 * 1024, "wire": 3 * 768, "ici_wire": 3 * 768, "dcn_wire": 0},
-            "reduce-scatter": {"count": 3, "bytes": 3 * 1024, "wire": 3 * 768, "ici_wire": 3 * 768, "dcn_wire": 0},
-            "all-reduce": {"count": 1, "bytes": 32, "wire": 32, "ici_wire": 0, "dcn_wire": 32}}
+EXPECTED = {"all-gather": {"count": 3, "bytes": 3 * 1024, "wire": 3 * 768, "ici_wire": 3 * 768, "dcn_wire": 0,
+                           "network": 0},
+            "reduce-scatter": {"count": 3, "bytes": 3 * 1024, "wire": 3 * 768, "ici_wire": 3 * 768, "dcn_wire": 0,
+                               "network": 0},
+            "all-reduce": {"count": 1, "bytes": 32, "wire": 32, "ici_wire": 0, "dcn_wire": 32, "network": 32}}
 
 
 def test_inventory_of_a_program_compiled_by_xla_cpu():

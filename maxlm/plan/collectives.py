@@ -14,7 +14,15 @@ of times one step runs it:
 n is the size of the replica group, read from `replica_groups` in any of XLA's three spellings (explicit
 `{{0,1},{2,3}}`, iota `[2,2]<=[4]` / `[2,2]<=[2,2]T(1,0)`, and the mesh form `mesh['axis_0'=2,'axis_1'=4]
 {'axis_1'}`) or from `source_target_pairs`. A group whose devices sit on more than one node (device id //
-devices_per_node) goes over the network (`dcn`), the others over NVLink (`ici`). XLA:GPU's asynchronous pairs
+devices_per_node) goes over the network (`dcn`), the others over NVLink (`ici`). `network` is what one GPU's
+own NIC carries of a group spread over g nodes with k of its devices on each (one NIC per GPU, as in an HGX
+node with 8 x 400 Gb/s): a node takes in the (g - 1) / g of a gathered buffer that lives on other nodes,
+spread over its k NICs, so S (g - 1) / (g k) for all-gather and reduce-scatter, twice that for all-reduce;
+an all-to-all sends each device's own (g - 1) / g of its operand off the node; a permute across nodes, S.
+
+`fsdp_expectation` is what FSDP should move per step: each sharded weight gathered twice per micro-batch
+(forward, and again for the backward: neither keeps the gathered weights), its gradient reduce-scattered
+once, in the compute dtype. XLA:GPU's asynchronous pairs
 (`all-gather-start` / `all-gather-done`) are counted once, at the done (whose shape is the result); a
 combined collective (a tuple of several arrays) is one collective with the bytes of all of them.
 """
@@ -26,6 +34,9 @@ import math
 import re
 
 import numpy as np
+
+from maxlm.config import ModelConfig
+from maxlm.model import count_params
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
@@ -49,6 +60,20 @@ class Collective:
   times: int  # how often one step runs it
   dcn: bool  # a group spans nodes
   exact: bool = True  # False where a loop's trip count was unknown (counted once)
+  nodes: int = 1  # nodes one group spans
+
+  @property
+  def network(self) -> float:
+    """Bytes one GPU's NIC carries per run (see the module doc); 0 within a node."""
+    g = self.nodes
+    if g <= 1:
+      return 0.0
+    if self.kind == "collective-permute":
+      return float(self.bytes)
+    if self.kind == "all-to-all":
+      return self.bytes * (g - 1) / g
+    per_node = max(1, self.group // g)
+    return self.bytes * (g - 1) / (g * per_node) * (2 if self.kind == "all-reduce" else 1)
 
   @property
   def wire(self) -> float:
@@ -173,8 +198,8 @@ def parse(text: str, devices_per_node: int | None = None, n_devices: int | None 
       if kind == "reduce-scatter":
         nbytes *= size
       per_node = devices_per_node or 0
-      dcn = bool(per_node) and any(len({d // per_node for d in g}) > 1 for g in groups)
-      out.append(Collective(kind, m.group(1), nbytes, size, times, dcn, exact))
+      nodes = max((len({d // per_node for d in g}) for g in groups), default=1) if per_node else 1
+      out.append(Collective(kind, m.group(1), nbytes, size, times, nodes > 1, exact, nodes))
   return out
 
 
@@ -193,14 +218,28 @@ def _start_of(lines: list[str], done_rest: str) -> str | None:
 
 def inventory(text: str, devices_per_node: int | None = None, n_devices: int | None = None) -> dict:
   """Per kind: {"count": runs per step, "bytes": full buffers per step, "wire": bytes each device sends per
-  step, "ici_wire", "dcn_wire"}; "exact": False where a loop's trip count was unknown."""
+  step, "ici_wire" / "dcn_wire": of that, in groups within a node / across nodes, "network": bytes through
+  each GPU's NIC}; "exact": False where a loop's trip count was unknown."""
   ops = parse(text, devices_per_node, n_devices)
-  out = {k: {"count": 0, "bytes": 0, "wire": 0.0, "ici_wire": 0.0, "dcn_wire": 0.0} for k in KINDS}
+  out = {k: {"count": 0, "bytes": 0, "wire": 0.0, "ici_wire": 0.0, "dcn_wire": 0.0, "network": 0.0} for k in KINDS}
   for c in ops:
     row = out[c.kind]
     row["count"] += c.times
     row["bytes"] += c.times * c.bytes
     row["wire"] += c.times * c.wire
     row["dcn_wire" if c.dcn else "ici_wire"] += c.times * c.wire
+    row["network"] += c.times * c.network
   out["exact"] = all(c.exact for c in ops)
   return out
+
+
+def fsdp_expectation(m: ModelConfig, grad_accum: int, degrees: dict[str, int]) -> dict[str, int]:
+  """Bytes per step FSDP should gather and reduce-scatter (see the module doc): the GEMM weights of the layers
+  (one pipeline stage's) and the LM head, as one tensor-parallel shard holds them, in the compute dtype; none
+  where the fsdp degree is 1."""
+  if degrees.get("fsdp", 1) <= 1:
+    return {"all-gather": 0, "reduce-scatter": 0}
+  counts = count_params(m)
+  weights = (counts["matmul"] - m.d_model * m.vocab_size) // degrees.get("pipeline", 1) + m.d_model * m.vocab_size
+  nbytes = weights // degrees.get("tensor", 1) * (4 if m.dtype == "float32" else 2)
+  return {"all-gather": 2 * grad_accum * nbytes, "reduce-scatter": grad_accum * nbytes}

@@ -219,7 +219,8 @@ def _start_of(lines: list[str], done_rest: str) -> str | None:
 def inventory(text: str, devices_per_node: int | None = None, n_devices: int | None = None) -> dict:
   """Per kind: {"count": runs per step, "bytes": full buffers per step, "wire": bytes each device sends per
   step, "ici_wire" / "dcn_wire": of that, in groups within a node / across nodes, "network": bytes through
-  each GPU's NIC}; "exact": False where a loop's trip count was unknown."""
+  each GPU's NIC}; "exact": False where a loop's trip count was unknown; "ops": each collective (kind, bytes,
+  group, nodes, times, wire, network)."""
   ops = parse(text, devices_per_node, n_devices)
   out = {k: {"count": 0, "bytes": 0, "wire": 0.0, "ici_wire": 0.0, "dcn_wire": 0.0, "network": 0.0} for k in KINDS}
   for c in ops:
@@ -230,6 +231,8 @@ def inventory(text: str, devices_per_node: int | None = None, n_devices: int | N
     row["dcn_wire" if c.dcn else "ici_wire"] += c.times * c.wire
     row["network"] += c.times * c.network
   out["exact"] = all(c.exact for c in ops)
+  out["ops"] = [{"kind": c.kind, "bytes": c.bytes, "group": c.group, "nodes": c.nodes, "times": c.times,
+                 "wire": c.wire, "network": c.network} for c in ops]
   return out
 
 

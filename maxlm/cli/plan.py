@@ -17,6 +17,12 @@ table's first line says which. `--device-memory-gb G` one device's memory in GB 
 devices even where the devices are here or XLA:GPU could (to compare); `--all` compiles every plausible
 candidate for the table; `--json`.
 
+Where XLA:GPU measures N > 1 compile-only GPUs, the mesh is chosen too (maxlm/plan/mesh_search.py): the lever
+search runs on the `--meshes K` (default 3) most promising meshes by an analytic estimate, and the fastest by
+the predicted step time (maxlm/plan/predict.py: the compiled step's collectives at NVLink and network
+bandwidth, overlapped with its FLOPs) wins; the table shows each, the chosen one and the runner-up, as config
+keys to paste. `--mesh-as-written` keeps the config's mesh (the lever table as before).
+
 Exit codes: 0 with a plan; 2 when nothing fits or on a bad config (one line naming the smallest device
 count that fits, when there is one).
 """
@@ -27,6 +33,7 @@ import json
 import sys
 
 from maxlm import plan
+from maxlm.cli import plan_mesh
 from maxlm.cli.dryrun import parse_flags
 from maxlm.cli.grammar import command_main
 from maxlm.config import ConfigError, load_config
@@ -88,33 +95,46 @@ def as_json(p: plan.Plan) -> str:
                      "chosen": p.chosen.overrides if p.chosen else None, "candidates": rows}, indent=1)
 
 
-def _pop_target(argv: list[str]) -> tuple[str | None, list[str]]:
-  """(--target's value, the other arguments)."""
-  rest, gpu, i = [], None, 0
+def _pop(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
+  """(the value of `flag` (--flag V or --flag=V), the other arguments)."""
+  rest, found, i = [], None, 0
   while i < len(argv):
     name, eq, value = argv[i].partition("=")
-    if name == "--target":
+    if name == flag:
       if not eq:
         if i + 1 >= len(argv):
-          raise ConfigError("argument --target needs a value")
+          raise ConfigError(f"argument {flag} needs a value")
         i, value = i + 1, argv[i + 1]
-      gpu = value
+      found = value
     else:
       rest.append(argv[i])
     i += 1
-  return gpu, rest
+  return found, rest
 
 
 def run(argv: list[str]) -> int:
-  everything, simulate = "--all" in argv, "--simulate" in argv
-  gpu, argv = _pop_target(argv)
-  opts, words = parse_flags([a for a in argv if a not in ("--all", "--simulate")])
+  flags = ("--all", "--simulate", "--mesh-as-written")
+  everything, simulate, as_written = (f in argv for f in flags)
+  gpu, argv = _pop(argv, "--target")
+  budget, argv = _pop(argv, "--meshes")
+  if budget is not None and not (budget.isdigit() and int(budget) > 0):
+    raise ConfigError(f"argument --meshes must be a positive whole number, got {budget!r}")
+  opts, words = parse_flags([a for a in argv if a not in flags])
   cfg = load_config(words)
   plan.parse_levers(cfg.plan.levers)
   for line in startup.begin(cfg):  # as the trainer starts; the cache keeps the compiles for the run
     print(f"maxlm: {line}", file=sys.stderr if opts["json"] else sys.stdout, flush=True)  # stderr under --json
   memory = int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None
   target = make_target(cfg, opts.get("devices"), opts.get("nodes"), memory, simulate, gpu)
+  if target.gpu_target and target.n_devices > 1 and not as_written:  # XLA:GPU measures: the mesh is chosen too
+    try:
+      mp = plan_mesh.mesh_search_for(cfg, target, int(budget or 3))
+    finally:
+      target.close()
+    print(plan_mesh.as_json(mp, target) if opts["json"] else plan_mesh.render(mp, cfg, target), flush=True)
+    if mp.chosen is None:
+      raise ConfigError(f"no mesh of {target.n_devices} devices over {target.n_nodes} node(s) fits: see the table")
+    return 0
   try:
     p = plan.run_search(cfg, target, everything)
   finally:

@@ -139,6 +139,7 @@ def compiler_env(plugin: Plugin, preset: str, kind: GpuKind) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin.folder, env.get("PYTHONPATH", "")) if p)
   env["XLA_FLAGS"] = xla_presets.merge(env.get("XLA_FLAGS", ""), preset_flags(preset, kind))[0]
   env["JAX_PLATFORMS"] = "cpu"
+  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's warnings (the SPMD partitioner's) off, unless asked for
   return env
 
 

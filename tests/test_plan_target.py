@@ -49,7 +49,7 @@ def test_plan_figure_is_xla_gpu_memory_analysis(n):
   plugin = _plugin()
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   r = subprocess.run([sys.executable, "-m", "maxlm.cli", "plan", *TINY, "--devices", str(n), "--target", "h200",
-                      "--json"], env=env,
+                      "--mesh-as-written", "--json"], env=env,
                      capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   p = json.loads(r.stdout)

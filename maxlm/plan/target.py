@@ -38,6 +38,9 @@ from maxlm.runtime import xla_presets
 
 HERE = Path(__file__).resolve().parent / "gpu_targets"
 ENV_FOLDER = "MAXLM_GPU_COMPILER"
+# a what-if (benchmarks/gpu_plan.py --guard-as-select): the child compiles the step's non-finite guard as a select
+# (maxlm/plan/standins.py guard_as_select), as jax 0.11.2's XLA:GPU updates the state in place under the cond
+GUARD_AS_SELECT = "MAXLM_PLAN_GUARD_AS_SELECT"
 FOLDER_NAME = "maxlm-gpu-compiler"
 PLUGINS = ("xla_cuda13", "xla_cuda12")  # jax_plugins.<name>; the pip names are jax-cuda13-plugin/-pjrt, ...
 
@@ -138,8 +141,10 @@ def compiler_env(plugin: Plugin, preset: str, kind: GpuKind) -> dict[str, str]:
   if plugin.folder:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin.folder, env.get("PYTHONPATH", "")) if p)
   env["XLA_FLAGS"] = xla_presets.merge(env.get("XLA_FLAGS", ""), preset_flags(preset, kind))[0]
+  # LLVM's optimization of the generated code, not the buffer assignment before it (the same bytes measured)
+  env["XLA_FLAGS"] = xla_presets.merge(env["XLA_FLAGS"], ("--xla_backend_optimization_level=0",
+                                                          "--xla_llvm_disable_expensive_passes=true"))[0]
   env["JAX_PLATFORMS"] = "cpu"
-  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's warnings (the SPMD partitioner's) off, unless asked for
   return env
 
 
@@ -163,18 +168,22 @@ def worker(key: str, n_devices: str, n_nodes: str) -> int:
   from maxlm.config import ConfigError, from_dict  # noqa: PLC0415 - the child's imports
   from maxlm.plan import collectives  # noqa: PLC0415
   from maxlm.plan.measure import measure  # noqa: PLC0415 - measure.py imports this module
+  from maxlm.plan.standins import guard_as_select  # noqa: PLC0415 - measure.py (above) imports it
 
   out = sys.stdout
   sys.stdout = sys.stderr  # anything else printed goes to stderr: stdout carries the answers only
   n, nodes = int(n_devices), int(n_nodes)
   devices = compile_only_devices(KINDS[key], n, nodes)
 
+  select = os.environ.get(GUARD_AS_SELECT) == "1"
+
   def inspect(compiled) -> dict:
     inv = collectives.inventory(compiled.as_text(), n // nodes, n)
-    return {"collectives": inv, "jax": jax.__version__}
+    return {"collectives": inv, "jax": jax.__version__} | ({"guard": "select (what-if)"} if select else {})
   for line in sys.stdin:
     try:
-      result = measure(from_dict(json.loads(line)), devices, gpu_footprint=True, inspect=inspect)
+      with guard_as_select(select):
+        result = measure(from_dict(json.loads(line)), devices, gpu_footprint=True, inspect=inspect)
     except ConfigError as e:
       result = {"error": str(e)}
     out.write(json.dumps(result) + "\n")

@@ -145,6 +145,18 @@ def test_fsdp_expectation_by_hand():
   assert collectives.fsdp_expectation(m, 1, {"fsdp": 1, "data": 8}) == {"all-gather": 0, "reduce-scatter": 0}
 
 
+def test_mesh_groups_with_a_device_order_and_unread_spellings():
+  line = "replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, dimensions={0}"
+  # devices [0..7] as [4, 2], transposed, flattened: 0 2 4 6 1 3 5 7; as a [2, 4] mesh: [[0 2 4 6] [1 3 5 7]];
+  # varying a: {0,1} {2,3} {4,5} {6,7} (without the device order it would be {0,4} {1,5} ...)
+  assert collectives._groups(line, 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+  assert collectives._groups("replica_groups=mesh['a'=2,'b'=4], device_ids=(7,6,5,4,3,2,1,0) {'b'}", 8) == [
+      [7, 6, 5, 4], [3, 2, 1, 0]]
+  assert collectives._groups("replica_groups={}, dimensions={0}", 4) == [[0, 1, 2, 3]]  # all devices
+  with pytest.raises(ValueError, match="unread replica_groups"):
+    collectives._groups("replica_groups=somethingnew[2]", 8)
+
+
 def test_array_bytes_of_shapes_and_tuples():
   assert collectives.array_bytes("bf16[64,8]{1,0}") == 1024
   assert collectives.array_bytes("(s32[], f32[2,3]{1,0}, pred[5])") == 4 + 24 + 5

@@ -113,15 +113,14 @@ def _groups(attrs: str, n_devices: int | None) -> list[list[int]]:
   pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
   if pairs:
     return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,\s]+)\))?"
+                r"\s*\{([^}]*)\}", attrs)
   if m:
     axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
-    ids = re.search(r"device_ids=\(([\d,\s]*)\)", m.group(1))
     sizes = [int(s) for _, s in axes]
-    arr = (np.array([int(i) for i in ids.group(1).split(",")]) if ids else np.arange(math.prod(sizes)))
-    arr = arr.reshape(sizes)
+    arr = _device_ids(m.group(2), math.prod(sizes)).reshape(sizes)
     names = [a for a, _ in axes]
-    varying = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
+    varying = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
     fixed = [i for i in range(len(names)) if i not in varying]
     arr = arr.transpose(fixed + varying).reshape(-1, math.prod(sizes[i] for i in varying) if varying else 1)
     return arr.tolist()
@@ -136,7 +135,21 @@ def _groups(attrs: str, n_devices: int | None) -> list[list[int]]:
   m = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", attrs)
   if m and m.group(1).strip():
     return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+  if "replica_groups=" in attrs and not m:  # a spelling not read above: never guess the groups
+    raise ValueError(f"unread replica_groups in {attrs[attrs.index('replica_groups='):][:160]!r}")
   return [list(range(n_devices))] if n_devices else []
+
+
+def _device_ids(text: str | None, n: int) -> np.ndarray:
+  """The device order of a mesh-form group: iota ("[8,8]T(1,0)": arange reshaped, transposed, flattened), a
+  list ("0,2,1,3"), or none (arange)."""
+  if not text:
+    return np.arange(n)
+  m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+  if m:
+    arr = np.arange(n).reshape([int(x) for x in m.group(1).split(",")])
+    return (arr.transpose([int(x) for x in m.group(2).split(",")]) if m.group(2) else arr).reshape(-1)
+  return np.array([int(x) for x in text.split(",") if x.strip()])
 
 
 def _computations(text: str) -> tuple[dict[str, list[str]], str]:

@@ -145,6 +145,58 @@ def test_fsdp_expectation_by_hand():
   assert collectives.fsdp_expectation(m, 1, {"fsdp": 1, "data": 8}) == {"all-gather": 0, "reduce-scatter": 0}
 
 
+# A loop without known_trip_count, as XLA:GPU leaves jax's scan over micro-batches (its first trip peeled): the
+# condition is a fusion comparing the induction variable (tuple index 0, initially 1) with 4: 3 trips
+DERIVED = textwrap.dedent("""\
+    HloModule m, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
+
+    %sum (a: f32[], b: f32[]) -> f32[] {
+      %a = f32[] parameter(0)
+      %b = f32[] parameter(1)
+      ROOT %s = f32[] add(%a, %b)
+    }
+
+    %body (c: (s32[], f32[8])) -> (s32[], f32[8]) {
+      %c = (s32[], f32[8]{0}) parameter(0)
+      %i = s32[] get-tuple-element(%c), index=0
+      %x = f32[8]{0} get-tuple-element(%c), index=1
+      %r = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups=[1,8]<=[8], to_apply=%sum
+      ROOT %t = (s32[], f32[8]{0}) tuple(%i, %r)
+    }
+
+    %fused_compare (p: s32[]) -> pred[] {
+      %p = s32[] parameter(0)
+      %four = s32[] constant(4)
+      ROOT %lt = pred[] compare(%p, %four), direction=LT
+    }
+
+    %cond (c: (s32[], f32[8])) -> pred[] {
+      %c = (s32[], f32[8]{0}) parameter(0)
+      %i = s32[] get-tuple-element(%c), index=0
+      ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+    }
+
+    ENTRY %main (x: f32[8]) -> f32[8] {
+      %x = f32[8]{0} parameter(0)
+      %one = s32[] constant(1)
+      %init = (s32[], f32[8]{0}) tuple(%one, %x)
+      %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+      ROOT %out = f32[8]{0} get-tuple-element(%w), index=1
+    }
+    """)
+
+
+def test_a_loop_trip_count_read_off_its_condition():
+  (op,) = collectives.parse(DERIVED, devices_per_node=8, n_devices=8)
+  assert (op.kind, op.times, op.exact, op.bytes, op.group) == ("all-reduce", 3, True, 32, 8)
+  # the bound on the left (4 > i) counts the same; an initial value that is not a constant is not guessed
+  flipped = DERIVED.replace("compare(%p, %four), direction=LT", "compare(%four, %p), direction=GT")
+  assert collectives.parse(flipped, 8, 8)[0].times == 3
+  unknown = DERIVED.replace("tuple(%one, %x)", "tuple(%x2, %x)").replace("%one = s32[] constant(1)",
+                                                                        "%x2 = s32[] parameter(1)")
+  assert (collectives.parse(unknown, 8, 8)[0].times, collectives.parse(unknown, 8, 8)[0].exact) == (1, False)
+
+
 def test_mesh_groups_with_a_device_order_and_unread_spellings():
   line = "replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, dimensions={0}"
   # devices [0..7] as [4, 2], transposed, flattened: 0 2 4 6 1 3 5 7; as a [2, 4] mesh: [[0 2 4 6] [1 3 5 7]];

@@ -185,11 +185,10 @@ def parse(text: str, devices_per_node: int | None = None, n_devices: int | None 
         continue
       shape, rest = _split_type(m.group(2))
       opcode = rest.split("(", 1)[0]
-      trip = _TRIP.search(rest)
       if opcode == "while":
-        n = int(trip.group(1)) if trip else 1
+        n = _trip_count(comps, name, rest)
         for callee in _CALLS.findall(rest):
-          stack.append((callee, times * n, exact and trip is not None))
+          stack.append((callee, times * (n or 1), exact and n is not None))
         continue
       for callee in _CALLS.findall(rest):
         stack.append((callee, times, exact))
@@ -214,6 +213,71 @@ def parse(text: str, devices_per_node: int | None = None, n_devices: int | None 
       nodes = max((len({d // per_node for d in g}) for g in groups), default=1) if per_node else 1
       out.append(Collective(kind, m.group(1), nbytes, size, times, nodes > 1, exact, nodes))
   return out
+
+
+def _instruction(lines: list[str], name: str) -> str | None:
+  """The text after `name = <shape> ` of an instruction of a computation."""
+  pattern = re.compile(r"^\s*(?:ROOT\s+)?%?" + re.escape(name) + r"\s*=\s*(.*)$")
+  for line in lines:
+    m = pattern.match(line)
+    if m:
+      return _split_type(m.group(1))[1]
+  return None
+
+
+def _constant(lines: list[str], name: str) -> int | None:
+  """The integer value of a scalar constant (through one copy or convert), else None."""
+  for _ in range(3):
+    text = _instruction(lines, name)
+    if text is None:
+      return None
+    m = re.match(r"constant\((-?\d+)\)", text)
+    if m:
+      return int(m.group(1))
+    m = re.match(r"(?:copy|convert|bitcast)\(%?([\w.\-]+)\)", text)
+    if not m:
+      return None
+    name = m.group(1)
+  return None
+
+
+def _trip_count(comps: dict[str, list[str]], where: str, rest: str) -> int | None:
+  """A while loop's trip count: `known_trip_count`, else read off its condition, `i < N` (or `N > i`; <= and
+  >= count one more) on the induction variable of `known_induction_variable`, and that variable's constant
+  initial value in the loop's operand tuple, step 1 (as jax lowers scan and fori_loop: the accumulation loop
+  over micro-batches carries no known_trip_count on XLA:GPU, its first trip peeled). None where unreadable."""
+  trip = _TRIP.search(rest)
+  if trip:
+    return int(trip.group(1))
+  var = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"\}', rest)
+  cond = re.search(r"condition=%?([\w.\-]+)", rest)
+  operand = re.match(r"while\(%?([\w.\-]+)\)", rest)
+  if not (var and cond and operand):
+    return None
+  lines = comps.get(cond.group(1), [])
+  root = next((ln for ln in lines if ln.lstrip().startswith("ROOT")), "")
+  fused = re.search(r"fusion\(.*calls=%?([\w.\-]+)", root)
+  if fused:  # the compare inside a fusion
+    lines = comps.get(fused.group(1), [])
+    root = next((ln for ln in lines if ln.lstrip().startswith("ROOT")), "")
+  cmp = re.search(r"compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=(\w+)", root)
+  if not cmp:
+    return None
+  left, right = _constant(lines, cmp.group(1)), _constant(lines, cmp.group(2))
+  direction = cmp.group(3)
+  if right is not None and left is None and direction in ("LT", "LE"):
+    bound, inclusive = right, direction == "LE"
+  elif left is not None and right is None and direction in ("GT", "GE"):
+    bound, inclusive = left, direction == "GE"
+  else:
+    return None
+  init_tuple = _instruction(comps[where], operand.group(1))
+  if init_tuple is None or not init_tuple.startswith("tuple("):
+    return None
+  args = [a.strip().lstrip("%") for a in init_tuple[len("tuple("):].split(")", 1)[0].split(",")]
+  k = int(var.group(1))
+  init = _constant(comps[where], args[k]) if k < len(args) else None
+  return None if init is None else max(0, bound - init + (1 if inclusive else 0))
 
 
 def _start_of(lines: list[str], done_rest: str) -> str | None:

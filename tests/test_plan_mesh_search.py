@@ -117,3 +117,15 @@ def test_meshes_the_certain_bytes_rule_out_are_not_estimated():
   f = Fakes({A: 1.0}, {A: 1.0}, fits={A})
   mp = mesh_search.search(TINY, small, f.plan, f.predict, 3, f.estimate)
   assert {r.status for r in mp.rows} == {"certain bytes too big"} and f.compiled == [] and mp.chosen is None
+
+
+def test_within_two_percent_the_config_mesh_and_float32_moments_win():
+  w = (1, 4, 1, 1, 1, 2, 1)  # tiny.yml's own mesh: fsdp 4 in a node, data 2 across
+  f = Fakes({A: 1.0, w: 2.0, B: 3.0}, {A: 0.99, w: 1.0, B: 0.5}, fits={A, w, B})
+  assert Fakes.key(plan.apply(TINY, _search(f, budget=3).chosen.overrides)) == B  # 50% faster: not a tie
+  f = Fakes({A: 1.0, w: 2.0}, {A: 0.99, w: 1.0}, fits={A, w})  # A 1% faster: a tie, the config's mesh stays
+  mp = _search(f, budget=3)
+  assert Fakes.key(plan.apply(TINY, mp.chosen.overrides)) == w and mp.chosen.written
+  assert Fakes.key(plan.apply(TINY, mp.runner_up.overrides)) == A
+  f = Fakes({A: 1.0, w: 2.0}, {A: 0.97, w: 1.0}, fits={A, w})  # 3% faster: A
+  assert Fakes.key(plan.apply(TINY, _search(f, budget=3).chosen.overrides)) == A

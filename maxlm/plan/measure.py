@@ -163,14 +163,15 @@ def measure(cfg: Config, devices=None, gpu_footprint: bool = False, inspect=None
 
 
 def offloaded(stats: dict) -> dict:
-  """XLA:CPU has one memory (host offload compiles to the same program), so there the device bytes of an
-  optimizer state kept in host memory are arithmetic: the measured peak less the state, plus what the
-  streamed update (maxlm/optim.py) holds on the device at once: the moments of LAG parameters, each upcast
-  to float32 and updated (old and new), taken for the largest parameter (of each layer where the
-  layers were scanned for the measurement only; a whole stack where the model scans them)."""
+  """XLA:CPU has one memory (host offload compiles to the same program), and XLA:GPU's compile-only devices
+  report no host memory, so there the device bytes of an optimizer state kept in host memory are arithmetic:
+  the measured peak less the state, plus what the streamed update (maxlm/optim.py) holds on the device at
+  once: the moments of LAG parameters, each upcast to float32 and updated (old and new), taken for the
+  largest parameter (of each layer where the layers were scanned for the measurement only; a whole stack
+  where the model scans them)."""
   stream = LAG * 2 * 2 * stats["opt_leaf_fp32"]  # LAG parameters x (old, new) x (mu, nu)
   return stats | {"device": stats["device"] - stats["opt_state"] + stream,
-                  "how": f"arithmetic: XLA:CPU's peak - the optimizer state + {LAG} streamed parameters' moments"}
+                  "how": f"arithmetic: the compiled peak - the optimizer state + {LAG} streamed parameters' moments"}
 
 
 def simulated_env(n_devices: int) -> dict[str, str]:

@@ -43,7 +43,7 @@ def render(mp: mesh_search.MeshPlan, cfg, target: Target) -> str:
     status = r.status + ("; the config's mesh" if r.written else "")
     lines.append(f"{mark:2}{mesh_search.label(r.overrides):<58}{est}  {levers:<42}{peak:>11}{pred}  {status}")
   skipped = sum(r.status == "certain bytes too big" for r in mp.rows)
-  rest = sum(r.plan is None and r.estimate_s is not None for r in mp.rows) - min(5, len(shown))
+  rest = sum(r.plan is None and r.estimate_s is not None for r in mp.rows) - sum(r.plan is None for r in shown)
   lines.append(f"  {len(mp.rows)} meshes: {skipped} need more than a device holds (certain bytes, every lever at its "
                f"most saving); {max(0, rest)} more not compiled, slower by the estimate")
   lines.append("est. step: the analytic estimate that orders the meshes; predicted: from the compiled step's "

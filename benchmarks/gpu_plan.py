@@ -6,8 +6,9 @@ collectives of its compiled step against what FSDP should need, and a PREDICTED 
 
 Cases (`CASES`): llama8b.yml on 1, 8 (one node) and 64 (8 nodes) H200s, with data.global_batch_size = max(8, N)
 (the config's 8 rows on 1 and 8 GPUs; one row per GPU on 64: weak scaling); llama70b.yml on 8, 16, 32 and 64
-H200s (8 a node, its batch of 64 rows); `cp8b`: llama8b at seq 131,072 on 8 H200s with the context axis;
-`pp70b`: llama70b on 64 H200s with 8 pipeline stages across the nodes against its own mesh (pure FSDP).
+H200s (8 a node, its batch of 64 rows); `cp8b`: llama8b at seq 131,072 on 8 H200s with the context axis
+(context 8; `cp8b-t2`: context 4 x tensor 2, the mesh search's choice); `pp70b`: llama70b on 64 H200s with 8
+pipeline stages across the nodes, against its own mesh (pure FSDP).
 Each runs the lever search of `maxlm plan` on the case's mesh (`maxlm plan ... --mesh-as-written`), measured by
 XLA:GPU; the chosen plan's compiled step gives the memory and the collectives; maxlm/plan/predict.py the
 prediction. Layers are not cut: the compile-only measurement scans the layers (maxlm/plan/measure.py), so a
@@ -59,6 +60,8 @@ CASES = {
     "70b-64": _case("llama70b.yml", 64, 8),
     "cp8b": _case("llama8b.yml", 8, 1, "data.seq_len=131072", "data.global_batch_size=1", "mesh.context=8",
                   "mesh.fsdp=1"),
+    "cp8b-t2": _case("llama8b.yml", 8, 1, "data.seq_len=131072", "data.global_batch_size=1", "mesh.context=4",
+                     "mesh.tensor=2", "mesh.fsdp=1"),  # what the mesh search chose (tensor shards the parameters)
     "pp70b": _case("llama70b.yml", 64, 8, "mesh.dcn_pipeline=8", "mesh.dcn_fsdp=1", "model.scan_layers=true"),
 }
 DEFAULT = ("8b-1", "8b-8", "8b-64", "70b-8", "70b-16", "70b-32", "70b-64")

@@ -128,3 +128,22 @@ def test_measured_by_of_each_kind_of_target():
   t = Target(8, 1, "NVIDIA H200", 2 ** 30, 0.95, True, gpu_target="h200")
   assert t.measured_by.startswith("XLA:GPU target h200 (compile-only), jax ")
   assert ("lax.cond" in t.describe()) == target.cond_copies()  # jax 0.10's copy of the state is said
+
+
+def test_plan_on_compile_only_gpus_chooses_the_mesh():
+  _plugin()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  r = subprocess.run([sys.executable, "-m", "maxlm.cli", "plan", "config=tiny.yml", "plan.levers=optim.state_dtype",
+                      "--devices", "4", "--nodes", "2", "--target", "h200", "--meshes", "1", "--json"], env=env,
+                     capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  p = json.loads(r.stdout)
+  assert p["target"]["measured_by"].startswith("XLA:GPU target h200") and p["chosen"] is not None
+  compiled = p["meshes"]
+  # one mesh by the budget, and the config's own (fsdp 2 in a node, data 2 across) where it is not that one
+  assert 1 <= len(compiled) <= 2 and any(m["as_written"] for m in compiled)
+  for m in compiled:
+    assert m["measured_bytes"] > 0 and m["predicted"]["step_s"] > 0
+    assert m["collectives"]["all-gather"]["count"] > 0  # FSDP over 2 in a node at least
+  best = min(compiled, key=lambda m: m["predicted"]["step_s"])
+  assert p["chosen"]["mesh"] == best["mesh"] or best["predicted"]["step_s"] >= 0.98 * p["chosen"]["predicted"]["step_s"]

@@ -28,8 +28,9 @@ def render(mp: mesh_search.MeshPlan, cfg, target: Target) -> str:
   lines = [f"maxlm plan: the mesh of {cfg.model.name} on {target.describe()}",
            f"  {'mesh':<58}{'est. step':>10}  {'levers (remat, accum, offload, moments)':<42}{'peak':>11}"
            f"{'predicted':>11}{'tok/s/GPU':>11}  status"]
+  rank = {"chosen": 0, "runner-up": 1}
   done = sorted((r for r in mp.rows if r.plan is not None),
-                key=lambda r: r.predicted["step_s"] if r.predicted else float("inf"))
+                key=lambda r: (rank.get(r.status, 2), r.predicted["step_s"] if r.predicted else float("inf")))
   shown = done + sorted(
       (r for r in mp.rows if r.plan is None and r.estimate_s is not None), key=lambda r: r.estimate_s)[:5]
   for r in shown:

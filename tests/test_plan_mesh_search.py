@@ -1,6 +1,8 @@
 """maxlm/plan/mesh_search.py: the candidate meshes of N devices over M nodes, and a choice that follows the model:
 with made-up estimates, plans and predictions (no compile), the fastest predicted mesh whose levers fit wins."""
 
+import pytest
+
 from maxlm import plan
 from maxlm.config import load_config
 from maxlm.plan import mesh_search
@@ -48,8 +50,9 @@ def _prod(xs):
 class Fakes:
   """Made-up estimates, plans and predictions by mesh label; records which meshes were compiled."""
 
-  def __init__(self, estimates: dict, predicted: dict, fits: set):
+  def __init__(self, estimates: dict, predicted: dict, fits: set, levers: dict | None = None):
     self.estimates, self.predicted, self.fits, self.compiled = estimates, predicted, fits, []
+    self.levers = levers or {}  # the levers each mesh's made-up plan chooses (default remat=full)
 
   def estimate(self, cfg, target):
     key = self.key(cfg)
@@ -58,8 +61,9 @@ class Fakes:
   def plan(self, cfg):
     key = self.key(cfg)
     self.compiled.append(key)
-    row = plan.Row({"model.remat": "full"}, "fits", 1, measured=GIB, stats={"mesh": key})
-    return plan.Plan(H200, [row], row if key in self.fits else None, cfg)
+    levers = self.levers.get(key, {"model.remat": "full"})
+    row = plan.Row(levers, "fits", 1, measured=GIB, stats={"mesh": key})
+    return plan.Plan(H200, [row], row if key in self.fits else None, plan.apply(cfg, levers))
 
   def predict(self, cfg, stats):
     return {"step_s": self.predicted[stats["mesh"]], "tokens_per_s_per_gpu": 1.0}
@@ -129,3 +133,33 @@ def test_within_two_percent_the_config_mesh_and_float32_moments_win():
   assert Fakes.key(plan.apply(TINY, mp.runner_up.overrides)) == A
   f = Fakes({A: 1.0, w: 2.0}, {A: 0.97, w: 1.0}, fits={A, w})  # 3% faster: A
   assert Fakes.key(plan.apply(TINY, _search(f, budget=3).chosen.overrides)) == A
+
+
+def test_within_two_percent_the_fewer_bfloat16_moments_win():
+  # neither is the config's own mesh (tiny.yml's: fsdp 4 in a node, data 2 across); A keeps both moments in
+  # bfloat16 and is 1% faster than C with float32 ones (a tie), 3% faster than B with a bfloat16 mu (not a tie)
+  bf16 = {"optim.mu_dtype": "bfloat16", "optim.nu_dtype": "bfloat16"}
+  f32 = {"optim.mu_dtype": "float32", "optim.nu_dtype": "float32"}
+  f = Fakes({A: 1.0, C: 2.0}, {A: 0.99, C: 1.0}, fits={A, C}, levers={A: bf16, C: f32})
+  mp = _search(f, budget=3)
+  assert Fakes.key(plan.apply(TINY, mp.chosen.overrides)) == C and not mp.chosen.written
+  assert mp.chosen.plan.cfg.optim.mu_dtype == "float32"
+  mu = {"optim.mu_dtype": "bfloat16", "optim.nu_dtype": "float32"}
+  f = Fakes({A: 1.0, B: 2.0}, {A: 0.97, B: 1.0}, fits={A, B}, levers={A: bf16, B: mu})
+  assert Fakes.key(plan.apply(TINY, _search(f, budget=3).chosen.overrides)) == A
+  f = Fakes({A: 1.0, B: 2.0}, {A: 0.99, B: 1.0}, fits={A, B}, levers={A: bf16, B: mu})  # a tie: one bf16 < two
+  assert Fakes.key(plan.apply(TINY, _search(f, budget=3).chosen.overrides)) == B
+
+
+def test_extra_seconds_are_the_tensor_parallel_all_reduces_only():
+  t = Target(8, 1, "NVIDIA H200", 140 * GIB, 0.95, True, gpu_target="h200")
+  tp = load_config(["config=llama8b.yml", "mesh.tensor=2"])  # fsdp 4 x tensor 2: 8 rows over 4, 2 each
+  # by hand: 4 all-reduces per layer of [2 rows, 8192, 4096] in bf16 (2 B), a ring moving 2 (2 - 1) / 2 of each,
+  # 32 layers, at 450 GB/s (NVLink 4 each way)
+  want = 4 * 32 * (2 * 8192 * 4096 * 2) * 2 * (2 - 1) / 2 / 450e9
+  assert mesh_search.extra_seconds(tp, t) == pytest.approx(want, rel=1e-12)
+  # the context axis's exchange and the pipeline's bubble are cost.step_time's (tests/test_plan_cost.py): not again
+  cp = load_config(["config=llama8b.yml", "mesh.context=2"])
+  assert mesh_search.extra_seconds(cp, t) == 0
+  pp = load_config(["config=llama8b.yml", "mesh.pipeline=2", "model.scan_layers=true", "train.grad_accum=2"])
+  assert mesh_search.extra_seconds(pp, t) == 0

@@ -1,21 +1,21 @@
 """The planner's choice of mesh for N devices over M nodes: pipeline x data x fsdp x context x tensor, each
 intra-node (NVLink) or inter-node (network), chosen by the predicted step time of the compiled step among the
 meshes whose levers fit (maxlm/plan/__init__.py's search on each), XLA:GPU measuring both (maxlm/plan/target.py).
-Within TIE (2%) of the fastest the config's own mesh wins, then float32 moments.
+Within TIE (2%) of the fastest the config's own mesh wins, then the fewer bfloat16 moments.
 
 Candidates (`meshes`): tensor and context inside a node (their exchanges are per layer and on the critical
 path: NVLink), powers of two dividing the node's devices, tensor dividing the heads and KV heads, context
 dividing data.seq_len into 2 x context chunks; pipeline stages across nodes (point to point, the least traffic:
 mesh.dcn_pipeline), dividing the nodes and the layers (the stack is then scanned, as the pipeline needs); the
 devices left in a node go to fsdp or to data, those left across nodes the same; context and pipeline are not
-combined (untested together). The global batch must split over data x fsdp.
+combined (maxlm/pipeline.py refuses them together). The global batch must split over data x fsdp.
 
-Order: an analytic estimate (`estimate`: the planner's step time (cost.py) for the mesh's first plausible lever
-setting, with the tensor- and context-parallel exchanges per layer at NVLink and the pipeline's bubble), only to
-decide which meshes to compile: the `budget` first of those whose certain bytes fit. Each of those gets the
-lever search (compiled), then the prediction of maxlm/plan/predict.py from its compiled collectives; the fastest
-predicted wins (within TIE: see above), the next is the runner-up. Deterministic: exact ties go to the
-earlier candidate.
+Order: an analytic estimate (`estimate`: the planner's step time (cost.py, which counts the context axis's
+exchange and the pipeline's bubble) for the mesh's first plausible lever setting, with the tensor-parallel
+all-reduces per layer at NVLink added), only to decide which meshes to compile: the `budget` first of those
+whose certain bytes fit. Each of those gets the lever search (compiled), then the prediction of
+maxlm/plan/predict.py from its compiled collectives; the fastest predicted wins (within TIE: see above), the
+next is the runner-up. Deterministic: exact ties go to the earlier candidate.
 """
 
 from __future__ import annotations
@@ -25,15 +25,14 @@ import dataclasses
 from maxlm.config import Config, ConfigError
 from maxlm.layers import resolve_backend
 from maxlm.mesh import mesh_shape
-from maxlm.pipeline import bubble_fraction
-from maxlm.plan import apply, candidates, certain_bytes, most_saving
-from maxlm.plan.cost import degrees, step_time
+from maxlm.plan import apply, candidates, certain_bytes, moments, most_saving
+from maxlm.plan.cost import degrees, hardware, step_time
 from maxlm.plan.measure import Target
-from maxlm.plan.predict import roofline
 
-# Predictions closer than this are a tie: the model's compute rests on one measured MFU (57%, one H200) and its
-# links on datasheet bandwidths, so it does not resolve 2% (llama70b on 64 H200s: fsdp 4 x context 2 in a node
-# predicted 6.58 s against 6.61 s for its own pure FSDP, with bf16 moments instead of float32).
+# Predictions closer than this are a tie: the prediction is a roofline (datasheet peak and bandwidths, NCCL taken
+# to reach them, maxlm/plan/predict.py), a bound that real steps miss by factors that differ between settings,
+# so it does not resolve 2% (a judgement, not a measured figure; llama70b on 64 H200s: fsdp 4 x context 2 in a
+# node was predicted 0.5% faster than its own pure FSDP, with bf16 moments instead of float32).
 TIE = 0.02
 MESH_KEYS = ("mesh.pipeline", "mesh.data", "mesh.fsdp", "mesh.context", "mesh.tensor", "mesh.dcn_pipeline",
              "mesh.dcn_data", "mesh.dcn_fsdp", "mesh.dcn_context", "mesh.dcn_tensor")
@@ -83,23 +82,18 @@ def label(o: dict) -> str:
 
 
 def extra_seconds(cfg: Config, target: Target) -> float:
-  """What cost.step_time leaves out of a mesh (see the module doc): the tensor-parallel all-reduces of the
-  activations (4 per layer: 2 forward, 2 backward, on [rows, T, D] of the compute dtype; a ring moves
-  2 (t - 1) / t of each), the context axis's K/V gather and its gradient's scatter per layer ((c - 1) / c of
-  [rows, T, KV x Dh] x 2), at NVLink; and the pipeline's bubble on the compute."""
+  """What cost.step_time leaves out of a mesh: the tensor-parallel all-reduces of the activations (4 per layer:
+  2 forward, 2 backward, on [rows, T / context, D] of the compute dtype; a ring moves 2 (t - 1) / t of each),
+  at NVLink (cost.step_time counts the context axis's K/V exchange and the pipeline's bubble itself)."""
   m, d = cfg.model, cfg.data
   deg = degrees(cfg, target)
-  hw = roofline(target.kind)
+  t = deg["tensor"]
+  if t == 1:
+    return 0.0
+  link = hardware(target.kind)[2]
   rows = d.global_batch_size / (deg["data"] * deg["fsdp"])
   tokens = rows * d.seq_len / deg["context"]
-  t, c = deg["tensor"], deg["context"]
-  tp = 4 * m.n_layers * tokens * m.d_model * 2 * 2 * (t - 1) / t if t > 1 else 0.0
-  cp = 2 * m.n_layers * rows * d.seq_len * m.n_kv_heads * m.head_dim * 2 * 2 * (c - 1) / c if c > 1 else 0.0
-  bubble = 0.0
-  if deg["pipeline"] > 1:
-    f = bubble_fraction(deg["pipeline"], cfg.train.grad_accum)
-    bubble = step_time(cfg, target)["compute_s"] * f / (1 - f)
-  return (tp + cp) / (deg["pipeline"] * hw.nvlink) + bubble
+  return 4 * m.n_layers * tokens * m.d_model * 2 * 2 * (t - 1) / t / (deg["pipeline"] * link)
 
 
 def estimate(cfg: Config, target: Target) -> tuple[float, dict] | None:
@@ -142,6 +136,11 @@ def _shape(cfg: Config, target: Target) -> tuple | None:
   return tuple(ici), tuple(dcn)
 
 
+def _bf16_moments(cfg: Config) -> int:
+  """How many of the Adam moments (maxlm/plan/moments.py KEYS) the config keeps in bfloat16."""
+  return sum(getattr(cfg.optim, k.split(".")[1]) == "bfloat16" for k in moments.KEYS)
+
+
 def search(cfg: Config, target: Target, plan_fn, predict_fn, budget: int = 3, estimate_fn=None) -> MeshPlan:
   """plan_fn(cfg) -> the lever search's Plan (chosen row's stats carry the compiled collectives);
   predict_fn(cfg, stats) -> predict.predict's dict; estimate_fn(cfg, target) -> `estimate`'s (the default).
@@ -176,11 +175,10 @@ def search(cfg: Config, target: Target, plan_fn, predict_fn, budget: int = 3, es
     r.status = "compiled"
     r.predicted = predict_fn(r.plan.cfg, r.plan.chosen.stats)
   done = sorted((r for r in order if r.predicted), key=lambda r: r.predicted["step_s"])
-  if done:  # within TIE of the fastest: the config's own mesh first, then float32 moments (exact), then speed
+  if done:  # within TIE of the fastest: the config's own mesh first, then the fewer bfloat16 moments, then speed
     best = done[0].predicted["step_s"]
     near = [r for r in done if r.predicted["step_s"] <= best * (1 + TIE)]
-    near.sort(key=lambda r: (not r.written, r.plan.chosen.overrides.get("optim.state_dtype") != "float32",
-                             r.predicted["step_s"]))
+    near.sort(key=lambda r: (not r.written, _bf16_moments(r.plan.cfg), r.predicted["step_s"]))
     done = near + [r for r in done if r not in near]
   chosen, runner = (done + [None, None])[:2]
   if chosen:

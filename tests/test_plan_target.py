@@ -15,7 +15,7 @@ from maxlm.config import ConfigError, load_config
 from maxlm.plan import target
 from maxlm.plan.measure import Target, make_target
 
-TINY = ["config=tiny.yml", "plan.levers=optim.state_dtype"]  # float32 moments first: it fits, one compile
+TINY = ["config=tiny.yml", "plan.levers=optim.mu_dtype,optim.nu_dtype"]  # the moments only: the first fits
 # (--target: the simulated CPU devices of the tests would otherwise be the devices at hand)
 
 # The same program compiled in a child with the plugin on its path: compile-only GPUs from XLA's own topology
@@ -57,8 +57,9 @@ def test_plan_figure_is_xla_gpu_memory_analysis(n):
   assert len(chosen) == 1 and p["target"]["devices"] == n
   assert p["target"]["measured_by"] == f"XLA:GPU target h200 (compile-only), jax {jax.__version__}"
   ref_env = target.compiler_env(plugin, "auto", target.KINDS["h200"])
-  ref = subprocess.run([sys.executable, "-c", REFERENCE, str(n), *TINY], env=ref_env, capture_output=True, text=True,
-                       timeout=900)
+  levers = [f"{k}={v}" for k, v in chosen[0]["levers"].items()]  # the chosen moments' dtypes
+  ref = subprocess.run([sys.executable, "-c", REFERENCE, str(n), *TINY, *levers], env=ref_env, capture_output=True,
+                       text=True, timeout=900)
   assert ref.returncode == 0, ref.stderr[-3000:]
   want = json.loads(ref.stdout.splitlines()[-1])
   assert want["platform"] == "gpu" and "H200" in want["kind"]
@@ -133,7 +134,7 @@ def test_measured_by_of_each_kind_of_target():
 def test_plan_on_compile_only_gpus_chooses_the_mesh():
   _plugin()
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  r = subprocess.run([sys.executable, "-m", "maxlm.cli", "plan", "config=tiny.yml", "plan.levers=optim.state_dtype",
+  r = subprocess.run([sys.executable, "-m", "maxlm.cli", "plan", *TINY,
                       "--devices", "4", "--nodes", "2", "--target", "h200", "--meshes", "1", "--json"], env=env,
                      capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]

@@ -26,7 +26,7 @@ def _settings(o: dict) -> str:
 
 def render(mp: mesh_search.MeshPlan, cfg, target: Target) -> str:
   lines = [f"maxlm plan: the mesh of {cfg.model.name} on {target.describe()}",
-           f"  {'mesh':<58}{'est. step':>10}  {'levers (remat, accum, offload, moments)':<42}{'peak':>11}"
+           f"  {'mesh':<58}{'est. step':>10}  {'levers (remat, accum, offload, mu, nu)':<42}{'peak':>11}"
            f"{'predicted':>11}{'tok/s/GPU':>11}  status"]
   rank = {"chosen": 0, "runner-up": 1}
   done = sorted((r for r in mp.rows if r.plan is not None),

@@ -146,8 +146,7 @@ class Plan:
     c = self.chosen
     levers = ", ".join(f"{k}={v}" for k, v in c.overrides.items())
     n = sum(r.measured is not None or r.note.startswith("XLA ran out") for r in self.rows)
-    by = self.target.measured_by  # "XLA on the devices at hand", "XLA:GPU target h200 (compile-only), jax ..."
-    how = f"measured by {by}" if c.how == "measured" else f"{c.how}, by {by}"
+    how = f"measured by {self.target.measured_by}" if c.how == "measured" else f"{c.how}, by {self.target.measured_by}"
     timed = [r for r in self.rows if r.seconds is not None]
     speed = (f"; step {c.seconds:.3g} s measured, the fastest of {len(timed)} timed" if c.seconds is not None
              else f"; step {c.time['total_s']:.3g} s estimated (roofline), not measured" if self.target.gpu
@@ -242,13 +241,11 @@ def most_saving(cfg: Config, target: Target) -> dict | None:
 
 
 def smallest_devices(cfg: Config, target: Target, limit: int = 4096) -> tuple[int, dict, int] | None:
-  """(n, levers, measured bytes): the fewest devices (doubling) on which every lever at its most saving
-  value fits, measured on n simulated devices (XLA:GPU's compile-only ones where the target has them, else
-  XLA:CPU's); None up to `limit` devices."""
+  """(n, levers, measured bytes): the fewest devices (doubling) on which every lever at its most saving value
+  fits, measured on n simulated devices (the target's: XLA:GPU's compile-only, else XLA:CPU's); None to `limit`."""
   n = target.n_devices * 2
   while n <= limit:
-    t = Target(n, 1, target.kind, target.device_bytes, target.fraction, True, assumed=target.assumed,
-               gpu_target=target.gpu_target)
+    t = dataclasses.replace(target, n_devices=n, n_nodes=1, simulated=True, devices=None, _sim=None)
     o = most_saving(cfg, t)
     if o is None and n > cfg.data.global_batch_size:
       return None  # the batch cannot split over more devices either

@@ -15,7 +15,7 @@ compiles for N such GPUs with no GPU present and no CUDA driver. This script doe
     PYTHONPATH=DIR JAX_PLATFORMS=cpu python benchmarks/gpu_deviceless.py step --devices 1 config=llama8b.yml \
         model.n_layers=4 data.seq_len=4096 data.global_batch_size=4 model.remat=full [--select-guard]
 
---target FILE (default benchmarks/gpu_targets/h200.txtpb). One JSON line per measurement on stdout. On a machine
+--target FILE (default maxlm/plan/gpu_targets/h200.txtpb). One JSON line per measurement on stdout. On a machine
 with a GPU (the H200) the same commands compile for the target given, not for the GPU at hand.
 """
 
@@ -93,7 +93,7 @@ def step(target: Path, n: int, words: list[str], select_guard: bool) -> None:
 def main(argv: list[str]) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("what", choices=("cond", "step"))
-  ap.add_argument("--target", type=Path, default=HERE / "gpu_targets" / "h200.txtpb")
+  ap.add_argument("--target", type=Path, default=HERE.parent / "maxlm" / "plan" / "gpu_targets" / "h200.txtpb")
   ap.add_argument("--devices", type=int, default=1)
   ap.add_argument("--select-guard", action="store_true",
                   help="step: compile maxlm/step.py's non-finite guard (lax.cond) as a select of both branches")

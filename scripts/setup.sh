@@ -97,6 +97,24 @@ build_te_jax() {  # $1: CUDA_HOME. The compiler's output goes to a log; a failur
   $PIP uninstall -q -y jax-cuda13-plugin               # build-only; keeps JAX on the CPU here
 }
 
+# XLA:GPU's compiler for `maxlm plan --devices N` on a machine without N GPUs (maxlm/plan/target.py): JAX's CUDA
+# plugin of the installed jaxlib, ~400 MB, in a folder of the venv rather than in it (importable, its CUDA checks
+# would print a traceback at every JAX start on a machine without a GPU). Skipped where the venv's JAX has a CUDA
+# plugin already (a GPU machine) or MAXLM_NO_GPU_COMPILER=1; without it the planner simulates on XLA:CPU.
+install_gpu_compiler() {
+  local dir=$V/maxlm-gpu-compiler jv
+  jv=$("$V/bin/python" -c 'import importlib.metadata as m; print(m.version("jaxlib"))')
+  if [ "${MAXLM_NO_GPU_COMPILER:-0}" = 1 ] || "$V/bin/python" -c 'import jax_plugins.xla_cuda13' 2>/dev/null \
+      || "$V/bin/python" -c 'import jax_plugins.xla_cuda12' 2>/dev/null; then return; fi
+  if [ -d "$dir/jax_cuda13_pjrt-$jv.dist-info" ] && [ -d "$dir/jax_cuda13_plugin-$jv.dist-info" ]; then return; fi
+  rm -rf "$dir"
+  if ! $PIP install -q --no-deps --target "$dir" "jax-cuda13-plugin==$jv" "jax-cuda13-pjrt==$jv"; then
+    rm -rf "$dir"
+    echo "setup: could not install JAX's CUDA plugin $jv in $dir: maxlm plan --devices N simulates on XLA:CPU"
+  fi
+}
+install_gpu_compiler
+
 case "$PLAN" in
   wheel\ *)
     install_te_runtime

@@ -3,6 +3,7 @@ this Python, a build with a CUDA toolkit, or nowhere: then set-up succeeds witho
 the stamp that records that choice, and `make test`'s skip reasons. The full set-up (minutes: it installs JAX)
 is not run here; the script runs against a stand-in venv whose `python -m pip` only logs what it is asked."""
 
+import importlib.metadata
 import os
 import shutil
 import stat
@@ -117,6 +118,11 @@ def test_setup_without_toolkit_or_wheel_succeeds_without_te_in_one_line(tmp_path
   calls = [c for c in log.read_text().splitlines() if c.split()[0] in ("install", "wheel")]
   assert any("-e " in c for c in calls) and any("jax==" in c for c in calls)  # maxlm and JAX were installed
   assert not [c for c in calls if "transformer" in c or "nvidia" in c or c.startswith("wheel")]  # nothing of TE
+  # XLA:GPU's compiler for `maxlm plan --devices N` (maxlm/plan/target.py): the CUDA plugin of this jaxlib, in a
+  # folder of the venv, not in it
+  jaxlib = importlib.metadata.version("jaxlib")
+  assert f"install -q --no-deps --target {venv}/maxlm-gpu-compiler jax-cuda13-plugin=={jaxlib} " \
+         f"jax-cuda13-pjrt=={jaxlib}" in calls
   assert (venv / ".maxlm-ready").read_text().strip().endswith("-none")
   # the stamp: a second run does nothing; a wheel that appears later is picked up
   log.unlink()
@@ -126,6 +132,13 @@ def test_setup_without_toolkit_or_wheel_succeeds_without_te_in_one_line(tmp_path
   assert r.returncode == 0 and f"Transformer Engine {TE} from {repo / 'docker' / 'wheels' / WHEEL}" in r.stdout
   assert f"install -q --no-deps --no-index {repo / 'docker' / 'wheels' / WHEEL}" in log.read_text()
   assert (venv / ".maxlm-ready").read_text().strip().endswith("-wheel")
+
+
+def test_setup_skips_the_gpu_compiler_when_asked(tmp_path):
+  repo = _repo(tmp_path)
+  venv, log = _fake_venv(tmp_path)
+  r = _setup(repo, venv, CUDA_HOME="/nonexistent", MAXLM_NO_GPU_COMPILER="1")
+  assert r.returncode == 0 and "jax-cuda13" not in log.read_text()
 
 
 def test_a_failed_build_is_one_line_naming_the_log_and_the_ways_out(tmp_path):

@@ -60,8 +60,8 @@ def parse_options(argv: list[str], flags=(), values: dict[str, type] | None = No
                   ) -> tuple[dict, list[str]]:
   """(own options, the other words in order) of a command whose key=value words are config words.
 
-  flags: `--name` words (own["name"] = True). values: {"--name": int | float}: `--name V` or `--name=V`, a
-  positive finite number (UsageError otherwise). optional: `--name [WORD]`: own["name"] = the next word when it
+  flags: `--name` words (own["name"] = True). values: {"--name": int | float | str}: `--name V` or `--name=V`, a
+  positive finite number (UsageError otherwise), or for str any word. optional: `--name [WORD]`: own["name"] = the next word when it
   holds no '=' (`--help SECTION`), else None; `-h` is `--help`. Own keys are the names without the dashes, '-'
   as '_'. Every other word stays for `load_config`, whose messages say what a stray word was meant to be."""
   own, rest, i = {}, [], 0
@@ -88,6 +88,8 @@ def parse_options(argv: list[str], flags=(), values: dict[str, type] | None = No
 
 
 def _positive(name: str, value: str, typ: type):
+  if typ is str:  # a word (a name), checked by its command
+    return value
   try:
     number = typ(value)
   except ValueError:

@@ -7,12 +7,21 @@ they are ordered and pruned). It prints a table of the candidates it compiled: p
 analytic model says are certainly needed, and an estimated step time and tokens/s; the chosen row is
 marked `*`. `plan.mode=auto` makes the trainer (and `--dry-run`) apply the same choice.
 
-Options: `--devices N` / `--nodes M` plan for N devices over M nodes (default: the devices here; more than
-are here are simulated on CPU devices in a child process: XLA:CPU's buffer assignment with fused
-attention's footprint, which differs from XLA:GPU's, see maxlm/plan/measure.py); `--device-memory-gb G`
-one device's memory in GB (a GPU's total before `xla.mem_fraction`; default: this GPU's, or an H200's when
-simulating without a GPU here); `--simulate` measures on simulated CPU devices even where the devices are
-here (to compare the two); `--all` compiles every plausible candidate for the table; `--json`.
+Options: `--devices N` / `--nodes M` plan for N devices over M nodes (default: the devices here). More than
+are here are measured in a child process: by XLA:GPU on N compile-only GPUs of the kind `--target`
+names (h200, h100, b200; default: this machine's GPU, else h200) where JAX's CUDA plugin is installed
+(maxlm/plan/target.py; scripts/setup.sh installs it), else on N simulated CPU devices (XLA:CPU's buffer
+assignment with fused attention's footprint, which differs from XLA:GPU's, see maxlm/plan/measure.py); the
+table's first line says which. `--device-memory-gb G` one device's memory in GB (a GPU's total before
+`xla.mem_fraction`; default: the target's, this GPU's, or an H200's); `--simulate` measures on simulated CPU
+devices even where the devices are here or XLA:GPU could (to compare); `--all` compiles every plausible
+candidate for the table; `--json`.
+
+Where XLA:GPU measures N > 1 compile-only GPUs, the mesh is chosen too (maxlm/plan/mesh_search.py): the lever
+search runs on the `--meshes K` (default 3) most promising meshes by an analytic estimate, and the fastest by
+the predicted step time (maxlm/plan/predict.py: the compiled step's collectives at NVLink and network
+bandwidth, overlapped with its FLOPs) wins; the table shows each, the chosen one and the runner-up, as config
+keys to paste. `--mesh-as-written` keeps the config's mesh (the lever table as before).
 
 Exit codes: 0 with a plan; 2 when nothing fits or on a bad config (one line naming the smallest device
 count that fits, when there is one).
@@ -24,6 +33,7 @@ import json
 import sys
 
 from maxlm import plan
+from maxlm.cli import plan_mesh
 from maxlm.cli.grammar import SIZING, command_main, parse_options
 from maxlm.config import ConfigError, load_config
 from maxlm.plan.measure import make_target
@@ -73,19 +83,30 @@ def as_json(p: plan.Plan) -> str:
   t = p.target
   return json.dumps({"target": {"devices": t.n_devices, "nodes": t.n_nodes, "kind": t.kind,
                                 "device_bytes": t.device_bytes, "mem_fraction": t.fraction, "usable_bytes": t.usable,
-                                "simulated": t.simulated},
+                                "simulated": t.simulated, "gpu_target": t.gpu_target, "measured_by": t.measured_by},
                      "chosen": p.chosen.overrides if p.chosen else None, "candidates": rows}, indent=1)
 
 
 def run(argv: list[str]) -> int:
-  opts, words = parse_options(argv, ("--json", "--all", "--simulate"), SIZING)
+  opts, words = parse_options(argv, ("--json", "--all", "--simulate", "--mesh-as-written"),
+                              {**SIZING, "--target": str, "--meshes": int})
   everything, simulate, want_json = opts.get("all", False), opts.get("simulate", False), opts.get("json", False)
+  as_written, gpu, budget = opts.get("mesh_as_written", False), opts.get("target"), opts.get("meshes")
   cfg = load_config(words)
   plan.parse_levers(cfg.plan.levers)
   for line in startup.begin(cfg):  # as the trainer starts; the cache keeps the compiles for the run
     print(f"maxlm: {line}", file=sys.stderr if want_json else sys.stdout, flush=True)  # stderr under --json
   memory = int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None
-  target = make_target(cfg, opts.get("devices"), opts.get("nodes"), memory, simulate)
+  target = make_target(cfg, opts.get("devices"), opts.get("nodes"), memory, simulate, gpu)
+  if target.gpu_target and target.n_devices > 1 and not as_written:  # XLA:GPU measures: the mesh is chosen too
+    try:
+      mp = plan_mesh.mesh_search_for(cfg, target, int(budget or 3))
+    finally:
+      target.close()
+    print(plan_mesh.as_json(mp, target) if want_json else plan_mesh.render(mp, cfg, target), flush=True)
+    if mp.chosen is None:
+      raise ConfigError(f"no mesh of {target.n_devices} devices over {target.n_nodes} node(s) fits: see the table")
+    return 0
   try:
     p = plan.run_search(cfg, target, everything)
   finally:

@@ -144,8 +144,7 @@ class Plan:
     c = self.chosen
     levers = ", ".join(f"{k}={v}" for k, v in c.overrides.items())
     n = sum(r.measured is not None or r.note.startswith("XLA ran out") for r in self.rows)
-    where = "simulated CPU devices" if self.target.simulated else "the devices at hand"
-    how = (f"measured by XLA on {where}" if c.how == "measured" else f"{c.how}, on {where}")
+    how = f"measured by {self.target.measured_by}" if c.how == "measured" else f"{c.how}, by {self.target.measured_by}"
     timed = [r for r in self.rows if r.seconds is not None]
     speed = (f"; step {c.seconds:.3g} s measured, the fastest of {len(timed)} timed" if c.seconds is not None
              else f"; step {c.time['total_s']:.3g} s estimated (roofline), not measured" if self.target.gpu
@@ -240,11 +239,11 @@ def most_saving(cfg: Config, target: Target) -> dict | None:
 
 
 def smallest_devices(cfg: Config, target: Target, limit: int = 4096) -> tuple[int, dict, int] | None:
-  """(n, levers, measured bytes): the fewest devices (doubling) on which every lever at its most saving
-  value fits, measured on n simulated CPU devices; None up to `limit` devices."""
+  """(n, levers, measured bytes): the fewest devices (doubling) on which every lever at its most saving value
+  fits, measured on n simulated devices (the target's: XLA:GPU's compile-only, else XLA:CPU's); None to `limit`."""
   n = target.n_devices * 2
   while n <= limit:
-    t = Target(n, 1, target.kind, target.device_bytes, target.fraction, True, assumed=target.assumed)
+    t = dataclasses.replace(target, n_devices=n, n_nodes=1, simulated=True, devices=None, _sim=None)
     o = most_saving(cfg, t)
     if o is None and n > cfg.data.global_batch_size:
       return None  # the batch cannot split over more devices either
@@ -284,8 +283,9 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
   found = smallest_devices(cfg, t) if t.gpu else None
   if found:
     n, o, need = found
+    where = f"by XLA:GPU on {n} compile-only GPUs" if t.gpu_target else f"on {n} simulated CPU devices"
     msg += (f"; the smallest device count that fits is {n} ({_label(o)}: {human_bytes(need)} per device, "
-            f"measured on {n} simulated CPU devices; `maxlm plan ... --devices {n}` shows the plan)")
+            f"measured {where}; `maxlm plan ... --devices {n}` shows the plan)")
   elif t.gpu and most_saving(cfg, dataclasses.replace(t, n_devices=2 * t.n_devices)) is None:
     msg += (f"; data.global_batch_size={cfg.data.global_batch_size} does not split over {2 * t.n_devices} "
             "devices, so more devices do not help unless it grows")

@@ -41,7 +41,7 @@ def degrees(cfg: Config, target: Target) -> dict:
   return dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
 
 
-def _hardware(kind: str) -> tuple[float, float, float, float, float]:
+def hardware(kind: str) -> tuple[float, float, float, float, float]:
   """(peak bf16 FLOP/s, HBM, link, host link, network bytes/s) of the GPU's row in maxlm/tables.py; the default
   GPU's (an H200's) figures where the kind or its links are unknown (the estimate then only orders the
   candidates)."""
@@ -66,7 +66,7 @@ def _recompute_flops(cfg: Config) -> float:
 def step_time(cfg: Config, target: Target) -> dict:
   """Estimated seconds per step, the roofline of the module doc: compute (bubble_s of it the pipeline's
   bubble), communication, accumulation, pipeline hand-offs, optimizer, offload and their total."""
-  peak, hbm, link, host, net = _hardware(target.kind)
+  peak, hbm, link, host, net = hardware(target.kind)
   m, d, n = cfg.model, cfg.data, target.n_devices
   deg = degrees(cfg, target)
   params = count_params(m)

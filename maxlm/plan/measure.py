@@ -45,6 +45,7 @@ from maxlm.optim import LAG
 from maxlm.pipeline import check as check_pipeline
 from maxlm.plan.standins import GPU_DTYPE_OPTIONS, for_gpu_step
 from maxlm.runtime.devices import bytes_limit, device_kind, is_gpu, local_device
+from maxlm.plan import target
 from maxlm.runtime.env import GPU_FRACTION, XLA_DEFAULT_FRACTION, fraction_in_environment
 from maxlm.tables import DEFAULT_GPU, gpu_named, human_bytes
 
@@ -109,10 +110,12 @@ def is_oom(e: BaseException) -> bool:
   return isinstance(e, jax.errors.JaxRuntimeError) and OOM_STATUS in str(e)
 
 
-def measure(cfg: Config, devices=None, gpu_footprint: bool = False) -> dict:
+def measure(cfg: Config, devices=None, gpu_footprint: bool = False, inspect=None) -> dict:
   """memory_stats of cfg's compiled train step, with the state's parts and "how" the device bytes were
   found; {"oom": message} where XLA itself runs out compiling. gpu_footprint (measuring for a GPU on CPU
-  devices): attention with fused attention's footprint, and an offloaded optimizer state by `offloaded`."""
+  devices, or on compile-only GPUs: maxlm/plan/target.py): attention with fused attention's footprint,
+  unrolled layers scanned, and an offloaded optimizer state by `offloaded`. inspect(compiled) -> dict: more
+  fields read off the compiled step (the GPU target's collectives)."""
   how, unrolled = "measured", gpu_footprint and not cfg.model.scan_layers
   if unrolled:  # see the module doc
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
@@ -125,19 +128,20 @@ def measure(cfg: Config, devices=None, gpu_footprint: bool = False) -> dict:
     return {"oom": str(e).splitlines()[0][:300]}
   if parts.pop("bf16_kept") is False:
     how += ", bf16 computed in f32 (XLA:CPU could not compile the step with bf16 kept: higher)"
-  out = memory_stats(compiled) | parts | {"how": how}
+  out = memory_stats(compiled) | parts | {"how": how} | (inspect(compiled) if inspect else {})
   return offloaded(out) if gpu_footprint and cfg.optim.offload == "host" else out
 
 
 def offloaded(stats: dict) -> dict:
-  """XLA:CPU has one memory (host offload compiles to the same program), so there the device bytes of an
-  optimizer state kept in host memory are arithmetic: the measured peak less the state, plus what the
-  streamed update (maxlm/optim.py) holds on the device at once: the moments of LAG parameters, each upcast
-  to float32 and updated (old and new), taken for the largest parameter (of each layer where the
-  layers were scanned for the measurement only; a whole stack where the model scans them)."""
+  """XLA:CPU has one memory (host offload compiles to the same program), and XLA:GPU's compile-only devices
+  report no host memory, so there the device bytes of an optimizer state kept in host memory are arithmetic:
+  the measured peak less the state, plus what the streamed update (maxlm/optim.py) holds on the device at
+  once: the moments of LAG parameters, each upcast to float32 and updated (old and new), taken for the
+  largest parameter (of each layer where the layers were scanned for the measurement only; a whole stack
+  where the model scans them)."""
   stream = LAG * 2 * 2 * stats["opt_leaf_fp32"]  # LAG parameters x (old, new) x (mu, nu)
   return stats | {"device": stats["device"] - stats["opt_state"] + stream,
-                  "how": f"arithmetic: XLA:CPU's peak - the optimizer state + {LAG} streamed parameters' moments"}
+                  "how": f"arithmetic: the compiled peak - the optimizer state + {LAG} streamed parameters' moments"}
 
 
 def simulated_env(n_devices: int) -> dict[str, str]:
@@ -153,10 +157,14 @@ def simulated_env(n_devices: int) -> dict[str, str]:
 
 class Simulator:
   """`measure(..., gpu_footprint=True)` on n simulated CPU devices in one child process (started on the first
-  call). Configs that differ only in optim.offload are one program there: compiled once."""
+  call), or on what `command` measures on in the environment `env` (maxlm/plan/target.py's compile-only GPUs).
+  Configs that differ only in optim.offload are one program there: compiled once."""
 
-  def __init__(self, n_devices: int):
+  def __init__(self, n_devices: int, command: list[str] | None = None, env: dict | None = None,
+               label: str = ""):
     self.n, self.proc, self.cache = n_devices, None, {}
+    self.command = command or [sys.executable, "-m", "maxlm.plan.measure"]
+    self.env, self.label = env, label or f"{n_devices} simulated CPU devices"
 
   def measure(self, cfg: Config) -> dict:
     data = to_dict(cfg)
@@ -171,7 +179,7 @@ class Simulator:
 
   def _ask(self, line: str) -> dict:
     if self.proc is None:
-      self.proc = subprocess.Popen([sys.executable, "-m", "maxlm.plan.measure"], env=simulated_env(self.n),
+      self.proc = subprocess.Popen(self.command, env=self.env or simulated_env(self.n),
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     self.proc.stdin.write(line + "\n")
     self.proc.stdin.flush()
@@ -179,7 +187,7 @@ class Simulator:
     if not answer:
       code = self.proc.wait()
       self.proc = None
-      raise RuntimeError(f"the measuring process on {self.n} simulated CPU devices ended (exit code {code}) "
+      raise RuntimeError(f"the measuring process on {self.label} ended (exit code {code}) "
                          "before it answered; its output is above")
     return json.loads(answer)
 
@@ -204,6 +212,8 @@ class Target:
   simulated: bool  # measured on simulated CPU devices (`Simulator`), else on the devices at hand
   devices: list | None = None  # the devices at hand to measure on
   assumed: str = ""  # what was assumed about the device (no GPU here to ask)
+  gpu_target: str = ""  # a key of maxlm/plan/target.py's KINDS: measured by XLA:GPU on compile-only GPUs
+  note: str = ""  # why a simulation is XLA:CPU's (no CUDA plugin, --simulate)
   _sim: Simulator | None = None
   on_measure: Callable[[], None] | None = None  # told before each measurement (the start-up watchdog's progress)
 
@@ -215,11 +225,22 @@ class Target:
   def gpu(self) -> bool:
     return self.kind != "cpu"
 
+  @property
+  def measured_by(self) -> str:
+    """Which compiler measures: "XLA on the devices at hand", "XLA:GPU target h200 (compile-only), jax 0.10.2",
+    "XLA:CPU simulation, jax 0.10.2"."""
+    if not self.simulated:
+      return "XLA on the devices at hand"
+    return (f"XLA:GPU target {self.gpu_target} (compile-only), jax {jax.__version__}" if self.gpu_target else
+            f"XLA:CPU simulation, jax {jax.__version__}")
+
   def measure(self, cfg: Config) -> dict:
     if self.on_measure is not None:
       self.on_measure()
     if not self.simulated:
       return measure(cfg, self.devices)
+    if self._sim is None and self.gpu_target:
+      self._sim = gpu_compiler(self.gpu_target, self.n_devices, self.n_nodes, cfg.xla.preset)
     self._sim = self._sim or Simulator(self.n_devices)
     return self._sim.measure(cfg)
 
@@ -228,14 +249,30 @@ class Target:
       self._sim.close()
 
   def describe(self, compiled: bool = True) -> str:
-    """The devices and their usable memory, and how memory was measured: by XLA, or (compiled=False: every
-    candidate pruned) not at all."""
-    how = (f"on {self.n_devices} simulated CPU devices (XLA:CPU, with fused attention's footprint)"
-           if self.simulated else "on the devices at hand")
+    """The devices and their usable memory, and how memory was measured: by XLA (on the devices at hand, by
+    XLA:GPU for compile-only GPUs, or on simulated CPU devices), or (compiled=False: every candidate pruned)
+    not at all."""
+    how = "by XLA on the devices at hand"
+    if self.gpu_target:
+      how = (f"by {self.measured_by}: {self.n_devices} GPUs over {self.n_nodes} node(s), fused attention's "
+             "footprint" + (f"; {target.COND_COPY}" if target.cond_copies() else ""))
+    elif self.simulated:
+      how = (f"by XLA on {self.n_devices} simulated CPU devices ({self.measured_by}, with fused attention's "
+             "footprint" + (f"; {self.note}" if self.note else "") + ")")
     frac = f" x xla.mem_fraction {self.fraction:g}" if self.fraction else ""
     return (f"{self.n_devices} x {self.kind}{self.assumed}: {human_bytes(self.device_bytes)}{frac} - {MARGIN:.0%} "
             f"= {human_bytes(self.usable)} usable per device; "
-            + (f"memory measured by XLA {how}" if compiled else "pruned by the analytic model, nothing compiled"))
+            + (f"memory measured {how}" if compiled else "pruned by the analytic model, nothing compiled"))
+
+
+def gpu_compiler(key: str, n_devices: int, n_nodes: int, preset: str) -> Simulator:
+  """A Simulator whose child compiles with XLA:GPU for n_devices compile-only GPUs of kind `key`."""
+  plugin, why = target.find_plugin()
+  if plugin is None:
+    raise RuntimeError(why)
+  return Simulator(n_devices, [sys.executable, "-c", target.WORKER, key, str(n_devices), str(n_nodes)],
+                   target.compiler_env(plugin, preset, target.KINDS[key]),
+                   f"{n_devices} compile-only {key} GPUs (XLA:GPU)")
 
 
 def _local_memory(dev) -> int | None:
@@ -250,15 +287,20 @@ def _local_memory(dev) -> int | None:
 
 
 def make_target(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
-                device_memory: int | None = None, simulate: bool = False) -> Target:
-  """The devices at hand (all, or the first n_devices of one process), else (or with simulate) n_devices
-  simulated ones for a GPU: this machine's kind and memory when it has a GPU, else an H200's (said so).
-  device_memory: bytes of one device (a GPU's total, before xla.mem_fraction; on CPU what a device may use)."""
+                device_memory: int | None = None, simulate: bool = False, gpu: str | None = None) -> Target:
+  """The devices at hand (all, or the first n_devices of one process), else n_devices GPUs of kind `gpu` (a key
+  of maxlm/plan/target.py's KINDS; default: this machine's GPU, else h200), compiled for by XLA:GPU where the
+  CUDA plugin is installed, else (or with simulate) simulated on CPU devices with that GPU's memory (this
+  machine's when it has one; an H200's, said so, when no kind is named). device_memory: bytes of one device
+  (a GPU's total, before xla.mem_fraction; on CPU what a device may use)."""
+  if gpu is not None and gpu not in target.KINDS:
+    raise ConfigError(f"argument --target: unknown GPU {gpu!r} (known: {', '.join(target.KINDS)})")
   dev = local_device()  # a process asks only its own devices (another process's are not addressable)
   gpu_here = is_gpu(dev)
   frac_here = (fraction_in_environment() or XLA_DEFAULT_FRACTION) if gpu_here else None
   here = _local_memory(dev)
-  at_hand = not simulate and ((n_devices is None and n_nodes is None) or (
+  other_gpu = gpu is not None and not (gpu_here and target.kind_for(dev.device_kind) == gpu)  # --target
+  at_hand = not simulate and not other_gpu and ((n_devices is None and n_nodes is None) or (
       jax.process_count() == 1 and (n_nodes or 1) == 1 and n_devices <= jax.device_count()))
   if at_hand:
     n = n_devices or jax.device_count()
@@ -268,12 +310,19 @@ def make_target(cfg: Config, n_devices: int | None = None, n_nodes: int | None =
     return Target(n, n_nodes or jax.process_count(), device_kind(dev) if gpu_here else "cpu", total, frac_here,
                   False, jax.devices()[:n])
   kind, total, assumed = f"NVIDIA {DEFAULT_GPU}", gpu_named(DEFAULT_GPU).memory, " (assumed: no GPU here)"
-  if gpu_here and here:
+  key = gpu or (target.kind_for(dev.device_kind) if gpu_here else "h200")
+  if gpu is not None:
+    kind, total, assumed = target.KINDS[gpu].kind, target.KINDS[gpu].memory, ""
+  elif gpu_here and here:
     kind, total, assumed = dev.device_kind, int(here / frac_here), ""
   frac = fraction_in_environment() or cfg.xla.mem_fraction or GPU_FRACTION
   n_nodes = n_nodes or 1
+  plugin, note = (None, "--simulate") if simulate else target.find_plugin()
+  if plugin is None or key is None:  # no XLA:GPU here, or no description of this GPU
+    note = note or f"no target description of {dev.device_kind} in maxlm/plan/gpu_targets"
   return Target(n_devices or n_nodes * jax.local_device_count(), n_nodes, kind, device_memory or total, frac, True,
-                assumed=assumed if not device_memory else "")
+                assumed=assumed if not device_memory else "", gpu_target=key if plugin and key else "",
+                note="" if plugin and key else note)
 
 
 def worker() -> int:

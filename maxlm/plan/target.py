@@ -1,0 +1,192 @@
+"""Compile-only GPU targets: the train step compiled by XLA:GPU for N GPUs of a named kind, with none present.
+
+JAX's CUDA plugin makes compile-only devices from a GPU description (`jax.experimental.topologies.
+get_topology_desc(platform="cuda", target_config=<GpuTargetConfigProto text>, topology="1xMxK")`: M hosts of K
+GPUs, each host a process, so maxlm.mesh lays the mesh's dcn axes over them as over the nodes of a cluster).
+XLA:GPU then compiles maxlm's step for them on a CPU machine, no driver needed, and its `memory_analysis()` is
+XLA:GPU's own buffer assignment. Against an H200 measuring itself (docs/plan.md, "Compiled for XLA:GPU without
+a GPU"): within -5.3% to +1.8% with jax 0.10.2 and the guard compiled as a select, and within 3% with jax 0.11.2
+as shipped; the CPU simulation (maxlm/plan/measure.py's Simulator) was 13.5% to 22% high.
+
+The kinds (`KINDS`, files in gpu_targets/): h200, h100 (SXM, 80 GB) and b200, XLA's own specs trimmed. Where
+the plugin is: importable here (a GPU machine's jax[cuda]), else the folder `$MAXLM_GPU_COMPILER`, else
+`<venv>/maxlm-gpu-compiler` (scripts/setup.sh installs it there with `pip install --target`: importable
+in the venv, its CUDA checks would print a traceback at every JAX start on a machine without a GPU). The
+plugin must be the installed jaxlib's version. `GpuCompiler` measures in one child process per device count
+(the plugin must be on the path when JAX starts), with `JAX_PLATFORMS=cpu` (the plugin then skips its checks
+of the CUDA libraries) and the XLA flags `xla.preset` gives that GPU (maxlm/runtime/xla_presets.py). Its
+attention is fused attention's footprint, as in the simulation (no Transformer Engine kernels on a CPU host).
+
+Known difference: jax 0.10.2's XLA:GPU keeps a copy of the donated state under the step's `lax.cond` (the
+non-finite guard); 0.11.2 does not (docs/plan.md). Every result says which jax measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+from jax.experimental import topologies
+
+from maxlm.runtime import xla_presets
+
+HERE = Path(__file__).resolve().parent / "gpu_targets"
+ENV_FOLDER = "MAXLM_GPU_COMPILER"
+# a what-if (benchmarks/gpu_plan.py --guard-as-select): the child compiles the step's non-finite guard as a select
+# (maxlm/plan/standins.py guard_as_select), as jax 0.11.2's XLA:GPU updates the state in place under the cond
+GUARD_AS_SELECT = "MAXLM_PLAN_GUARD_AS_SELECT"
+FOLDER_NAME = "maxlm-gpu-compiler"
+PLUGINS = ("xla_cuda13", "xla_cuda12")  # jax_plugins.<name>; the pip names are jax-cuda13-plugin/-pjrt, ...
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuKind:
+  key: str  # --target's value
+  kind: str  # the device kind JAX reports on that GPU
+  file: str  # in gpu_targets/
+  memory: int  # bytes of one GPU as JAX counts them (before xla.mem_fraction)
+  capability: str  # compute capability, for xla.preset
+  source: str  # where `memory` comes from
+
+  def config_text(self) -> str:
+    return (HERE / self.file).read_text()
+
+
+GIB = 2 ** 30
+KINDS = {
+    "h200": GpuKind("h200", "NVIDIA H200", "h200.txtpb", int(139.87 * GIB), "9.0",
+                    "JAX on an H200: bytes_limit 104.9 GiB at XLA's default fraction 0.75"),
+    "h100": GpuKind("h100", "NVIDIA H100 80GB HBM3", "h100.txtpb", int(79.2 * GIB), "9.0",
+                    "JAX on an H100 80GB (benchmarks/results/2026-12-05-llama70b_one_h100.txt, 79.2 GiB)"),
+    "b200": GpuKind("b200", "NVIDIA B200", "b200.txtpb", 191514411008, "10.0",
+                    "XLA's B200 spec (device_memory_size); not checked on a B200"),
+}
+
+
+COND_COPY = ("jax 0.10's XLA:GPU keeps a copy of the donated state under the step's lax.cond (docs/plan.md): "
+             "high by up to the parameters and moments; jax 0.11.2's does not")
+
+
+def cond_copies() -> bool:
+  """Whether this jax's XLA:GPU copies the donated state under a lax.cond (0.10.2 does, 0.11.2 does not)."""
+  return tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)
+
+
+def kind_for(device_kind: str) -> str | None:
+  """The key of KINDS matching a device kind reported by JAX ("NVIDIA H100 80GB HBM3" -> "h100")."""
+  text = device_kind.lower()
+  for key in KINDS:
+    if key in text and not ("gh200" in text or "gb200" in text):
+      return key
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plugin:
+  folder: str  # to put on the child's path; "" where this interpreter imports the plugin already
+  version: str
+
+
+def _jaxlib_version() -> str:
+  return importlib.metadata.version("jaxlib")
+
+
+def _folder_version(folder: Path) -> str | None:
+  """The version of the CUDA plugin installed (pip --target) in `folder`, or None."""
+  if not any((folder / "jax_plugins" / name).is_dir() for name in PLUGINS):
+    return None
+  for dist in importlib.metadata.distributions(path=[str(folder)]):
+    if dist.metadata["Name"] and dist.metadata["Name"].lower().replace("_", "-").startswith("jax-cuda1"):
+      return dist.version
+  return None
+
+
+def find_plugin() -> tuple[Plugin | None, str]:
+  """(the CUDA plugin to compile with, or None; why none)."""
+  want = _jaxlib_version()
+  for name in PLUGINS:
+    if importlib.util.find_spec("jax_plugins") is not None and importlib.util.find_spec(f"jax_plugins.{name}"):
+      try:
+        have = importlib.metadata.version(f"jax-{name.removeprefix('xla_')}-plugin")
+      except importlib.metadata.PackageNotFoundError:
+        have = want  # a jaxlib built with it (no separate wheel)
+      if have == want:
+        return Plugin("", have), ""
+  env = os.environ.get(ENV_FOLDER)
+  folder = Path(env) if env else Path(sys.prefix) / FOLDER_NAME
+  have = _folder_version(folder)
+  if have is None:
+    where = f"${ENV_FOLDER}={env}" if env else str(folder)
+    return None, f"no CUDA plugin for jaxlib {want} (none in {where}; bash scripts/setup.sh installs it)"
+  if have != want:
+    return None, f"the CUDA plugin in {folder} is {have}, jaxlib is {want} (bash scripts/setup.sh reinstalls it)"
+  return Plugin(str(folder), have), ""
+
+
+def preset_flags(preset: str, kind: GpuKind) -> tuple[str, ...]:
+  """The XLA flags xla.preset gives a GPU of this kind (auto: by its compute capability)."""
+  name, _ = xla_presets.resolve(preset, gpu=(kind.kind, kind.capability))
+  return xla_presets.PRESETS[name]
+
+
+def compiler_env(plugin: Plugin, preset: str, kind: GpuKind) -> dict[str, str]:
+  """The environment of a child that compiles for GPUs of `kind` (see the module doc)."""
+  env = dict(os.environ)
+  if plugin.folder:
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin.folder, env.get("PYTHONPATH", "")) if p)
+  env["XLA_FLAGS"] = xla_presets.merge(env.get("XLA_FLAGS", ""), preset_flags(preset, kind))[0]
+  # LLVM's optimization of the generated code, not the buffer assignment before it (the same bytes measured)
+  env["XLA_FLAGS"] = xla_presets.merge(env["XLA_FLAGS"], ("--xla_backend_optimization_level=0",
+                                                          "--xla_llvm_disable_expensive_passes=true"))[0]
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def compile_only_devices(kind: GpuKind, n_devices: int, n_nodes: int = 1) -> list:
+  """n_devices compile-only GPUs of `kind` on n_nodes hosts (device id // (n_devices / n_nodes) = its host).
+  Only where the plugin was on the path when JAX started (the child of `maxlm.plan.measure.gpu_compiler`)."""
+  if n_devices % n_nodes:
+    raise ValueError(f"{n_devices} devices do not split over {n_nodes} nodes")
+  topo = topologies.get_topology_desc(platform="cuda", target_config=kind.config_text(),
+                                      topology=f"1x{n_nodes}x{n_devices // n_nodes}")
+  return list(topo.devices)
+
+
+# the child's program (`python -m maxlm.plan.target` would import this module twice: maxlm.plan imports it)
+WORKER = "import sys; from maxlm.plan.target import worker; sys.exit(worker(*sys.argv[1:]))"
+
+
+def worker(key: str, n_devices: str, n_nodes: str) -> int:
+  """Child side of GpuCompiler: one config (JSON) per input line, one result (JSON) per output line:
+  maxlm.plan.measure.measure's dict with the collectives of the compiled step and the jax version."""
+  from maxlm.config import ConfigError, from_dict  # noqa: PLC0415 - the child's imports
+  from maxlm.plan import collectives  # noqa: PLC0415
+  from maxlm.plan.measure import measure  # noqa: PLC0415 - measure.py imports this module
+  from maxlm.plan.standins import guard_as_select  # noqa: PLC0415 - measure.py (above) imports it
+
+  out = sys.stdout
+  sys.stdout = sys.stderr  # anything else printed goes to stderr: stdout carries the answers only
+  n, nodes = int(n_devices), int(n_nodes)
+  devices = compile_only_devices(KINDS[key], n, nodes)
+
+  select = os.environ.get(GUARD_AS_SELECT) == "1"
+
+  def inspect(compiled) -> dict:
+    inv = collectives.inventory(compiled.as_text(), n // nodes, n)
+    return {"collectives": inv, "jax": jax.__version__} | ({"guard": "select (what-if)"} if select else {})
+  for line in sys.stdin:
+    try:
+      with guard_as_select(select):
+        result = measure(from_dict(json.loads(line)), devices, gpu_footprint=True, inspect=inspect)
+    except ConfigError as e:
+      result = {"error": str(e)}
+    out.write(json.dumps(result) + "\n")
+    out.flush()
+  return 0
+

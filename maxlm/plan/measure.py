@@ -43,7 +43,8 @@ from maxlm.config import Config, ConfigError, from_dict, to_dict
 from maxlm.mesh import make_mesh
 from maxlm.optim import LAG
 from maxlm.pipeline import check as check_pipeline
-from maxlm.plan.standins import GPU_DTYPE_OPTIONS, for_gpu_step
+from maxlm.plan import collectives
+from maxlm.plan.standins import GPU_DTYPE_OPTIONS, for_gpu_step, guard_as_select
 from maxlm.runtime.devices import bytes_limit, device_kind, is_gpu, local_device
 from maxlm.plan import target
 from maxlm.runtime.env import GPU_FRACTION, XLA_DEFAULT_FRACTION, fraction_in_environment
@@ -341,3 +342,27 @@ def worker() -> int:
 
 if __name__ == "__main__":
   sys.exit(worker())
+
+
+def gpu_worker(key: str, n_devices: str, n_nodes: str) -> int:
+  """Child side of the XLA:GPU compiler (maxlm/plan/target.py, `gpu_compiler` above): one config (JSON) per input
+  line, one result (JSON) per output line: `measure`'s dict with the collectives of the compiled step and the jax
+  version, compiled for n_devices compile-only GPUs of `key` on n_nodes hosts."""
+  out = sys.stdout
+  sys.stdout = sys.stderr  # anything else printed goes to stderr: stdout carries the answers only
+  n, nodes = int(n_devices), int(n_nodes)
+  devices = target.compile_only_devices(target.KINDS[key], n, nodes)
+  select = os.environ.get(target.GUARD_AS_SELECT) == "1"
+
+  def inspect(compiled) -> dict:
+    inv = collectives.inventory(compiled.as_text(), n // nodes, n)
+    return {"collectives": inv, "jax": jax.__version__} | ({"guard": "select (what-if)"} if select else {})
+  for line in sys.stdin:
+    try:
+      with guard_as_select(select):
+        result = measure(from_dict(json.loads(line)), devices, gpu_footprint=True, inspect=inspect)
+    except ConfigError as e:
+      result = {"error": str(e)}
+    out.write(json.dumps(result) + "\n")
+    out.flush()
+  return 0

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -158,35 +157,5 @@ def compile_only_devices(kind: GpuKind, n_devices: int, n_nodes: int = 1) -> lis
   return list(topo.devices)
 
 
-# the child's program (`python -m maxlm.plan.target` would import this module twice: maxlm.plan imports it)
-WORKER = "import sys; from maxlm.plan.target import worker; sys.exit(worker(*sys.argv[1:]))"
-
-
-def worker(key: str, n_devices: str, n_nodes: str) -> int:
-  """Child side of GpuCompiler: one config (JSON) per input line, one result (JSON) per output line:
-  maxlm.plan.measure.measure's dict with the collectives of the compiled step and the jax version."""
-  from maxlm.config import ConfigError, from_dict  # noqa: PLC0415 - the child's imports
-  from maxlm.plan import collectives  # noqa: PLC0415
-  from maxlm.plan.measure import measure  # noqa: PLC0415 - measure.py imports this module
-  from maxlm.plan.standins import guard_as_select  # noqa: PLC0415 - measure.py (above) imports it
-
-  out = sys.stdout
-  sys.stdout = sys.stderr  # anything else printed goes to stderr: stdout carries the answers only
-  n, nodes = int(n_devices), int(n_nodes)
-  devices = compile_only_devices(KINDS[key], n, nodes)
-
-  select = os.environ.get(GUARD_AS_SELECT) == "1"
-
-  def inspect(compiled) -> dict:
-    inv = collectives.inventory(compiled.as_text(), n // nodes, n)
-    return {"collectives": inv, "jax": jax.__version__} | ({"guard": "select (what-if)"} if select else {})
-  for line in sys.stdin:
-    try:
-      with guard_as_select(select):
-        result = measure(from_dict(json.loads(line)), devices, gpu_footprint=True, inspect=inspect)
-    except ConfigError as e:
-      result = {"error": str(e)}
-    out.write(json.dumps(result) + "\n")
-    out.flush()
-  return 0
-
+# the child's program: measure.py's `gpu_worker`, which compiles on `compile_only_devices`
+WORKER = "import sys; from maxlm.plan.measure import gpu_worker; sys.exit(gpu_worker(*sys.argv[1:]))"

@@ -18,8 +18,6 @@ import pytest
 from maxlm.checkpoint import Checkpointer, complete_steps
 from maxlm.checkpoint.disk import peak_bytes, save_steps
 from maxlm.config import load_config, to_dict
-from maxlm.optim import make_optimizer
-from maxlm.train_state import abstract_state
 from maxlm.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,9 +82,8 @@ def _target(args: list[str]):
   them: the state does not depend on it)."""
   cfg = load_config([*RUN, *args, "data.global_batch_size=8"])
   t = Trainer(cfg)
-  with t.built.scope():
-    target, _ = abstract_state(t.model, make_optimizer(cfg.optim, cfg.train.steps)[0], t.mesh,
-                                       cfg.data.global_batch_size, cfg.data.seq_len)
+  t.build(abstract=True)  # the trainer's own state target: ShapeDtypeStructs with shardings
+  target = t.state
   return cfg, target
 
 

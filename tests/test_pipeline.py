@@ -17,13 +17,12 @@ from maxlm.cli.train import main
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig, load_config, to_dict
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
-from maxlm.optim import make_optimizer
 from maxlm.pipeline import bubble_fraction, check, micro_batches, pipeline_stack, whole_batch
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
 from maxlm.build import CompiledStep
 from maxlm.step import make_train_step
-from maxlm.train_state import abstract_state, create_train_state
+from maxlm.train_state import create_train_state
 from maxlm.trainer import Trainer
 
 U32 = 2.0 ** -24  # float32 unit roundoff
@@ -259,9 +258,8 @@ def _restored(run_dir, args):
   cfg = load_config(args)
   t = Trainer(cfg)
   try:
-    with t.built.scope():
-      target, _ = abstract_state(t.model, make_optimizer(cfg.optim, cfg.train.steps)[0], t.mesh,
-                                 cfg.data.global_batch_size, cfg.data.seq_len)
+    t.build(abstract=True)  # the trainer's own state target: ShapeDtypeStructs with shardings
+    target = t.state
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     try:
       state = ckpt.restore_latest(target, to_dict(cfg)).state

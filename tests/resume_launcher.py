@@ -70,9 +70,16 @@ def fake_fp8_gpu() -> None:
 
 
 def batch_hash(batch) -> str:
+  """sha256 of the batch this process can read: the whole batch, or in a run of several processes (an array over
+  devices of other processes) this process's shards, in device order."""
   h = hashlib.sha256()
   for k in sorted(batch):
-    h.update(k.encode() + np.ascontiguousarray(np.asarray(batch[k])).tobytes())
+    x = batch[k]
+    if getattr(x, "is_fully_addressable", True):
+      parts = [np.asarray(x)]
+    else:
+      parts = [np.asarray(s.data) for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
+    h.update(k.encode() + b"".join(np.ascontiguousarray(part).tobytes() for part in parts))
   return h.hexdigest()
 
 

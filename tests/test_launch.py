@@ -1,4 +1,4 @@
-"""The launch/ templates against a real one-node SLURM and OpenMPI on this machine (CPU, tiny model):
+"""The launch/ templates against a real SLURM (two nodes, both this machine) and OpenMPI here (CPU, tiny model):
 
 1   `sbatch` of launch/slurm/train.sbatch with 2 tasks gives the losses of a one-process run on 2 devices,
     in exactly one metrics.jsonl;
@@ -11,7 +11,9 @@
 5   hangs: one task SIGSTOPped mid-run, then (after the requeue) one task's data read blocking: each time the
     other process ends with the hang watchdog's line (exit 76), not JAX's abort, the template requeues, and
     the third start ends with the loss and parameters of test 1's run, bit for bit;
-6   a job that hangs at every start is requeued MAXLM_MAX_RESTARTS times, then stops with exit code 76.
+6   a job that hangs at every start is requeued MAXLM_MAX_RESTARTS times, then stops with exit code 76;
+7   2 nodes x 1 task with plan.mode=fit taking its GPU path (the test switch MAXLM_TEST_GPU_PATHS, exported
+    through sbatch and srun): process 0 decides the plan, both processes run it and train every step.
 (The other fail-fast cases need no launcher: tests/test_runtime_distributed.py.)
 
 `scripts/ci_services.sh start` installs and starts SLURM and OpenMPI (CI runs it, see .ci/run); without
@@ -113,11 +115,12 @@ class Job:
     self.id, self.log = r.stdout.strip().split(";")[0], log
 
   @classmethod
-  def of_template(cls, out_dir: Path, args: list[str], env: dict, tasks: int = 2) -> "Job":
+  def of_template(cls, out_dir: Path, args: list[str], env: dict, tasks: int = 2, nodes: int = 1) -> "Job":
     out_dir.mkdir(parents=True, exist_ok=True)
-    # The CPU cluster has no GPUs and one node: ask for none, put both tasks on it, let jobs share it.
+    # The CPU cluster has no GPUs: ask for none; `tasks` per node (both on one node unless `nodes` says otherwise);
+    # let jobs share the nodes.
     log = out_dir / "job.out"
-    job = cls(["sbatch", "--parsable", "--oversubscribe", "--gpus-per-node=0", "--nodes=1",
+    job = cls(["sbatch", "--parsable", "--oversubscribe", "--gpus-per-node=0", f"--nodes={nodes}",
                f"--ntasks-per-node={tasks}", f"--output={log}", "--job-name=maxlm-test", f"--chdir={ROOT}",
                str(SBATCH), f"output_dir={out_dir}", *TINY, *args], env, log)
     job.out_dir, job.run_dir = out_dir, out_dir / "r"
@@ -431,3 +434,63 @@ def test_sbatch_requeues_after_a_hang_at_most_max_restarts_times(tmp_path):
   assert "task 0: Killed" in out and "requeueing (restart 1 of at most 1 after a hang)" in out, out
   assert "not requeued, its restarts after a hang are used up (1 of MAXLM_MAX_RESTARTS=1)" in out, out
   assert out.rstrip().splitlines()[-1].startswith(f"maxlm-launch: job {job.id} finished with exit code 76")
+
+
+def _nodes_up() -> int:
+  sinfo = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=30)
+  return sum(st in ("idle", "mixed", "allocated") for st in sinfo.stdout.split())
+
+
+# Process 1's memory under the test switch: its own device's (as process 0's), or 1 KiB (MAXLM_TEST_DEVICE_BYTES),
+# in which nothing fits: process 1 alone would stop with "nothing fits", or run another program than process 0.
+SAME, SMALLER = None, 1024
+
+
+@slurm
+@pytest.mark.parametrize("process_1_bytes", [SAME, SMALLER], ids=["same-memory", "process-1-smaller"])
+def test_sbatch_two_nodes_plan_fit_on_the_gpu_path_runs_process_0s_plan_everywhere(tmp_path, process_1_bytes):
+  """2 nodes x 1 task, plan.mode=fit with the test switch (MAXLM_TEST_GPU_PATHS=1, docs/testing.md) exported by the
+  harness through sbatch and srun, so that the planner takes the path it takes on a GPU cluster: each process reads
+  the memory of its local device, process 0 measures and decides, and its decision goes to every process.
+  Before: processes 1..N-1 asked jax.devices()[0] (process 0's device, not addressable there) for its memory
+  stats and died with a traceback, process 0 then timed out in Gloo's set-up (same-memory); and each process
+  decided alone, so a process that sees less memory ran its own plan or none (process-1-smaller)."""
+  if (why := _slurm_missing()):
+    pytest.skip(why)
+  if _nodes_up() < 2:
+    pytest.skip(f"fewer than 2 SLURM nodes are up here ({START}: it runs two on this machine)")
+  # Each task traces its train steps into a file named by its node and rank (tests/resume_launcher.py hooks;
+  # `exec` keeps the task srun started). Without MAXLM_TEST_DEVICE_BYTES a process asks its own device for its
+  # memory stats, as on a GPU (a CPU device reports none, so the host's memory counts).
+  traces = tmp_path / "traces"
+  traces.mkdir()
+  smaller = f"[ \"$SLURM_PROCID\" = 1 ] && export MAXLM_TEST_DEVICE_BYTES={process_1_bytes}\n" if process_1_bytes else ""
+  shim = tmp_path / "python-traced"
+  shim.write_text("#!/bin/sh\n# called as: $0 -m maxlm.train ARGS\nshift 2\n"
+                  f"export MAXLM_TEST_TRACE={traces}/node$SLURM_NODEID-task$SLURM_PROCID\n{smaller}"
+                  f"exec {sys.executable} {ROOT / 'tests' / 'resume_launcher.py'} \"$@\"\n")
+  shim.chmod(0o755)
+  env = _env(1, tmp_path / "jax-cache", MAXLM_PYTHON=str(shim), MAXLM_TEST_GPU_PATHS="1")
+  job = Job.of_template(tmp_path / "job", [*TWO_PROCESSES, "plan.mode=fit"], env, tasks=1, nodes=2)
+  info = job.wait()
+  out = job.output()
+  assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out[-3000:])
+  assert "srun: error" not in out and "Traceback" not in out and "maxlm: error" not in out, out[-3000:]
+  assert info["NumNodes"] == "2" and "start 1 (restart count 0)" in out, (info, out[-3000:])
+  # the planner took its GPU path (the target's kind names the switch) and printed its line once, as process 0
+  plan = [line for line in out.splitlines() if "maxlm: plan:" in line]
+  assert len(plan) == 1 and plan[0].startswith("[process 0/2 "), plan
+  assert "plan: the config fits as written (peak " in plan[0] and "plan.mode=fit keeps it" in plan[0], plan
+  warnings = [line for line in out.splitlines() if "warning: plan:" in line]
+  if process_1_bytes == SAME:
+    assert warnings == [], warnings
+  else:  # process 1 says once that it sees less, and runs process 0's plan
+    assert len(warnings) == 1 and warnings[0].startswith("[process 1/2 "), warnings
+    assert "with 1.0 KiB, process 0 cpu (as a GPU: MAXLM_TEST_GPU_PATHS=1) with " in warnings[0], warnings
+    assert warnings[0].endswith("every process runs process 0's plan (model.remat=none, train.grad_accum=1, "
+                                "optim.offload=none, optim.mu_dtype=float32, optim.nu_dtype=float32)"), warnings
+  # one task on each node, both trained every step of one program
+  steps = {f.name: [json.loads(r)["step"] for r in f.read_text().splitlines()] for f in traces.iterdir()}
+  assert steps == {"node0-task0": list(range(1, STEPS + 1)), "node1-task1": list(range(1, STEPS + 1))}, steps
+  assert [r["step"] for r in _rows(job.run_dir)] == list(range(1, STEPS + 1))
+  assert out.rstrip().splitlines()[-1].startswith(f"maxlm-launch: job {job.id} finished with exit code 0")

@@ -11,7 +11,11 @@
 * no module is much over the ~400-line guideline (MAX_LINES) and no function over MAX_FUNCTION_LINES, but for
   those in OVER, which may only get shorter;
 * the training loop stays a loop: `maxlm/trainer.py` at most TRAINER_LINES lines and its `_train` at most
-  TRAIN_LOOP_LINES, its services behind the hooks of `maxlm/loop/` (issue 38.4).
+  TRAIN_LOOP_LINES, its services behind the hooks of `maxlm/loop/` (issue 38.4);
+* no module-level mutable state (issue 38): a name bound at module level to a mutable value (a dict, list or set
+  display or comprehension, a call of MUTABLE_CALLS, an instance of a class of the same module) is a constant,
+  named in UPPER_CASE (or `__all__`) and mutated nowhere in the package, unless STATE lists it with its reason;
+  no `global` statement outside STATE either.
 """
 
 import ast
@@ -34,6 +38,34 @@ NOT_YET_ABOVE = {"maxlm.train"}
 # on maxlm.errors and maxlm.tables; runtime/ (process start-up, XLA settings, caches, distributed, watchdog) on
 # config/, tables and errors.
 WINGS = {"maxlm.config": {"maxlm.errors", "maxlm.tables"}, "maxlm.runtime": BOTTOM}
+
+# Calls that make a mutable container (by the called name: `dict()`, `collections.defaultdict()`), and calls that
+# make an object whose state lives in attributes or outside the module's sight (`threading.local()`, weak
+# containers): such an object is state whatever its name.
+MUTABLE_CALLS = {"dict", "list", "set", "bytearray", "defaultdict", "OrderedDict", "Counter", "deque", "ChainMap"}
+OBJECT_CALLS = {"local", "WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
+# Methods that change a container in place; calling one on a module-level constant (anywhere) makes it state.
+MUTATORS = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault", "add",
+            "discard", "sort", "reverse", "difference_update", "intersection_update", "symmetric_difference_update",
+            "appendleft", "extendleft", "popleft", "rotate"}
+# The module-level state left, (module, name) -> why it stays (a stale entry fails: fix it and drop the line).
+STATE = {
+    ("maxlm.generation", "_COMPILED"): "compiled prefill/decode programs per shape bucket, reused by every "
+                                       "generate() call of the process, as jax.jit's own cache is",
+    ("maxlm.generation", "_TRACES"): "how often those programs were traced in this process (trace_counts(), the "
+                                     "tests' count of compilations); it counts what _COMPILED holds",
+    ("maxlm.checkpoint.verify", "_after_failure"): "Orbax's noise filter, installed once per process into "
+                                                    "sys.unraisablehook and logging, which are the process's state",
+    ("maxlm.runtime.compile_cache", "COUNTER"): "JAX's cache hits and requests, counted by a listener that "
+                                                "jax.monitoring keeps for the process (it cannot be unregistered)",
+    ("maxlm.runtime.compile_cache", "_active"): "what configure() set into jax.config, process-wide itself, and "
+                                                "the cache's writer that it installed into JAX",
+    ("maxlm.runtime.warm_start", "_dir"): "the warm start's directory, set with JAX's cache by runtime.env once "
+                                          "per process start (beside jax.config's cache directory)",
+    ("maxlm.runtime.warm_start", "_ahead"): "executables being loaded ahead on threads between configure() and "
+                                            "the compile that takes them (prefetch)",
+    ("maxlm.runtime.watchdog", "OFF"): "the null watchdog: its class has no attributes, nothing to mutate",
+}
 
 
 def _modules():
@@ -147,3 +179,98 @@ def test_the_training_loop_is_short_and_its_services_sit_behind_the_hooks():
               "reached", "step_started", "poll"}
   assert not names & services, sorted(names & services)
   assert {"hooks", "step_start", "step_end", "save", "fetch", "eval", "write", "end"} <= names
+
+
+def _constant_name(name: str) -> bool:
+  return name == "__all__" or name.lstrip("_").isupper()
+
+
+def _module_state(name: str, tree) -> dict[str, int]:
+  """The names a module binds at its top level to a mutable value -> (line, "container" or "object": an instance of
+  the module's own class or of OBJECT_CALLS)."""
+  classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+  found = {}
+  for node in tree.body:
+    if isinstance(node, ast.Assign):
+      targets, value = node.targets, node.value
+    elif isinstance(node, ast.AnnAssign) and node.value is not None:
+      targets, value = [node.target], node.value
+    else:
+      continue
+    called = None
+    if isinstance(value, ast.Call):
+      called = value.func.id if isinstance(value.func, ast.Name) else getattr(value.func, "attr", None)
+    displays = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+    kind = ("container" if isinstance(value, displays) or called in MUTABLE_CALLS else
+            "object" if called in classes or called in OBJECT_CALLS else None)
+    if kind:
+      found.update({t.id: (node.lineno, kind) for t in targets if isinstance(t, ast.Name)})
+  return found
+
+
+def _globals(tree) -> dict[str, int]:
+  return {g: n.lineno for n in ast.walk(tree) if isinstance(n, ast.Global) for g in n.names}
+
+
+def _mutated(trees) -> set[str]:
+  """Every name (bare, or as an attribute: `module.NAME`) that some code of the package mutates in place:
+  `NAME.append(...)` (MUTATORS), `NAME[k] = v`, `NAME[k] += v`, `del NAME[k]`, `NAME |= ...`."""
+  def ident(node):
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+  out = set()
+  for tree in trees:
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+        out.add(ident(node.func.value))
+      elif isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        out.add(ident(node.value))
+      elif isinstance(node, ast.AugAssign):
+        out.add(ident(node.target.value) if isinstance(node.target, ast.Subscript) else ident(node.target))
+  return out - {None}
+
+
+def _state_offenders(modules) -> tuple[list[str], set[tuple[str, str]]]:
+  """(the offenders' lines, the (module, name) pairs seen), for `modules` = [(name, path, tree)]."""
+  mutated = _mutated(tree for _, _, tree in modules)
+  bad, seen = [], set()
+  for name, path, tree in modules:
+    where = path.relative_to(PACKAGE.parent)
+    for var, (line, kind) in _module_state(name, tree).items():
+      if kind == "object" or not _constant_name(var) or var in mutated:
+        seen.add((name, var))
+        if (name, var) not in STATE:
+          why = ("an object with state" if kind == "object" else
+                 "mutated in the package" if _constant_name(var) else "not an UPPER_CASE constant")
+          bad.append(f"{where}:{line} {var}: module-level mutable value, {why}")
+    for var, line in _globals(tree).items():
+      seen.add((name, var))
+      if (name, var) not in STATE:
+        bad.append(f"{where}:{line} global {var}")
+  return bad, seen
+
+
+def test_no_module_level_mutable_state_but_the_listed():
+  modules = list(_modules())
+  bad, seen = _state_offenders(modules)
+  assert not bad, "module-level state (move it into an object, pass it, or list it in STATE with why):\n" + (
+      "\n".join(bad))
+  assert not set(STATE) - seen, f"stale STATE entries (no longer state): {sorted(set(STATE) - seen)}"
+
+
+def test_the_state_guard_sees_each_kind_of_offender():
+  """The guard on planted modules: a lower-case cache, a constant mutated by another module (through the module's
+  name), a `global` statement, threading.local, an instance of the module's class; and what it lets pass."""
+  planted = {
+      "maxlm.a": "import threading\nclass _C: pass\n_cache = {}\nTABLE = {'x': 1}\nLOCAL = threading.local()\n"
+                 "ONE = _C()\nKINDS = ('a',)\nNAMES = ['a', 'b']\n__all__ = ['TABLE']\n"
+                 "def set_level(v):\n  global _level\n  _level = v\n",
+      "maxlm.b": "from maxlm import a\ndef f():\n  a.TABLE['y'] = 2\n  print(a.NAMES[0])\n",
+  }
+  modules = [(n, PACKAGE / f"{n.split('.')[1]}.py", ast.parse(src)) for n, src in planted.items()]
+  bad, _ = _state_offenders(modules)
+  assert sorted(line.split(" ", 1)[1] for line in bad) == sorted([
+      "_cache: module-level mutable value, not an UPPER_CASE constant",
+      "TABLE: module-level mutable value, mutated in the package",
+      "LOCAL: module-level mutable value, an object with state",
+      "ONE: module-level mutable value, an object with state",
+      "global _level"]), bad

@@ -24,11 +24,12 @@ KINDS = ("auto", "sentencepiece", "hf", "tiktoken")
 LLAMA3_RANKS = 128_000
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
-                   "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
-                   "<|python_tag|>"]
-LLAMA3_SPECIALS += [f"<|reserved_special_token_{i}|>" for i in range(2, 256 - len(LLAMA3_SPECIALS) + 2)]
+_LLAMA3_NAMED = ("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                 "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+                 "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
+                 "<|python_tag|>")
+LLAMA3_SPECIALS = (*_LLAMA3_NAMED,  # then reserved tokens 2.. up to 256 specials in all
+                   *(f"<|reserved_special_token_{i}|>" for i in range(2, 256 - len(_LLAMA3_NAMED) + 2)))
 HF_BOS = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[CLS]")
 HF_EOS = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[SEP]")
 

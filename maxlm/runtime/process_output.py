@@ -56,33 +56,27 @@ class PrefixedStream(io.TextIOBase):
     return getattr(self.stream, "encoding", "utf-8")
 
 
-_saved_streams: tuple | None = None
-
-
 def prefix_output(prefix: str) -> None:
-  """Prefix every line of sys.stdout / sys.stderr (and of logging handlers writing to them)."""
-  global _saved_streams
-  if _saved_streams is not None:
+  """Prefix every line of sys.stdout / sys.stderr (and of logging handlers writing to them). The streams it
+  replaced are the prefixed streams' own `stream` (no module state): `restore_output` finds them there."""
+  if isinstance(sys.stdout, PrefixedStream):
     return
   old_out, old_err = sys.stdout, sys.stderr
   sys.stdout, sys.stderr = PrefixedStream(old_out, prefix), PrefixedStream(old_err, prefix)
-  moved = []
   for handler in logging.getLogger().handlers:
     if isinstance(handler, logging.StreamHandler) and handler.stream in (old_out, old_err):
-      moved.append((handler, handler.stream))
       handler.setStream(sys.stdout if handler.stream is old_out else sys.stderr)
-  _saved_streams = (old_out, old_err, moved)
 
 
 def restore_output() -> None:
-  """Undo `prefix_output` (the end of an in-process run)."""
-  global _saved_streams
-  if _saved_streams is None:
+  """Undo `prefix_output` (the end of an in-process run): the streams it replaced come back, in sys and in the
+  logging handlers writing to the prefixed ones."""
+  out, err = sys.stdout, sys.stderr
+  if not isinstance(out, PrefixedStream):
     return
-  sys.stdout.flush()
-  sys.stderr.flush()
-  old_out, old_err, moved = _saved_streams
-  sys.stdout, sys.stderr = old_out, old_err
-  for handler, stream in moved:
-    handler.setStream(stream)
-  _saved_streams = None
+  out.flush()
+  err.flush()
+  sys.stdout, sys.stderr = out.stream, getattr(err, "stream", err)
+  for handler in logging.getLogger().handlers:
+    if isinstance(handler, logging.StreamHandler) and handler.stream in (out, err):
+      handler.setStream(handler.stream.stream)

@@ -39,7 +39,7 @@ import jax
 from maxlm.config import Config, ConfigError, load_config
 from maxlm.layers import resolve_backend
 from maxlm.plan import moments, sizing, timing
-from maxlm.plan.cost import degrees, step_time
+from maxlm.plan.cost import TIE, degrees, step_time
 from maxlm.plan.measure import Target, make_target
 from maxlm.metrics import echo
 from maxlm.runtime import agree, warm_start, watchdog
@@ -93,15 +93,25 @@ def lever_values(cfg: Config, target: Target, backend: str) -> dict[str, tuple]:
 
 def candidates(cfg: Config, target: Target, backend: str) -> list[dict]:
   """Every combination of lever values (the moment dtypes as maxlm/plan/moments.py pairs them), in search
-  order: by estimated step time, the fewer bfloat16 moments first on a tie, then lever order (deterministic)."""
+  order: by estimated step time, the fewer bfloat16 moments first on a tie, then lever order (deterministic).
+  Less exact moments must earn their place: a setting whose estimate is within cost.TIE of its twin with the
+  most exact moments tried (the same other levers) counts that twin's time, so the twin comes first; the
+  roofline does not resolve finer, and a bfloat16 moment is a loss of precision, however small."""
   values = lever_values(cfg, target, backend)
   pairs = moments.settings(cfg, parse_levers(cfg.plan.levers))
   rows = [o for o in (dict(zip(LEVERS, combo)) for combo in itertools.product(*values.values()))
           if tuple(o[k] for k in moments.KEYS) in pairs]
   rank = {k: {v: i for i, v in enumerate(vs)} for k, vs in values.items()}
+  seconds = {id(o): step_time(apply(cfg, o), target)["total_s"] for o in rows}
+  exact = {tuple((k, v) for k, v in o.items() if k not in moments.KEYS): o for o in reversed(rows)
+           if tuple(o[k] for k in moments.KEYS) == pairs[0]}
 
   def key(o):
-    t = round(step_time(apply(cfg, o), target)["total_s"], 9)  # rounding: ties broken by lever order
+    t = seconds[id(o)]
+    twin = exact.get(tuple((k, v) for k, v in o.items() if k not in moments.KEYS))
+    if twin is not None and t * (1 + TIE) >= seconds[id(twin)]:
+      t = seconds[id(twin)]
+    t = round(t, 9)  # rounding: ties broken by the moments, then lever order
     return (t, sum(o[k] == "bfloat16" for k in moments.KEYS), [rank[k][o[k]] for k in LEVERS])
   return sorted(rows, key=key)
 

@@ -26,14 +26,9 @@ from maxlm.config import Config, ConfigError
 from maxlm.layers import resolve_backend
 from maxlm.mesh import mesh_shape
 from maxlm.plan import apply, candidates, certain_bytes, moments, most_saving
-from maxlm.plan.cost import degrees, hardware, step_time
+from maxlm.plan.cost import TIE, degrees, hardware, step_time  # TIE: predictions closer are a tie
 from maxlm.plan.measure import Target
 
-# Predictions closer than this are a tie: the prediction is a roofline (datasheet peak and bandwidths, NCCL taken
-# to reach them, maxlm/plan/predict.py), a bound that real steps miss by factors that differ between settings,
-# so it does not resolve 2% (a judgement, not a measured figure; llama70b on 64 H200s: fsdp 4 x context 2 in a
-# node was predicted 0.5% faster than its own pure FSDP, with bf16 moments instead of float32).
-TIE = 0.02
 MESH_KEYS = ("mesh.pipeline", "mesh.data", "mesh.fsdp", "mesh.context", "mesh.tensor", "mesh.dcn_pipeline",
              "mesh.dcn_data", "mesh.dcn_fsdp", "mesh.dcn_context", "mesh.dcn_tensor")
 

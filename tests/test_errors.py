@@ -3,12 +3,11 @@
 import pytest
 
 from maxlm.checkpoint import CheckpointError
-from maxlm.cli import command_main
+from maxlm.cli.grammar import UsageError, command_main
 from maxlm.config import ConfigError
 from maxlm.tools.convergence.suite import SuiteError
 from maxlm.data import DataError
 from maxlm.errors import MaxlmError, report
-from maxlm.cli import UsageError
 from maxlm.generation import GenerationError
 from maxlm.layers import PrecisionError
 from maxlm.trainer import RunError

@@ -20,7 +20,7 @@ One JSON line per case (also appended to --jsonl), then a Markdown table. On the
 CUDA plugin installed) the same command compiles with that jax; this CPU machine has jax 0.10.2, whose XLA:GPU
 keeps a copy of the donated state under the step's lax.cond (docs/plan.md): its peaks are high by up to the
 parameters and moments per device. `--guard-as-select` compiles that guard as a select instead (a what-if for
-jax 0.11.2's in-place update; maxlm/plan/standins.py guard_as_select says how close it came on the H200).
+jax 0.11.2's in-place update; maxlm/plan/standins.py for_gpu_step says how close it came on the H200).
 """
 
 from __future__ import annotations

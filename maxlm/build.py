@@ -142,6 +142,7 @@ class Standins:
   and a scope entered beside the model's for every trace. Such a program is never the run's."""
   overrides: Overrides = Overrides()
   scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+  guard: str = "cond"  # the step's non-finite guard (maxlm/step.py make_train_step)
 
 
 @contextlib.contextmanager
@@ -179,7 +180,8 @@ def build_step(cfg: Config, mesh, *, abstract: bool = False, quantized: bool = T
   packed = cfg.data.type != "synthetic"  # real documents are packed: attention stays inside each
   bs = batch_sharding(mesh)
   batch_shardings = {k: bs for k in BATCH_KEYS}
-  train = make_train_step(model, optimizer, schedule, grad_accum=cfg.train.grad_accum, packed=packed)
+  train = make_train_step(model, optimizer, schedule, grad_accum=cfg.train.grad_accum, packed=packed,
+                          guard=standins.guard if standins is not None else "cond")
   return Built(cfg, mesh, backend, model, optimizer, schedule, state, shardings, bs,
                CompiledStep(train, shardings, batch_shardings, scope, metrics_sharding=replicated(mesh),
                             compiler=compiler),

@@ -231,8 +231,10 @@ def cast_matmul_weights(params, dtype, cfg: ModelConfig):
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    *, grad_accum: int = 1, packed: bool = False) -> Callable:
-  """`step(state, batch) -> (state, metrics)`; batch arrays are [B, T] with B = global batch."""
+                    *, grad_accum: int = 1, packed: bool = False, guard: str = "cond") -> Callable:
+  """`step(state, batch) -> (state, metrics)`; batch arrays are [B, T] with B = global batch. guard: how a
+  non-finite step keeps the old state: "cond" (the run's), or "select" of both branches leaf by leaf (a what-if
+  for the planner's measurements only, maxlm/plan/standins.py `for_gpu_step`)."""
   loss_fn = _forward_loss(model, packed)
   cfg = model.cfg
   cast_once = cfg.cast_params_once and not PRECISIONS[cfg.precision].quantized  # GEMMs all in the compute dtype
@@ -288,7 +290,11 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     def skip_update(_):
       return params, state.opt_state, state.model_state
 
-    new_params, new_opt_state, new_model_state = jax.lax.cond(finite, apply_update, skip_update, None)
+    if guard == "select":
+      new_params, new_opt_state, new_model_state = jax.tree.map(
+          lambda a, b: jnp.where(finite, a, b), apply_update(None), skip_update(None))
+    else:
+      new_params, new_opt_state, new_model_state = jax.lax.cond(finite, apply_update, skip_update, None)
     # Under loss scaling an overflow of the scaled gradients (finite loss) is the scale's business: it
     # halves and counts the skip in overflow_steps. Only a non-finite loss counts as a non-finite step.
     nonfinite = ~finite if ls is None else ~loss_finite

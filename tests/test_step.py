@@ -286,6 +286,35 @@ def test_nonfinite_update_is_skipped_and_counted():
                          new.opt_state, poisoned.opt_state)
 
 
+def test_the_guard_as_a_select_gives_the_conds_states_and_traces_no_cond():
+  """make_train_step(guard="select") (the planner's what-if for jax 0.10's XLA:GPU, maxlm/plan/standins.py): the
+  same new state as the run's cond (after a finite step within 4 ulp, after a non-finite one exactly); no cond
+  traced."""
+  state, _, model = setup()
+  opt, sched = make_optimizer(OptimConfig(warmup_steps=0), 10)
+  steps = {g: make_train_step(model, opt, sched, guard=g) for g in ("cond", "select")}
+  emb = state.params["embed"]["embedding"].at[3].set(jnp.nan)
+  poisoned = state.replace(params={**state.params, "embed": {"embedding": emb}})
+  bt = batch()
+  bt["inputs"][0, 0] = 3  # reads the poisoned row
+  for start, finite in ((state, True), (poisoned, False)):
+    with jax.set_mesh(MESH), precision_scope("bf16", MODEL.backend, MODEL.fp8_amax_history_len):
+      got = {g: jax.jit(f)(start, bt) for g, f in steps.items()}
+      jaxprs = {g: str(jax.make_jaxpr(f)(start, bt)) for g, f in steps.items()}
+    assert bool(got["cond"][1]["finite"]) is finite
+    if finite:
+      # the same update, but fused differently by XLA in the two programs: the few f32 operations of AdamW's
+      # update (products, a square root, a division, a sum) each round by at most half an ulp, in either order,
+      # so 4 ulp of each value (2**-21 relative), and 4 ulp of the leaf's largest value near zero
+      jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(
+          np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=2.0**-21,
+          atol=2.0**-21 * float(np.max(np.abs(np.asarray(b, np.float64))))), got["select"][0], got["cond"][0])
+    else:  # the old state, exactly: select picks the skip branch's values
+      jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                             got["select"][0], got["cond"][0])
+    assert " cond[" in jaxprs["cond"] and " cond[" not in jaxprs["select"]
+
+
 # ---- FP8 -------------------------------------------------------------------------------------------
 
 def test_fp8_refused_without_support():

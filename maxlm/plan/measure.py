@@ -44,7 +44,7 @@ from maxlm.mesh import make_mesh
 from maxlm.optim import LAG
 from maxlm.pipeline import check as check_pipeline
 from maxlm.plan import collectives
-from maxlm.plan.standins import GPU_DTYPE_OPTIONS, for_gpu_step, guard_as_select
+from maxlm.plan.standins import GPU_DTYPE_OPTIONS, for_gpu_step
 from maxlm.runtime.devices import bytes_limit, device_kind, is_gpu, local_device
 from maxlm.plan import target
 from maxlm.runtime.env import GPU_FRACTION, XLA_DEFAULT_FRACTION, fraction_in_environment
@@ -58,13 +58,14 @@ def _shard_bytes(structs) -> int:
   return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(structs))
 
 
-def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrolled: bool = False):
+def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrolled: bool = False,
+                 guard_select: bool = False):
   """(compiled train step of `cfg` on `devices` (default: all), {"params", "opt_state", "opt_leaf_fp32": bytes
   per device, "bf16_kept"}), from abstract shapes only: the trainer's step (maxlm/build.py). fused_attention
   (measuring a GPU's step): with fused attention's footprint, and on CPU devices with bf16 kept
   (GPU_DTYPE_OPTIONS; bf16_kept: True, False where XLA:CPU could not compile it so, None where not asked).
   unrolled: the model is scanned for the measurement only, so a scanned stack counts per layer in opt_leaf_fp32."""
-  built, gpu_dtypes = measured_build(cfg, devices, fused_attention)
+  built, gpu_dtypes = measured_build(cfg, devices, fused_attention, guard_select)
   structs, batch = built.state, built.batch_structs()
   kept = None
   if not gpu_dtypes:
@@ -84,14 +85,15 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
                     "bf16_kept": kept}
 
 
-def measured_build(cfg: Config, devices=None, fused_attention: bool = False) -> tuple[Built, bool]:
+def measured_build(cfg: Config, devices=None, fused_attention: bool = False,
+                   guard_select: bool = False) -> tuple[Built, bool]:
   """(the abstract build of `cfg`'s train step on `devices` that `compile_step` compiles, whether it keeps bf16
   as a GPU does). Without fused_attention it is the trainer's own program: under compile.warm_start it is kept,
   so that the run's start loads it instead of tracing it again (maxlm/runtime/warm_start.py)."""
   mesh = make_mesh(cfg.mesh, devices)
   check_pipeline(cfg.model, cfg.train, cfg.mesh, mesh.shape["pipeline"], mesh.shape["context"])  # as the trainer
   gpu_dtypes = fused_attention and mesh.devices.flat[0].platform == "cpu"  # a GPU's step, on XLA:CPU
-  standins = for_gpu_step(gpu_dtypes) if fused_attention else None
+  standins = for_gpu_step(gpu_dtypes, guard_select) if fused_attention else None
   return build_step(cfg, mesh, abstract=True, standins=standins), gpu_dtypes
 
 
@@ -111,18 +113,18 @@ def is_oom(e: BaseException) -> bool:
   return isinstance(e, jax.errors.JaxRuntimeError) and OOM_STATUS in str(e)
 
 
-def measure(cfg: Config, devices=None, gpu_footprint: bool = False, inspect=None) -> dict:
+def measure(cfg: Config, devices=None, gpu_footprint: bool = False, inspect=None, guard_select: bool = False) -> dict:
   """memory_stats of cfg's compiled train step, with the state's parts and "how" the device bytes were
   found; {"oom": message} where XLA itself runs out compiling. gpu_footprint (measuring for a GPU on CPU
   devices, or on compile-only GPUs: maxlm/plan/target.py): attention with fused attention's footprint,
   unrolled layers scanned, and an offloaded optimizer state by `offloaded`. inspect(compiled) -> dict: more
-  fields read off the compiled step (the GPU target's collectives)."""
+  fields read off the compiled step (the GPU target's collectives). guard_select: see standins.for_gpu_step."""
   how, unrolled = "measured", gpu_footprint and not cfg.model.scan_layers
   if unrolled:  # see the module doc
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
     how = "measured, layers scanned"
   try:
-    compiled, parts = compile_step(cfg, devices, gpu_footprint, unrolled)
+    compiled, parts = compile_step(cfg, devices, gpu_footprint, unrolled, guard_select)
   except jax.errors.JaxRuntimeError as e:
     if not is_oom(e):
       raise
@@ -359,8 +361,8 @@ def gpu_worker(key: str, n_devices: str, n_nodes: str) -> int:
     return {"collectives": inv, "jax": jax.__version__} | ({"guard": "select (what-if)"} if select else {})
   for line in sys.stdin:
     try:
-      with guard_as_select(select):
-        result = measure(from_dict(json.loads(line)), devices, gpu_footprint=True, inspect=inspect)
+      result = measure(from_dict(json.loads(line)), devices, gpu_footprint=True, inspect=inspect,
+                       guard_select=select)
     except ConfigError as e:
       result = {"error": str(e)}
     out.write(json.dumps(result) + "\n")

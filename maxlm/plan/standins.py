@@ -54,11 +54,15 @@ def standin_attention(q, k, v, **_):
   return _fused_standin(q, k, v)  # [B, T, H, Dh]
 
 
-def for_gpu_step(gpu_dtypes: bool) -> Standins:
+def for_gpu_step(gpu_dtypes: bool, guard_select: bool = False) -> Standins:
   """The stand-ins of a GPU's step measured on XLA:CPU: fused attention's footprint; with gpu_dtypes (simulated
-  CPU devices) also bf16 kept, and the remat policies keeping the rounded GEMM results."""
+  CPU devices) also bf16 kept, and the remat policies keeping the rounded GEMM results. guard_select: the step's
+  non-finite guard as a select of both branches rather than a cond, a what-if for measuring with jax 0.10's
+  XLA:GPU, which keeps a copy of the donated state under a cond where jax 0.11.2's updates it in place
+  (docs/plan.md: compiled so on 0.10.2, the 8B's peaks were within -5.3% to +1.8% of an H200's on 0.11.2 without
+  accumulation, and 12-38% low with 2 to 8 micro-batches)."""
   return Standins(Overrides(attention=standin_attention, policy=_saving_sim_dots if gpu_dtypes else None),
-                  scope=functools.partial(gpu_dot_dtypes, gpu_dtypes))
+                  scope=functools.partial(gpu_dot_dtypes, gpu_dtypes), guard="select" if guard_select else "cond")
 
 
 # XLA:CPU has no bf16 arithmetic: its pass float-normalization-bf16 rewrites every bf16 instruction it does not
@@ -116,27 +120,6 @@ def _saving_sim_dots(policy):
 # custom_vjp), and XLA:CPU cannot compile the bf16 dot as it is (dot_op_emitter.cc: RET_CHECK on the element type,
 # with float-normalization-bf16 disabled). A model flag reaches only maxlm's own GEMMs; the attention and the
 # remat policy do go through the model (`for_gpu_step`).
-
-
-def _select_cond(pred, true_fun, false_fun, *operands):
-  """`jax.lax.cond` as a select of both branches' results, leaf by leaf (see `guard_as_select`)."""
-  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fun(*operands), false_fun(*operands))
-
-
-@contextlib.contextmanager
-def guard_as_select(enabled: bool = True):
-  """While a step is traced, `jax.lax.cond` (maxlm/step.py's non-finite guard) as a select of both branches: a
-  what-if for measuring with jax 0.10's XLA:GPU, which keeps a copy of the donated state under a cond where
-  jax 0.11.2's updates it in place (docs/plan.md: compiled so on 0.10.2, the 8B's peaks were within -5.3% to
-  +1.8% of an H200's on 0.11.2 without accumulation, and 12-38% low with 2 to 8 micro-batches). Measurements
-  only: the program is never run."""
-  saved = jax.lax.cond
-  if enabled:
-    jax.lax.cond = _select_cond
-  try:
-    yield
-  finally:
-    jax.lax.cond = saved
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ from maxlm.runtime import xla_presets
 HERE = Path(__file__).resolve().parent / "gpu_targets"
 ENV_FOLDER = "MAXLM_GPU_COMPILER"
 # a what-if (benchmarks/gpu_plan.py --guard-as-select): the child compiles the step's non-finite guard as a select
-# (maxlm/plan/standins.py guard_as_select), as jax 0.11.2's XLA:GPU updates the state in place under the cond
+# (maxlm/plan/standins.py for_gpu_step's guard_select), as jax 0.11.2's XLA:GPU updates the state in place under the cond
 GUARD_AS_SELECT = "MAXLM_PLAN_GUARD_AS_SELECT"
 FOLDER_NAME = "maxlm-gpu-compiler"
 PLUGINS = ("xla_cuda13", "xla_cuda12")  # jax_plugins.<name>; the pip names are jax-cuda13-plugin/-pjrt, ...

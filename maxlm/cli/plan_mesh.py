@@ -48,7 +48,8 @@ def render(mp: mesh_search.MeshPlan, cfg, target: Target) -> str:
   lines.append(f"  {len(mp.rows)} meshes: {skipped} need more than a device holds (certain bytes, every lever at its "
                f"most saving); {max(0, rest)} more not compiled, slower by the estimate")
   lines.append("est. step: the analytic estimate that orders the meshes; predicted: from the compiled step's "
-               "collectives and FLOPs (maxlm/plan/predict.py), a prediction, not a measurement")
+               "collectives and FLOPs (maxlm/plan/predict.py): a roofline bound (every FLOP at the peak), not a "
+               "measurement")
   for name, r in (("chosen", mp.chosen), ("runner-up", mp.runner_up)):
     if r is not None:
       lines.append(f"{name}: {_settings(r.overrides)} {_settings(r.plan.chosen.overrides)} (predicted "

@@ -5,6 +5,8 @@ Environment:
   MAXLM_TEST_FAKE_FP8=1      TE's GPU probe reports a Hopper GPU, so FP8 recipes run on CPU (pure JAX)
   MAXLM_TEST_TRACE=FILE      append one JSON line per train step: {"step", "batch": sha256 of the batch}
   MAXLM_TEST_STEP_SLEEP=SEC  sleep after every step (so a test can place signals and kills)
+  MAXLM_TEST_STEP_GATE=FILE  before the second step, print "GATED" and wait while FILE exists (a test holds the
+                             run in training, past its first step, for as long as it needs, then lets it go on)
   MAXLM_TEST_SLOW_SAVE=SEC   in the save thread, once all files are written and before the checkpoint
                              is committed, print "SAVE-COMMITTING <step>" and sleep
   MAXLM_TEST_NAN_STEPS=3,5   make the loss of those steps NaN (chosen by batch content)
@@ -191,6 +193,7 @@ def install_hooks(argv: list[str]) -> None:
   from maxlm.trainer import Trainer
   trace = os.environ.get("MAXLM_TEST_TRACE")
   pause = float(os.environ.get("MAXLM_TEST_STEP_SLEEP", "0"))
+  gate = os.environ.get("MAXLM_TEST_STEP_GATE")
   hang = os.environ.get("MAXLM_TEST_DATA_HANG")
   data_hang = [int(v) for v in hang.split(",")] if hang else None
   eval_sleep, eval_hang = float(os.environ.get("MAXLM_TEST_EVAL_SLEEP", "0")), int(os.environ.get(
@@ -210,6 +213,10 @@ def install_hooks(argv: list[str]) -> None:
     inner = self.train_step
 
     def step(state, batch):
+      if gate and int(state.step) == 1:
+        print("GATED", flush=True)
+        while os.path.exists(gate):
+          time.sleep(0.05)
       if trace:
         row = {"step": int(state.step) + 1, "batch": batch_hash(batch)}
         with open(trace, "a") as f:

@@ -80,7 +80,12 @@ TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head
 
 
 def test_the_same_command_twice_the_second_stops_at_start_and_the_first_trains_on(tmp_path):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "MAXLM_TEST_STEP_SLEEP": "1.5",
+  # The first run waits before its second step until the gate file is removed: it is training (past step 1, its
+  # lock and config.yml written) for as long as the second takes to start and be refused, however loaded the host
+  # (this was a 1.5 s sleep after each of the 16 steps: 24 s of waiting, and a bound on the second's start-up).
+  gate = tmp_path / "gate"
+  gate.touch()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "MAXLM_TEST_STEP_GATE": str(gate),
          "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
   env.pop("SLURM_JOB_ID", None)
   cmd = [sys.executable, str(ROOT / "tests" / "resume_launcher.py"), f"output_dir={tmp_path}", *TINY,
@@ -90,12 +95,13 @@ def test_the_same_command_twice_the_second_stops_at_start_and_the_first_trains_o
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=o, stderr=subprocess.PIPE, text=True)
   try:
     end = time.monotonic() + 300
-    while "step 1/16" not in out.read_text():
+    while "GATED" not in out.read_text():
       assert first.poll() is None and time.monotonic() < end, out.read_text()
       time.sleep(0.1)
     kept = ("config.yml", "run.lock")  # (the first's checkpoints, metrics and events go on changing)
     before = {name: (tmp_path / "r" / name).read_bytes() for name in kept}
-    second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    second = subprocess.run(cmd, cwd=ROOT, env={k: v for k, v in env.items() if k != "MAXLM_TEST_STEP_GATE"},
+                            capture_output=True, text=True, timeout=300)  # ungated: were it let in, it would end
     assert second.returncode == 2, (second.returncode, second.stderr[-3000:])
     assert first.poll() is None, "the first run ended before the second one was refused"
     assert second.stderr.splitlines() == [
@@ -104,6 +110,7 @@ def test_the_same_command_twice_the_second_stops_at_start_and_the_first_trains_o
         f"for it to end, or give this run its own run_name=..."]
     assert "step 1/" not in second.stdout
     assert {name: (tmp_path / "r" / name).read_bytes() for name in kept} == before  # the first's, untouched
+    gate.unlink()  # the first trains on
     assert first.wait(timeout=300) == 0, first.stderr.read()[-3000:]
   finally:
     if first.poll() is None:

@@ -276,12 +276,20 @@ def _losses(run_dir) -> dict:
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.fixture(scope="module")
+def degree_cache(tmp_path_factory):
+  """One compilation cache for both directions: each compiles the same programs (the step at pipeline 1 and 2,
+  their restores), so the second loads what the first compiled (alone: 20.6 + 16.4 s -> 18.2 + 6.7 s, measured).
+  What is checked is the restored values and losses, not the compiles; the cache is not under test here."""
+  return tmp_path_factory.mktemp("xla-cache")
+
+
 @pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
-def test_a_checkpoint_restores_at_another_pipeline_degree(tmp_path, capsys, first, then):
+def test_a_checkpoint_restores_at_another_pipeline_degree(tmp_path, capsys, degree_cache, first, then):
   """The saved tree is per layer ([L, ...]) whatever the pipeline degree: a run saved with mesh.pipeline=first
   resumes with mesh.pipeline=then, every restored value equal to the saved one (only the sharding differs),
   and its next step's loss is the uninterrupted run's (the same parameters; float32 noise of the forward)."""
-  with compile_cache(tmp_path / "xla-cache"):
+  with compile_cache(degree_cache):
     common = [*RUN, f"output_dir={tmp_path}"]
     assert main([*common, "run_name=whole", f"mesh.pipeline={first}", "train.steps=3"]) == 0
     assert main([*common, "run_name=r", f"mesh.pipeline={first}", "train.steps=2"]) == 0

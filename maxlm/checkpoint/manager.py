@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from maxlm.checkpoint.disk import SlowStorage, footprint, short_of_space, state_bytes
+from maxlm.checkpoint.targets import cast_like, saved_dtypes
 from maxlm.checkpoint.verify import (Corrupt, OrbaxNoise, check_files, describe, fingerprint, json_digest,
                                      mismatches, quiet, reason, write_manifest, wrong_checksums)
 from maxlm.config import CheckpointConfig
@@ -383,27 +383,3 @@ def _check_digests(head: dict, path: Path) -> None:
   for item in ("data", "config"):
     if json_digest(head[item]) != digests.get(item):
       raise Corrupt(f"{path}/{item} differs from its saved sha256 (in {path}/meta)")
-
-
-def saved_dtypes(arrays: dict[str, list], target):
-  """`target` (ShapeDtypeStructs) with every leaf's dtype as the checkpoint's `meta` records it: e.g. the
-  moments of a run with another optim.mu_dtype / optim.nu_dtype."""
-  def one(path, x):
-    return jax.ShapeDtypeStruct(x.shape, jnp.dtype(arrays[jax.tree_util.keystr(path)][1]), sharding=x.sharding)
-  return jax.tree_util.tree_map_with_path(one, target)
-
-
-def cast_like(state, target):
-  """`state` with each array whose dtype differs from `target`'s cast to it (on the device, round to nearest
-  even) and placed with the target's sharding (and memory kind: optim.offload); the rest as it is."""
-  def one(x, t):
-    if x.dtype == t.dtype:
-      return x
-    return jax.device_put(jax.device_put(x, t.sharding.with_memory_kind("device")).astype(t.dtype), t.sharding)
-  return jax.tree_util.tree_map(one, state, target)
-
-
-def abstract_like(state, shardings):
-  """ShapeDtypeStructs (with shardings) of `state`: the restore target on this run's mesh."""
-  return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                state, shardings)

@@ -12,7 +12,8 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from maxlm.checkpoint.disk import SlowStorage
-from maxlm.checkpoint.manager import (CheckpointError, Checkpointer, abstract_like, config_changes)
+from maxlm.checkpoint.manager import CheckpointError, Checkpointer, config_changes
+from maxlm.checkpoint.targets import abstract_like
 from maxlm.checkpoint.paths import step_dir
 from maxlm.checkpoint.verify import mismatches, quiet, reason, wrong_checksums
 from maxlm.config import to_dict

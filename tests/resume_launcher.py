@@ -23,8 +23,8 @@ Environment:
                              N-th write (the probe at the start is the first when the watchdog is on) never
                              ends, after "STORAGE-STUCK <N>"
   MAXLM_TEST_STOP_IN=WHERE,P  process P stops itself (SIGSTOP, as a frozen node) where start-up reaches WHERE:
-                             `plan` (the planner's decision begins) or `data` (the trainer opens its data), once
-                             every process has reached WHERE, after printing "STOPPING <WHERE>"
+                             `plan` (the planner's decision begins) or `data` (the trainer opens its data), every
+                             process having met at a barrier first (see `stop_at`), after printing "STOPPING <WHERE>"
 """
 
 from __future__ import annotations
@@ -163,27 +163,47 @@ class SlowStorage:
 
 
 def stop_at(where: str, process: str) -> None:
-  """MAXLM_TEST_STOP_IN: wrap the start-up call named by `where` so that process `process` SIGSTOPs itself there."""
+  """MAXLM_TEST_STOP_IN: wrap the start-up call named by `where` so that process `process` SIGSTOPs itself there.
+  Every process first meets the others at a barrier, so that the stop falls in this phase of every process's
+  start-up: for `plan`, as the planner begins; for `data`, as the planner ends, just before the watchdog's
+  "data and state" phase is armed (a barrier inside that phase would spend its limit waiting for the slower
+  process, and the waiting process could run out there instead of in its wait for process 0's run directory)."""
   import signal
 
   import jax
 
   from maxlm import plan, trainer
 
-  def stopping(f):
-    def wrapper(*a, **kw):
-      from jax._src import distributed as jax_distributed
-      # every process gets here first, so that the stop falls in this phase of every process's start-up
-      jax_distributed.global_state.client.wait_at_barrier(f"maxlm-test-stop-{where}", 120_000)
-      if jax.process_index() == int(process):
-        print(f"STOPPING {where}", flush=True)
-        os.kill(os.getpid(), signal.SIGSTOP)
-      return f(*a, **kw)
-    return wrapper
+  def meet():
+    from jax._src import distributed as jax_distributed
+    jax_distributed.global_state.client.wait_at_barrier(f"maxlm-test-stop-{where}", 120_000)
+
+  def stop():
+    if jax.process_index() == int(process):
+      print(f"STOPPING {where}", flush=True)
+      os.kill(os.getpid(), signal.SIGSTOP)
+
   if where == "plan":
-    plan.for_run = stopping(plan.for_run)
+    for_run = plan.for_run
+
+    def meet_then_stop(*a, **kw):
+      meet()
+      stop()
+      return for_run(*a, **kw)
+    plan.for_run = meet_then_stop
   else:
-    trainer.data_lib.make_train_iterator = stopping(trainer.data_lib.make_train_iterator)
+    for_run, make_train_iterator = plan.for_run, trainer.data_lib.make_train_iterator
+
+    def planned_then_meet(*a, **kw):
+      out = for_run(*a, **kw)
+      meet()
+      return out
+
+    def stop_then_open(*a, **kw):
+      stop()
+      return make_train_iterator(*a, **kw)
+    plan.for_run = planned_then_meet
+    trainer.data_lib.make_train_iterator = stop_then_open
 
 
 def install_hooks(argv: list[str]) -> None:

@@ -37,6 +37,8 @@
 #   maxtext:llama8b_full  MaxText llama3-8b, all 32 layers, per_device_batch_size=1 max_target_length=8192,
 #                         mu_dtype=bfloat16 remat_policy=full scan_layers=true attention=cudnn_flash_te,
 #                         XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, $SBS_MT_FULL_STEPS (20) steps, its recipe's XLA flags
+#   maxtext:llama8b_full+POLICY[+bN]   the same with remat_policy=POLICY (and per_device_batch_size=N): the
+#                         search for MaxText's best setting (e.g. llama8b_full+save_out_proj+b1)
 #   Each samples nvidia-smi's memory.used every second (max in the JSON: peak_smi_mib). The full maxlm run's
 #   timeout is all the time left (SBS_BUDGET_S), MaxText's SBS_TMO_MAXTEXT_FULL (240 s): a run cut short keeps
 #   the steps it logged ("(partial)").
@@ -168,7 +170,9 @@ run_one() {  # run_one FRAMEWORK VARIANT
   local full=""; case $v in llama8b_full*) full=1 ;; esac
   # the full pair's variants: maxlm llama8b_full[_fp8_delayed|_fp8_current][_head] (precision; _head: fp8_lm_head),
   # MaxText llama8b_full[_fp8ds|_fp8cs] (its te_fp8_delayedscaling / te_fp8_currentscaling quantization)
-  local fprec=${v#llama8b_full}; fprec=${fprec#_}; local fhead=""
+  local fprec=${v#llama8b_full}; fprec=${fprec#_}; local fhead="" mt_pol=full mt_b=1
+  case $v in llama8b_full+*)   # MaxText's other settings: +POLICY[+bN]
+    mt_pol=${v#llama8b_full+}; case $mt_pol in *+b*) mt_b=${mt_pol##*+b}; mt_pol=${mt_pol%+b*} ;; esac ;; esac
   case $fprec in *_head) fhead=1; fprec=${fprec%_head} ;; esac
   est=${SEEN_WALL[$fw]:-${EST[$fw]}}; [ -n "$full" ] && est=${EST_FULL[$fw]:-300}
   left=$(( BUDGET - RESERVE - $(now) ))
@@ -203,7 +207,7 @@ run_one() {  # run_one FRAMEWORK VARIANT
         bf16_te) ;;
         fp8ds_te) q=(quantization=te_fp8_delayedscaling) ;;
         fp8cs_te) q=(quantization=te_fp8_currentscaling) ;;
-        llama8b_full) ;;
+        llama8b_full|llama8b_full+*) ;;
         llama8b_full_fp8ds) q=(quantization=te_fp8_delayedscaling) ;;
         llama8b_full_fp8cs) q=(quantization=te_fp8_currentscaling) ;;
         *) say "=== $name: unknown MaxText variant"; return ;;
@@ -212,8 +216,8 @@ run_one() {  # run_one FRAMEWORK VARIANT
         cmd=(env PYTHONPATH="$SITE_MT:$SITE" DECOUPLE_GCLOUD=TRUE TF_CPP_MIN_LOG_LEVEL=1 XLA_FLAGS="$MT_XLA"
              XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 "$PY" -m maxtext.trainers.pre_train.train "$MT_CFG" run_name=sbs_$v
              model_name=llama3-8b hardware=gpu skip_jax_distributed_system=true dataset_type=synthetic
-             steps=$MT_FULL_STEPS per_device_batch_size=1 max_target_length=8192 packing=false dtype=bfloat16
-             weight_dtype=float32 mu_dtype=bfloat16 remat_policy=full scan_layers=true use_iota_embed=false
+             steps=$MT_FULL_STEPS per_device_batch_size=$mt_b max_target_length=8192 packing=false dtype=bfloat16
+             weight_dtype=float32 mu_dtype=bfloat16 remat_policy=$mt_pol scan_layers=true use_iota_embed=false
              enable_checkpointing=false enable_tensorboard=false log_config=false base_output_directory=$SCR/mt_out
              jax_cache_dir=$SCR/mt_cache_$v attention=cudnn_flash_te "${q[@]}")
         # shellcheck disable=SC2206
@@ -290,6 +294,9 @@ for line in open(E["SBS_MANIFEST"]):
   text = open(log, errors="replace").read() if log and os.path.exists(log) else ""
   full = var.startswith("llama8b_full")
   per_step = FULL_TOK.get(fw, TOK) if full else TOK
+  mt_b = re.search(r"\+b(\d+)$", var) if fw == "maxtext" else None  # llama8b_full+POLICY+bN
+  if full and mt_b:
+    per_step *= int(mt_b.group(1))
   r["shape"] = "full" if full else "4 layers"
   if full:
     r["tokens_per_step"] = per_step
@@ -333,7 +340,7 @@ for line in open(E["SBS_MANIFEST"]):
       r["first_step_line"] = m.group(0) if m else None
   elif fw == "maxtext":
     prec = {"bf16_te": "bf16", "fp8ds_te": "fp8_delayed", "fp8cs_te": "fp8_current", "llama8b_full": "bf16",
-            "llama8b_full_fp8ds": "fp8_delayed", "llama8b_full_fp8cs": "fp8_current"}.get(var, var)
+            "llama8b_full_fp8ds": "fp8_delayed", "llama8b_full_fp8cs": "fp8_current"}.get(var.split("+")[0], var)
     pat = re.compile(r"completed step: (\d+), seconds: ([\d.]+), TFLOP/s/device: ([\d.]+), Tokens/s/device: ([\d.]+).*?loss: ([\d.]+)")
     steps = [(int(a), float(b), float(c), float(d), float(e)) for a, b, c, d, e in pat.findall(text)]
     steady = [s for s in steps if s[0] >= int(E["SBS_MT_SKIP"])]

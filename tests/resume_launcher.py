@@ -164,15 +164,18 @@ class SlowStorage:
 
 def stop_at(where: str, process: str) -> None:
   """MAXLM_TEST_STOP_IN: wrap the start-up call named by `where` so that process `process` SIGSTOPs itself there.
-  Every process first meets the others at a barrier, so that the stop falls in this phase of every process's
-  start-up: for `plan`, as the planner begins; for `data`, as the planner ends, just before the watchdog's
-  "data and state" phase is armed (a barrier inside that phase would spend its limit waiting for the slower
-  process, and the waiting process could run out there instead of in its wait for process 0's run directory)."""
+  Every process first meets the others at a barrier placed outside the watchdog phase the test is about: a
+  barrier inside that phase would spend its limit waiting for the slower process, and the waiting process could
+  run out there (two CI failures) instead of in its wait for process 0's answer. For `plan`, the barrier comes just
+  before the start-up watchdog starts (its first phase is "start-up: plan"); for `data`, as the planner ends, just
+  before the "data and state" phase is armed. Process 0 then stops as the planner begins, or as its trainer opens
+  its data."""
   import signal
 
   import jax
 
   from maxlm import plan, trainer
+  from maxlm.runtime import watchdog
 
   def meet():
     from jax._src import distributed as jax_distributed
@@ -183,17 +186,18 @@ def stop_at(where: str, process: str) -> None:
       print(f"STOPPING {where}", flush=True)
       os.kill(os.getpid(), signal.SIGSTOP)
 
+  for_run, make_train_iterator, start = plan.for_run, trainer.data_lib.make_train_iterator, watchdog.start
   if where == "plan":
-    for_run = plan.for_run
-
-    def meet_then_stop(*a, **kw):
+    def meet_then_start(*a, **kw):
       meet()
+      return start(*a, **kw)
+
+    def stop_then_plan(*a, **kw):
       stop()
       return for_run(*a, **kw)
-    plan.for_run = meet_then_stop
+    watchdog.start = meet_then_start
+    plan.for_run = stop_then_plan
   else:
-    for_run, make_train_iterator = plan.for_run, trainer.data_lib.make_train_iterator
-
     def planned_then_meet(*a, **kw):
       out = for_run(*a, **kw)
       meet()

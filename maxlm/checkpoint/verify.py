@@ -210,19 +210,22 @@ class OrbaxNoise:
   def __init__(self):
     self._filter = _OrbaxErrors()
     self._hook = None
+    self._removed = False  # removed while another hook was installed over it: it only forwards
 
   def install(self) -> None:
     if log.isEnabledFor(logging.DEBUG):
       return
     for name in ("absl", "asyncio"):
       logging.getLogger(name).addFilter(self._filter)
-    self._hook = sys.unraisablehook
-    sys.unraisablehook = self._unraisable
+    self._removed = False
+    if self._hook is None:  # else still in the chain of hooks (removed under another): filtering again
+      self._hook = sys.unraisablehook
+      sys.unraisablehook = self._unraisable
 
   def _unraisable(self, args) -> None:
     text = str(args.exc_value)
     code = getattr(args.object, "cr_code", None)  # "Exception ignored in: <coroutine object ...>"
-    if not ("Event loop is closed" in text or "Python is likely shutting down" in text
+    if self._removed or not ("Event loop is closed" in text or "Python is likely shutting down" in text
             or (code is not None and "/orbax/" in code.co_filename)):
       self._hook(args)
 
@@ -241,8 +244,14 @@ class OrbaxNoise:
       for name in ("absl", "asyncio"):
         logging.getLogger(name).removeFilter(self._filter)
       if sys.unraisablehook == self._unraisable:
-        sys.unraisablehook = self._hook
-      self._hook = None
+        hook, self._hook = self._hook, None
+        below = getattr(hook, "__self__", None)
+        while isinstance(below, OrbaxNoise) and below._removed:  # those removed under this one go too
+          hook, below._hook = below._hook, None
+          below = getattr(hook, "__self__", None)
+        sys.unraisablehook = hook
+      else:  # another hook (a second open Checkpointer's) was installed over this one and forwards to it:
+        self._removed = True  # keep the chain, forwarding everything from now on
     if failed:
       _quiet_after_failure()
 

@@ -64,7 +64,7 @@ MOMENT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ROUNDING_SEED = 0x4D4C  # the stochastic rounding's fixed seed; its bits vary only with the step and the leaf
 # optim.offload=host: parameter i's moments enter device memory once those of parameter i - LAG are back in
 # host memory, so at most LAG parameters' moments are on the device at once, and a transfer in overlaps
-# the update of the parameter before it.
+# the update of the parameter before it. host_params: the same, the parameter with its moments.
 LAG = 2
 
 
@@ -160,10 +160,14 @@ def _streamed_update(inner, dtypes, stochastic, updates, state, params):
   (None elsewhere: Adam is elementwise, so its update is the whole-tree one), rounded to their `dtypes` (as
   `_store_moments` rounds them: the same leaf index, the same bits) and sent back. The first transfers wait
   for every gradient, so nothing of the state is on the device before the backward pass is done. The counts
-  and the rest of the state make the round trip whole (a few scalars)."""
+  and the rest of the state make the round trip whole (a few scalars). Parameters in host memory
+  (optim.offload=host_params) stream with their moments, and each is updated on the device as it streams
+  (`optax.apply_updates` on the one leaf) and sent back: the update returns the new parameters, in host memory,
+  where it would return the updates (`apply_updates` below takes them as they are)."""
   treedef = jax.tree_util.tree_structure(updates)
   flat = treedef.flatten_up_to
   adam = _adam(state)
+  host_params = in_host_memory(params)
   mus, nus, grads, ps = flat(adam.mu), flat(adam.nu), flat(updates), flat(params)
   rest = to_device_memory(_map_moments(state, lambda mu, nu: (None, None)))  # counts, empty states
   # One element of every gradient: needs the whole backward pass, and does not make the (clipped) gradients
@@ -171,13 +175,15 @@ def _streamed_update(inner, dtypes, stochastic, updates, state, params):
   done = [g[(0,) * g.ndim] for g in grads]
   out_u, out_mu, out_nu, new = [], [], [], rest
   for i in range(len(grads)):
-    gate = done if i < LAG else (out_mu[i - LAG], out_nu[i - LAG])
-    (mu, nu), _ = jax.lax.optimization_barrier(((mus[i], nus[i]), gate))
-    mu, nu = to_device_memory((mu, nu))
+    gate = done if i < LAG else (out_mu[i - LAG], out_nu[i - LAG]) + ((out_u[i - LAG],) if host_params else ())
+    # host_params: the parameter streams with its moments (the barrier's copy: not the forward's move of it)
+    (mu, nu, p), _ = jax.lax.optimization_barrier(((mus[i], nus[i], ps[i] if host_params else None), gate))
+    mu, nu, p = to_device_memory((mu, nu, p if host_params else ps[i]))
     moments = (_only(treedef, i, mu.astype(jnp.float32)), _only(treedef, i, nu.astype(jnp.float32)))
     u, new = inner.update(_only(treedef, i, grads[i]), _map_moments(rest, lambda *_: moments),
-                          _only(treedef, i, ps[i]))
-    out_u.append(flat(u)[i])
+                          _only(treedef, i, p))
+    u = flat(u)[i]
+    out_u.append(to_host_memory(optax.apply_updates(p, u)) if host_params else u)
     new_adam = _adam(new)
     out_mu.append(to_host_memory(_round(flat(new_adam.mu)[i], dtypes[0], stochastic, new_adam.count, i, 0)))
     out_nu.append(to_host_memory(_round(flat(new_adam.nu)[i], dtypes[1], stochastic, new_adam.count, i, 1)))
@@ -193,18 +199,29 @@ def with_moment_dtype(inner: optax.GradientTransformation, mu_dtype, nu_dtype=No
   `inner`, and rounds the new moments to their dtypes (to nearest even, or with `stochastic` stochastically:
   `stochastic_round_bf16`). The state's tree is `inner`'s: only the moments' dtypes differ. With float32
   moments the casts are no-ops and the state and updates are `inner`'s, bit for bit. A state in host
-  memory (optim.offload=host) is streamed through the device one parameter at a time, rounded the same way."""
+  memory (optim.offload=host, host_params) is streamed through the device one parameter at a time, rounded the
+  same way; with the parameters in host memory (host_params) the update returns the new parameters."""
   nu_dtype = mu_dtype if nu_dtype is None else nu_dtype
 
   def init(params):
     return _cast_moments(inner.init(params), mu_dtype, nu_dtype)
 
   def update(updates, state, params=None):
-    if in_host_memory(state):
+    if in_host_memory(state) or in_host_memory(params):
       return _streamed_update(inner, (mu_dtype, nu_dtype), stochastic, updates, state, params)
     new_updates, new_state = inner.update(updates, _cast_moments(state, jnp.float32, jnp.float32), params)
     return new_updates, _store_moments(new_state, mu_dtype, nu_dtype, stochastic)
   return optax.GradientTransformation(init, update)
+
+
+def apply_updates(optimizer: optax.GradientTransformation, grads, opt_state, params):
+  """(new params, new optimizer state): `optimizer`'s update applied to `params`. Parameters in host memory
+  (optim.offload=host_params): the streamed update (`_streamed_update`) applied each parameter's update as it
+  streamed and returned the new parameters, in host memory, where the updates would be."""
+  updates, new_state = optimizer.update(grads, opt_state, params)
+  if in_host_memory(params):
+    return updates, new_state
+  return optax.apply_updates(params, updates), new_state
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:

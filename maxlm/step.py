@@ -25,6 +25,8 @@ from maxlm.config import ModelConfig
 from maxlm.layers import context
 from maxlm.loss_scale import update_loss_scale
 from maxlm.model import BTV, compute_dtype
+from maxlm.offload import in_host_memory, to_device_memory
+from maxlm.optim import apply_updates
 from maxlm.tables import PRECISIONS
 from maxlm.train_state import TrainState
 
@@ -242,9 +244,10 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     grad_accum = 1  # micro-batches itself: they are in flight together, not one after the other
 
   def step(state: TrainState, batch):
-    params = state.params
+    params = state.params  # optim.offload=host_params: in host memory, read and rewritten by the streamed update
     ls = state.loss_scale  # fp16: differentiate loss * scale (maxlm/loss_scale.py); else None
     scale = None if ls is None else ls.scale
+    host_params = in_host_memory(params)
 
     def summed(p, s, b):
       loss, n = loss_fn(p, s, b, scale)
@@ -252,8 +255,11 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
 
     # model.cast_params_once: the matmul weights enter the model already in the compute dtype (their
     # per-use casts become no-ops); the gradients come back in that dtype and return to the master
-    # weights' dtype here, as the per-use casts' transposes would have done.
-    cparams = cast_matmul_weights(params, compute_dtype(cfg), cfg) if cast_once else params
+    # weights' dtype here, as the per-use casts' transposes would have done. Parameters in host memory
+    # (optim.offload=host_params) come to the device for the forward and backward passes, each leaf moved
+    # first and then cast (always, the same numbers: the device holds the compute-dtype copy, not the master).
+    dparams = to_device_memory(params)
+    cparams = cast_matmul_weights(dparams, compute_dtype(cfg), cfg) if cast_once or host_params else dparams
     grad_fn = jax.grad(summed, argnums=(0, 1), has_aux=True)
 
     def vg(p, s, b):
@@ -268,7 +274,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     if grad_accum == 1:
       (grad_sum, new_model_state), (loss_sum, count) = vg(cparams, state.model_state, batch)
     else:
-      zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+      zeros = jax.tree_util.tree_map(jnp.zeros_like, dparams)  # in device memory
       carry = (zeros, state.model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
       micro_batches = jax.tree_util.tree_map(
           lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)  # [A, B/A, T]
@@ -284,8 +290,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     # A conditional rather than a select over every parameter: the skip costs nothing when the
     # update is finite (a select reads and writes params and both Adam moments once more).
     def apply_update(_):
-      updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
-      return optax.apply_updates(params, updates), new_opt_state, new_model_state
+      return (*apply_updates(optimizer, grads, state.opt_state, params), new_model_state)
 
     def skip_update(_):
       return params, state.opt_state, state.model_state
@@ -315,6 +320,6 @@ def make_eval_step(model: nn.Module, *, packed: bool = False) -> Callable:
   loss_fn = _forward_loss(model, packed)
 
   def step(state: TrainState, batch):
-    loss, n = loss_fn(state.params, state.model_state, batch)
+    loss, n = loss_fn(to_device_memory(state.params), state.model_state, batch)  # host_params: to the device first
     return {"loss_sum": loss, "tokens": n}
   return step

@@ -132,19 +132,25 @@ def measure(cfg: Config, devices=None, gpu_footprint: bool = False, inspect=None
   if parts.pop("bf16_kept") is False:
     how += ", bf16 computed in f32 (XLA:CPU could not compile the step with bf16 kept: higher)"
   out = memory_stats(compiled) | parts | {"how": how} | (inspect(compiled) if inspect else {})
-  return offloaded(out) if gpu_footprint and cfg.optim.offload == "host" else out
+  return offloaded(out, cfg.optim.offload) if gpu_footprint and cfg.optim.offload != "none" else out
 
 
-def offloaded(stats: dict) -> dict:
+def offloaded(stats: dict, offload: str = "host") -> dict:
   """XLA:CPU has one memory (host offload compiles to the same program), and XLA:GPU's compile-only devices
-  report no host memory, so there the device bytes of an optimizer state kept in host memory are arithmetic:
-  the measured peak less the state, plus what the streamed update (maxlm/optim.py) holds on the device at
-  once: the moments of LAG parameters, each upcast to float32 and updated (old and new), taken for the
-  largest parameter (of each layer where the layers were scanned for the measurement only; a whole stack
-  where the model scans them)."""
-  stream = LAG * 2 * 2 * stats["opt_leaf_fp32"]  # LAG parameters x (old, new) x (mu, nu)
-  return stats | {"device": stats["device"] - stats["opt_state"] + stream,
-                  "how": f"arithmetic: the compiled peak - the optimizer state + {LAG} streamed parameters' moments"}
+  report no host memory (a sharding over them drops its memory kind: benchmarks/gpu_deviceless.py), so there the
+  device bytes of an optimizer state kept in host memory are arithmetic: the measured peak less the state, plus
+  what the streamed update (maxlm/optim.py) holds on the device at once: the moments of LAG parameters, each
+  upcast to float32 and updated (old and new), taken for the largest parameter (of each layer where the layers
+  were scanned for the measurement only; a whole stack where the model scans them). offload="host_params": the
+  parameters are left out too and stream with their moments (float32, old and new); the program measured holds
+  their compute-dtype copy (the host_params step itself, or offload=none with model.cast_params_once: `Simulator`)."""
+  both = offload == "host_params"
+  stream = LAG * 2 * (3 if both else 2) * stats["opt_leaf_fp32"]  # LAG parameters x (old, new) x (mu, nu[, p])
+  state = stats["opt_state"] + (stats["params"] if both else 0)
+  what = "the parameters and the optimizer state" if both else "the optimizer state"
+  moved = "parameters and moments" if both else "parameters' moments"
+  return stats | {"device": stats["device"] - state + stream,
+                  "how": f"arithmetic: the compiled peak - {what} + {LAG} streamed {moved}"}
 
 
 def simulated_env(n_devices: int) -> dict[str, str]:
@@ -161,7 +167,8 @@ def simulated_env(n_devices: int) -> dict[str, str]:
 class Simulator:
   """`measure(..., gpu_footprint=True)` on n simulated CPU devices in one child process (started on the first
   call), or on what `command` measures on in the environment `env` (maxlm/plan/target.py's compile-only GPUs).
-  Configs that differ only in optim.offload are one program there: compiled once."""
+  Configs that differ only in optim.offload are one program there: compiled once (host_params: the program of
+  offload=none with model.cast_params_once, which holds the parameters' compute-dtype copy as host_params does)."""
 
   def __init__(self, n_devices: int, command: list[str] | None = None, env: dict | None = None,
                label: str = ""):
@@ -172,13 +179,15 @@ class Simulator:
   def measure(self, cfg: Config) -> dict:
     data = to_dict(cfg)
     data["optim"]["offload"] = "none"
+    if cfg.optim.offload == "host_params":
+      data["model"]["cast_params_once"] = True
     key = json.dumps(data, sort_keys=True)
     if key not in self.cache:
       self.cache[key] = self._ask(key)
     out = self.cache[key]
     if "error" in out:
       raise ConfigError(out["error"])
-    return offloaded(out) if "oom" not in out and cfg.optim.offload == "host" else out
+    return offloaded(out, cfg.optim.offload) if "oom" not in out and cfg.optim.offload != "none" else out
 
   def _ask(self, line: str) -> dict:
     if self.proc is None:

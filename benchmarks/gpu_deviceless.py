@@ -43,7 +43,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from maxlm.config import load_config
-from maxlm.offload import place
+from maxlm.offload import in_host_memory, place, to_device_memory, to_host_memory
 from maxlm.plan.measure import compile_step, measured_build
 
 HERE = Path(__file__).resolve().parent
@@ -82,8 +82,13 @@ def cond(target: Path) -> None:
 
 
 def _select_cond(pred, true_fn, false_fn, operand):
-  """lax.cond as a select of both branches' results, leaf by leaf (a what-if for `--select-guard`)."""
-  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fn(operand), false_fn(operand))
+  """lax.cond as a select of both branches' results, leaf by leaf (a what-if for `--select-guard`), on the device:
+  leaves in host memory (optim.offload) are moved there first and back after."""
+  def select(a, b):
+    if in_host_memory((a, b)):
+      return to_host_memory(jnp.where(pred, *to_device_memory((a, b))))
+    return jnp.where(pred, a, b)
+  return jax.tree.map(select, true_fn(operand), false_fn(operand))
 
 
 def _host_memory_step(cfg, devices):

@@ -25,7 +25,7 @@ from maxlm.config import ModelConfig
 from maxlm.layers import context
 from maxlm.loss_scale import update_loss_scale
 from maxlm.model import BTV, compute_dtype
-from maxlm.offload import in_host_memory, to_device_memory
+from maxlm.offload import in_host_memory, to_device_memory, to_host_memory
 from maxlm.optim import apply_updates
 from maxlm.tables import PRECISIONS
 from maxlm.train_state import TrainState
@@ -232,6 +232,14 @@ def cast_matmul_weights(params, dtype, cfg: ModelConfig):
   return jax.tree_util.tree_map_with_path(cast, params)
 
 
+def _select(pred, a, b):
+  """jnp.where(pred, a, b) computed on the device: leaves in host memory (optim.offload) are moved there first
+  and the result back after (XLA:GPU would otherwise run the select as host compute)."""
+  if in_host_memory((a, b)):
+    return to_host_memory(jnp.where(pred, *to_device_memory((a, b))))
+  return jnp.where(pred, a, b)
+
+
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                     *, grad_accum: int = 1, packed: bool = False, guard: str = "cond") -> Callable:
   """`step(state, batch) -> (state, metrics)`; batch arrays are [B, T] with B = global batch. guard: how a
@@ -297,7 +305,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
 
     if guard == "select":
       new_params, new_opt_state, new_model_state = jax.tree.map(
-          lambda a, b: jnp.where(finite, a, b), apply_update(None), skip_update(None))
+          lambda a, b: _select(finite, a, b), apply_update(None), skip_update(None))
     else:
       new_params, new_opt_state, new_model_state = jax.lax.cond(finite, apply_update, skip_update, None)
     # Under loss scaling an overflow of the scaled gradients (finite loss) is the scale's business: it

@@ -64,9 +64,11 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
   per device, "bf16_kept"}), from abstract shapes only: the trainer's step (maxlm/build.py). fused_attention
   (measuring a GPU's step): with fused attention's footprint, and on CPU devices with bf16 kept
   (GPU_DTYPE_OPTIONS; bf16_kept: True, False where XLA:CPU could not compile it so, None where not asked).
-  unrolled: the model is scanned for the measurement only, so a scanned stack counts per layer in opt_leaf_fp32."""
+  unrolled: the model is scanned for the measurement only, so a scanned stack counts per layer in opt_leaf_fp32
+  (as it does where an offloaded state streams the stack a layer at a time: no pipeline stages, maxlm/optim.py)."""
   built, gpu_dtypes = measured_build(cfg, devices, fused_attention, guard_select)
   structs, batch = built.state, built.batch_structs()
+  split = built.mesh.shape["pipeline"] == 1  # maxlm/build.py's make_optimizer(split_layers=...)
   kept = None
   if not gpu_dtypes:
     compiled = built.train_step.compile(structs, batch)
@@ -81,7 +83,7 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
       # program, bf16 computed in f32 (higher, as before GPU_DTYPE_OPTIONS)
       compiled, kept = lowered.compile(), False
   return compiled, {"params": _shard_bytes(structs.params), "opt_state": _shard_bytes(structs.opt_state),
-                    "opt_leaf_fp32": _largest_parameter(structs.params, cfg.model.n_layers if unrolled else 1),
+                    "opt_leaf_fp32": _largest_parameter(structs.params, cfg.model.n_layers if unrolled or split else 1),
                     "bf16_kept": kept}
 
 
@@ -99,7 +101,8 @@ def measured_build(cfg: Config, devices=None, fused_attention: bool = False,
 
 def _largest_parameter(params, n_layers: int) -> int:
   """Float32 bytes of one device's shard of the largest parameter, a scanned stack counted per layer (what
-  an unrolled model's streamed update moves at once; see `offloaded`)."""
+  an unrolled model's streamed update moves at once, and a scanned one's where it streams the stack a layer at a
+  time; see `offloaded`)."""
   sizes = []
   for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
     n = math.prod(a.sharding.shard_shape(a.shape)) * 4
@@ -141,9 +144,10 @@ def offloaded(stats: dict, offload: str = "host") -> dict:
   device bytes of an optimizer state kept in host memory are arithmetic: the measured peak less the state, plus
   what the streamed update (maxlm/optim.py) holds on the device at once: the moments of LAG parameters, each
   upcast to float32 and updated (old and new), taken for the largest parameter (of each layer where the layers
-  were scanned for the measurement only; a whole stack where the model scans them). offload="host_params": the
-  parameters are left out too and stream with their moments (float32, old and new); the program measured holds
-  their compute-dtype copy (the host_params step itself, or offload=none with model.cast_params_once: `Simulator`)."""
+  were scanned for the measurement only or the stack streams a layer at a time; a whole stack where pipeline
+  stages split it). offload="host_params": the parameters are left out too and stream with their moments
+  (float32, old and new); the program measured holds their compute-dtype copy (the host_params step itself, or
+  offload=none with model.cast_params_once: `Simulator`)."""
   both = offload == "host_params"
   stream = LAG * 2 * (3 if both else 2) * stats["opt_leaf_fp32"]  # LAG parameters x (old, new) x (mu, nu[, p])
   state = stats["opt_state"] + (stats["params"] if both else 0)

@@ -13,6 +13,8 @@ computation reads device-memory values, none a host-memory one.
 
 from __future__ import annotations
 
+import re
+
 import jax
 
 HOST = "pinned_host"  # JAX's memory kind of page-locked host memory (DMA to and from the GPU)
@@ -51,3 +53,26 @@ def to_host_memory(tree):
   """`tree` with its device-memory leaves moved into host memory (same sharding); the others as they are."""
   return jax.tree_util.tree_map(
       lambda x: jax.device_put(x, jax.memory.Space.Host) if _space(x) == jax.memory.Space.Device else x, tree)
+
+
+def _natural(path) -> tuple:
+  """A sort key of a leaf's path with its numbers compared as numbers (layers_2 before layers_10): the unrolled
+  layers in the order the forward pass reads them."""
+  return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", jax.tree_util.keystr(path)))
+
+
+def to_device_in_turn(tree, fn, lag: int):
+  """`fn(path, leaf)` of every leaf of `tree` moved into device memory first (optim.offload=host_params: e.g. a
+  cast to the compute dtype), one leaf after another in the paths' natural order: leaf k is moved once
+  `fn` of leaf k - lag is done, so at most `lag` leaves are on the device as they were in host memory (XLA would
+  otherwise move them all before it casts any: the float32 parameters on the device at once)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  order = sorted(range(len(flat)), key=lambda i: _natural(flat[i][0]))
+  out, done = [None] * len(flat), []
+  for k, i in enumerate(order):
+    path, x = flat[i]
+    if k >= lag:
+      x, _ = jax.lax.optimization_barrier((x, done[k - lag]))
+    out[i] = fn(path, to_device_memory(x))
+    done.append(out[i])
+  return treedef.unflatten(out)

@@ -25,8 +25,8 @@ from maxlm.config import ModelConfig
 from maxlm.layers import context
 from maxlm.loss_scale import update_loss_scale
 from maxlm.model import BTV, compute_dtype
-from maxlm.offload import in_host_memory, to_device_memory, to_host_memory
-from maxlm.optim import apply_updates
+from maxlm.offload import in_host_memory, to_device_in_turn, to_device_memory, to_host_memory
+from maxlm.optim import LAG, apply_updates
 from maxlm.tables import PRECISIONS
 from maxlm.train_state import TrainState
 
@@ -225,11 +225,16 @@ def cast_matmul_weights(params, dtype, cfg: ModelConfig):
   unless tied) cast to `dtype`: what each use casts them to anyway. Norm scales stay as they are (the
   norms compute in fp32). A tied embedding is left alone: its two uses' gradients are summed in the
   master dtype, not in `dtype`."""
+  return jax.tree_util.tree_map_with_path(_matmul_cast(dtype, cfg), params)
+
+
+def _matmul_cast(dtype, cfg: ModelConfig):
+  """`cast(path, x)`: one leaf as `cast_matmul_weights` gives it."""
   names = MATMUL_WEIGHTS + (() if cfg.tie_embeddings else ("embedding",))
 
   def cast(path, x):
     return x.astype(dtype) if getattr(path[-1], "key", None) in names else x
-  return jax.tree_util.tree_map_with_path(cast, params)
+  return cast
 
 
 def _select(pred, a, b):
@@ -264,10 +269,14 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     # model.cast_params_once: the matmul weights enter the model already in the compute dtype (their
     # per-use casts become no-ops); the gradients come back in that dtype and return to the master
     # weights' dtype here, as the per-use casts' transposes would have done. Parameters in host memory
-    # (optim.offload=host_params) come to the device for the forward and backward passes, each leaf moved
-    # first and then cast (always, the same numbers: the device holds the compute-dtype copy, not the master).
-    dparams = to_device_memory(params)
-    cparams = cast_matmul_weights(dparams, compute_dtype(cfg), cfg) if cast_once or host_params else dparams
+    # (optim.offload=host_params) come to the device for the forward and backward passes, in turn, each leaf
+    # moved first and then cast (always, the same numbers: the device holds the compute-dtype copy, not the
+    # master weights, and only LAG leaves as they were in host memory at once).
+    cast = _matmul_cast(compute_dtype(cfg), cfg) if cast_once or host_params else (lambda path, x: x)
+    if host_params:
+      cparams = to_device_in_turn(params, cast, LAG)
+    else:
+      cparams = jax.tree_util.tree_map_with_path(cast, params)
     grad_fn = jax.grad(summed, argnums=(0, 1), has_aux=True)
 
     def vg(p, s, b):
@@ -282,7 +291,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     if grad_accum == 1:
       (grad_sum, new_model_state), (loss_sum, count) = vg(cparams, state.model_state, batch)
     else:
-      zeros = jax.tree_util.tree_map(jnp.zeros_like, dparams)  # in device memory
+      zeros = (jax.tree_util.tree_map(lambda c, p: jnp.zeros_like(c, p.dtype), cparams, params) if host_params
+               else jax.tree_util.tree_map(jnp.zeros_like, params))  # in device memory
       carry = (zeros, state.model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
       micro_batches = jax.tree_util.tree_map(
           lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)  # [A, B/A, T]

@@ -18,12 +18,10 @@ compiles for N such GPUs with no GPU present and no CUDA driver. This script doe
 --target FILE (default maxlm/plan/gpu_targets/h200.txtpb). One JSON line per measurement on stdout. On a machine
 with a GPU (the H200) the same commands compile for the target given, not for the GPU at hand.
 
-Host memory (optim.offload=host or host_params): compile-only devices have no memories, and a NamedSharding over
-them drops its memory kind (JAX canonicalizes it against the devices' memories: `with_memory_kind("pinned_host")`
-gives None), so the state's shardings as the trainer builds them compile the offload=none program. For such
-configs `step` compiles the trainer's step function again with the state's shardings over the mesh's
-AbstractMesh (which keeps memory kinds; `maxlm.offload.place`), lowered inside the concrete mesh: XLA:GPU's own
-program with the state in pinned host memory, its host_* memory fields reported beside the device ones.
+Host memory (optim.offload=host or host_params): compile_step compiles XLA:GPU's own program with the state in
+pinned host memory (compile-only devices drop a sharding's memory kind; maxlm/plan/target.py
+`compile_in_host_memory` goes through AbstractMesh shardings); the host_* memory fields are reported beside the
+device ones.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -40,11 +37,11 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 
 from maxlm.config import load_config
-from maxlm.offload import in_host_memory, place, to_device_memory, to_host_memory
-from maxlm.plan.measure import compile_step, measured_build
+from maxlm.offload import in_host_memory, to_device_memory, to_host_memory
+from maxlm.plan.measure import compile_step
 
 HERE = Path(__file__).resolve().parent
 GIB = 2 ** 30
@@ -91,32 +88,11 @@ def _select_cond(pred, true_fn, false_fn, operand):
   return jax.tree.map(select, true_fn(operand), false_fn(operand))
 
 
-def _host_memory_step(cfg, devices):
-  """(compiled, parts) as compile_step gives them, the state in the memories optim.offload gives it (see the
-  module doc)."""
-  built, _ = measured_build(cfg, devices, fused_attention=True)
-  am = built.mesh.abstract_mesh
-  shardings = place(jax.tree.map(lambda s: NamedSharding(am, s.spec), built.state_shardings), cfg.optim.offload)
-  structs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), built.state, shardings)
-  bs = NamedSharding(am, built.batch_sharding.spec)
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bs) for k, v in built.batch_structs().items()}
-  jitted = jax.jit(built.train_step.jitted.__wrapped__, in_shardings=(shardings, {k: bs for k in batch}),
-                   out_shardings=(shardings, NamedSharding(am, PartitionSpec())), donate_argnums=(0,))
-  with built.scope():
-    compiled = jitted.lower(structs, batch).compile()
-  size = lambda tree: sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize  # noqa: E731
-                          for a in jax.tree.leaves(tree))
-  return compiled, {"params": size(structs.params), "opt_state": size(structs.opt_state)}
-
-
 def step(target: Path, n: int, words: list[str], select_guard: bool) -> None:
   cfg = load_config(words + ["plan.mode=off"])
   t0 = time.time()
   with mock.patch.object(jax.lax, "cond", _select_cond) if select_guard else contextlib.nullcontext():
-    if cfg.optim.offload == "none":
-      compiled, parts = compile_step(cfg, gpu_devices(target, n), fused_attention=True)
-    else:
-      compiled, parts = _host_memory_step(cfg, gpu_devices(target, n))
+    compiled, parts = compile_step(cfg, gpu_devices(target, n), fused_attention=True)
   seconds = time.time() - t0
   st = _stats(compiled)
   st["device"] = round(st["argument"] + st["output"] + st["temp"] - st["alias"], 3)

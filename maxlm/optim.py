@@ -190,10 +190,7 @@ def _streamed_update(inner, dtypes, stochastic, split_layers, updates, state, pa
   # exist all at once, as a barrier on the gradients themselves would (their size again in device memory).
   done = [g[(0,) * g.ndim] for g in grads]
   split = [split_layers and _stacked(path) for path in paths]
-  # the smallest parameters first: every gradient waits in device memory until its parameter's turn, so the
-  # largest (the embedding and the LM head), streamed last, pass when the other gradients are gone
-  order = sorted(range(len(grads)), key=lambda i: grads[i].size // (grads[i].shape[0] if split[i] else 1))
-  items = [(i, layer) for i in order for layer in (range(grads[i].shape[0]) if split[i] else (None,))]
+  items = [(i, layer) for i in range(len(grads)) for layer in (range(grads[i].shape[0]) if split[i] else (None,))]
   # the host arrays as written so far (a stacked leaf's, slice by slice), and each item's writes (for LAG's gate)
   cur = {i: (mus[i], nus[i], ps[i] if host_params else None) for i in range(len(grads))}
   out_u, written, new = [None] * len(grads), [], rest

@@ -69,8 +69,10 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
   built, gpu_dtypes = measured_build(cfg, devices, fused_attention, guard_select)
   structs, batch = built.state, built.batch_structs()
   split = built.mesh.shape["pipeline"] == 1  # maxlm/build.py's make_optimizer(split_layers=...)
-  kept = None
-  if not gpu_dtypes:
+  kept, host = None, cfg.optim.offload != "none" and target.drops_memory_kinds(built.mesh)
+  if host:  # compile-only GPUs: the state in host memory through AbstractMesh shardings (maxlm/plan/target.py)
+    compiled = target.compile_in_host_memory(built, cfg.optim.offload)
+  elif not gpu_dtypes:
     compiled = built.train_step.compile(structs, batch)
   else:
     lowered, kept = built.train_step.lower(structs, batch), True
@@ -84,7 +86,7 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
       compiled, kept = lowered.compile(), False
   return compiled, {"params": _shard_bytes(structs.params), "opt_state": _shard_bytes(structs.opt_state),
                     "opt_leaf_fp32": _largest_parameter(structs.params, cfg.model.n_layers if unrolled or split else 1),
-                    "bf16_kept": kept}
+                    "bf16_kept": kept, "host_memory": host}
 
 
 def measured_build(cfg: Config, devices=None, fused_attention: bool = False,
@@ -134,8 +136,9 @@ def measure(cfg: Config, devices=None, gpu_footprint: bool = False, inspect=None
     return {"oom": str(e).splitlines()[0][:300]}
   if parts.pop("bf16_kept") is False:
     how += ", bf16 computed in f32 (XLA:CPU could not compile the step with bf16 kept: higher)"
+  host = parts.pop("host_memory")  # XLA:GPU's own program with the state in host memory: no arithmetic
   out = memory_stats(compiled) | parts | {"how": how} | (inspect(compiled) if inspect else {})
-  return offloaded(out, cfg.optim.offload) if gpu_footprint and cfg.optim.offload != "none" else out
+  return offloaded(out, cfg.optim.offload) if gpu_footprint and cfg.optim.offload != "none" and not host else out
 
 
 def offloaded(stats: dict, offload: str = "host") -> dict:
@@ -170,28 +173,30 @@ def simulated_env(n_devices: int) -> dict[str, str]:
 
 class Simulator:
   """`measure(..., gpu_footprint=True)` on n simulated CPU devices in one child process (started on the first
-  call), or on what `command` measures on in the environment `env` (maxlm/plan/target.py's compile-only GPUs).
-  Configs that differ only in optim.offload are one program there: compiled once (host_params: the program of
+  call), or on what `command` measures on in the environment `env` (maxlm/plan/target.py's compile-only GPUs,
+  one_memory=False: they compile the offloaded program itself). On XLA:CPU's one memory, configs that differ only
+  in optim.offload are one program: compiled once, the offload by `offloaded` (host_params: the program of
   offload=none with model.cast_params_once, which holds the parameters' compute-dtype copy as host_params does)."""
 
   def __init__(self, n_devices: int, command: list[str] | None = None, env: dict | None = None,
-               label: str = ""):
-    self.n, self.proc, self.cache = n_devices, None, {}
+               label: str = "", one_memory: bool = True):
+    self.n, self.proc, self.cache, self.one_memory = n_devices, None, {}, one_memory
     self.command = command or [sys.executable, "-m", "maxlm.plan.measure"]
     self.env, self.label = env, label or f"{n_devices} simulated CPU devices"
 
   def measure(self, cfg: Config) -> dict:
     data = to_dict(cfg)
-    data["optim"]["offload"] = "none"
-    if cfg.optim.offload == "host_params":
-      data["model"]["cast_params_once"] = True
+    arithmetic = self.one_memory and cfg.optim.offload != "none"
+    if arithmetic:
+      data["optim"]["offload"] = "none"
+      data["model"]["cast_params_once"] |= cfg.optim.offload == "host_params"
     key = json.dumps(data, sort_keys=True)
     if key not in self.cache:
       self.cache[key] = self._ask(key)
     out = self.cache[key]
     if "error" in out:
       raise ConfigError(out["error"])
-    return offloaded(out, cfg.optim.offload) if "oom" not in out and cfg.optim.offload != "none" else out
+    return offloaded(out, cfg.optim.offload) if "oom" not in out and arithmetic else out
 
   def _ask(self, line: str) -> dict:
     if self.proc is None:
@@ -288,7 +293,7 @@ def gpu_compiler(key: str, n_devices: int, n_nodes: int, preset: str) -> Simulat
     raise RuntimeError(why)
   return Simulator(n_devices, [sys.executable, "-c", target.WORKER, key, str(n_devices), str(n_nodes)],
                    target.compiler_env(plugin, preset, target.KINDS[key]),
-                   f"{n_devices} compile-only {key} GPUs (XLA:GPU)")
+                   f"{n_devices} compile-only {key} GPUs (XLA:GPU)", one_memory=False)
 
 
 def _local_memory(dev) -> int | None:

@@ -7,7 +7,7 @@ values between the memories (JAX lowers the moves on GPU and TPU; on CPU every m
 memory and they change only the abstract values' memory space), and `in_host_memory` tells where a traced
 value lives. The optimizer (maxlm/optim.py) streams the state (and with host_params the parameters) through the
 device one parameter at a time; with host_params the train step (maxlm/step.py) moves the parameters to the
-device for the forward and backward passes, each leaf moved first and only then cast (`device_params`): every
+device for the forward and backward passes, each leaf moved first and only then cast (`to_device_in_turn`): every
 computation reads device-memory values, none a host-memory one.
 """
 

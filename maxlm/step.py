@@ -245,14 +245,17 @@ def _select(pred, a, b):
   return jnp.where(pred, a, b)
 
 
-def _forward_params(params, cfg: ModelConfig, cast_once: bool, host_params: bool):
+def forward_params(params, cfg: ModelConfig, cast_once: bool, host_params: bool):
   """The parameters as the forward and backward passes read them. model.cast_params_once: the matmul weights
   enter the model already in the compute dtype (their per-use casts become no-ops); the gradients come back in
   that dtype and return to the master weights' dtype in the step, as the per-use casts' transposes would have
   done. Parameters in host memory (optim.offload=host_params) come to the device in turn, each leaf moved first
-  and then cast (always: the same numbers; the device holds the compute-dtype copy, not the master weights, and
-  only LAG leaves as they were in host memory at once)."""
-  cast = _matmul_cast(compute_dtype(cfg), cfg) if cast_once or host_params else (lambda path, x: x)
+  and then cast (whatever model.cast_params_once says: the same numbers; the device holds the compute-dtype copy,
+  not the master weights, and only LAG leaves as they were in host memory at once); under a quantized precision
+  (FP8: its GEMMs quantize the master weights) they are moved as they are."""
+  quantized = PRECISIONS[cfg.precision].quantized
+  cast = (_matmul_cast(compute_dtype(cfg), cfg) if cast_once or (host_params and not quantized)
+          else (lambda path, x: x))
   if host_params:
     return to_device_in_turn(params, cast, LAG)
   return jax.tree_util.tree_map_with_path(cast, params)
@@ -279,7 +282,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
       loss, n = loss_fn(p, s, b, scale)
       return loss if scale is None else loss * scale, (loss, n)
 
-    cparams = _forward_params(params, cfg, cast_once, host_params)
+    cparams = forward_params(params, cfg, cast_once, host_params)
     grad_fn = jax.grad(summed, argnums=(0, 1), has_aux=True)
 
     def vg(p, s, b):

@@ -17,6 +17,11 @@ compiles for N such GPUs with no GPU present and no CUDA driver. This script doe
 
 --target FILE (default maxlm/plan/gpu_targets/h200.txtpb). One JSON line per measurement on stdout. On a machine
 with a GPU (the H200) the same commands compile for the target given, not for the GPU at hand.
+
+Host memory (optim.offload=host or host_params): compile_step compiles XLA:GPU's own program with the state in
+pinned host memory (compile-only devices drop a sharding's memory kind; maxlm/plan/target.py
+`compile_in_host_memory` goes through AbstractMesh shardings); the host_* memory fields are reported beside the
+device ones.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
 from maxlm.config import load_config
+from maxlm.offload import in_host_memory, to_device_memory, to_host_memory
 from maxlm.plan.measure import compile_step
 
 HERE = Path(__file__).resolve().parent
@@ -48,7 +54,8 @@ def gpu_devices(target: Path, n: int):
 
 def _stats(compiled) -> dict:
   m = compiled.memory_analysis()
-  return {k: round(getattr(m, f"{k}_size_in_bytes") / GIB, 3) for k in ("argument", "output", "alias", "temp")}
+  return {k: round(getattr(m, f"{k}_size_in_bytes") / GIB, 3)
+          for k in ("argument", "output", "alias", "temp", "host_argument", "host_output", "host_alias", "host_temp")}
 
 
 def cond(target: Path) -> None:
@@ -72,8 +79,13 @@ def cond(target: Path) -> None:
 
 
 def _select_cond(pred, true_fn, false_fn, operand):
-  """lax.cond as a select of both branches' results, leaf by leaf (a what-if for `--select-guard`)."""
-  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fn(operand), false_fn(operand))
+  """lax.cond as a select of both branches' results, leaf by leaf (a what-if for `--select-guard`), on the device:
+  leaves in host memory (optim.offload) are moved there first and back after."""
+  def select(a, b):
+    if in_host_memory((a, b)):
+      return to_host_memory(jnp.where(pred, *to_device_memory((a, b))))
+    return jnp.where(pred, a, b)
+  return jax.tree.map(select, true_fn(operand), false_fn(operand))
 
 
 def step(target: Path, n: int, words: list[str], select_guard: bool) -> None:
@@ -84,6 +96,7 @@ def step(target: Path, n: int, words: list[str], select_guard: bool) -> None:
   seconds = time.time() - t0
   st = _stats(compiled)
   st["device"] = round(st["argument"] + st["output"] + st["temp"] - st["alias"], 3)
+  st["host"] = round(st["host_argument"] + st["host_output"] + st["host_temp"] - st["host_alias"], 3)
   print(json.dumps({"program": "train step" + (", guard as a select" if select_guard else ""),
                     "compiler": f"XLA:GPU {target.stem} x {n}", "jax": jax.__version__, "config": words,
                     "compile_s": round(seconds, 1), **st, "params": round(parts["params"] / GIB, 3),

@@ -167,7 +167,8 @@ def build_step(cfg: Config, mesh, *, abstract: bool = False, quantized: bool = T
                       context_strategy=cfg.mesh.context_strategy, stages=mesh.shape["pipeline"],
                       microbatches=cfg.train.grad_accum,
                       overrides=standins.overrides if standins is not None else None)
-  optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+  # an offloaded state streams the scanned stack a layer at a time where no pipeline stages split it
+  optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps, split_layers=mesh.shape["pipeline"] == 1)
   # compile.warm_start (maxlm/runtime/warm_start.py): executables kept from an earlier start of this run, else kept now
   compiler = (warm_start.Compiler(warm_start.run_signature(cfg)) if warm_start.active() and standins is None
               and quantized else None)

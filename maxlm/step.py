@@ -25,6 +25,8 @@ from maxlm.config import ModelConfig
 from maxlm.layers import context
 from maxlm.loss_scale import update_loss_scale
 from maxlm.model import BTV, compute_dtype
+from maxlm.offload import in_host_memory, to_device_in_turn, to_device_memory, to_host_memory
+from maxlm.optim import LAG, apply_updates
 from maxlm.tables import PRECISIONS
 from maxlm.train_state import TrainState
 
@@ -223,10 +225,39 @@ def cast_matmul_weights(params, dtype, cfg: ModelConfig):
   unless tied) cast to `dtype`: what each use casts them to anyway. Norm scales stay as they are (the
   norms compute in fp32). A tied embedding is left alone: its two uses' gradients are summed in the
   master dtype, not in `dtype`."""
+  return jax.tree_util.tree_map_with_path(_matmul_cast(dtype, cfg), params)
+
+
+def _matmul_cast(dtype, cfg: ModelConfig):
+  """`cast(path, x)`: one leaf as `cast_matmul_weights` gives it."""
   names = MATMUL_WEIGHTS + (() if cfg.tie_embeddings else ("embedding",))
 
   def cast(path, x):
     return x.astype(dtype) if getattr(path[-1], "key", None) in names else x
+  return cast
+
+
+def _select(pred, a, b):
+  """jnp.where(pred, a, b) computed on the device: leaves in host memory (optim.offload) are moved there first
+  and the result back after (XLA:GPU would otherwise run the select as host compute)."""
+  if in_host_memory((a, b)):
+    return to_host_memory(jnp.where(pred, *to_device_memory((a, b))))
+  return jnp.where(pred, a, b)
+
+
+def forward_params(params, cfg: ModelConfig, cast_once: bool, host_params: bool):
+  """The parameters as the forward and backward passes read them. model.cast_params_once: the matmul weights
+  enter the model already in the compute dtype (their per-use casts become no-ops); the gradients come back in
+  that dtype and return to the master weights' dtype in the step, as the per-use casts' transposes would have
+  done. Parameters in host memory (optim.offload=host_params) come to the device in turn, each leaf moved first
+  and then cast (whatever model.cast_params_once says: the same numbers; the device holds the compute-dtype copy,
+  not the master weights, and only LAG leaves as they were in host memory at once); under a quantized precision
+  (FP8: its GEMMs quantize the master weights) they are moved as they are."""
+  quantized = PRECISIONS[cfg.precision].quantized
+  cast = (_matmul_cast(compute_dtype(cfg), cfg) if cast_once or (host_params and not quantized)
+          else (lambda path, x: x))
+  if host_params:
+    return to_device_in_turn(params, cast, LAG)
   return jax.tree_util.tree_map_with_path(cast, params)
 
 
@@ -242,18 +273,16 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     grad_accum = 1  # micro-batches itself: they are in flight together, not one after the other
 
   def step(state: TrainState, batch):
-    params = state.params
+    params = state.params  # optim.offload=host_params: in host memory, read and rewritten by the streamed update
     ls = state.loss_scale  # fp16: differentiate loss * scale (maxlm/loss_scale.py); else None
     scale = None if ls is None else ls.scale
+    host_params = in_host_memory(params)
 
     def summed(p, s, b):
       loss, n = loss_fn(p, s, b, scale)
       return loss if scale is None else loss * scale, (loss, n)
 
-    # model.cast_params_once: the matmul weights enter the model already in the compute dtype (their
-    # per-use casts become no-ops); the gradients come back in that dtype and return to the master
-    # weights' dtype here, as the per-use casts' transposes would have done.
-    cparams = cast_matmul_weights(params, compute_dtype(cfg), cfg) if cast_once else params
+    cparams = forward_params(params, cfg, cast_once, host_params)
     grad_fn = jax.grad(summed, argnums=(0, 1), has_aux=True)
 
     def vg(p, s, b):
@@ -268,7 +297,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     if grad_accum == 1:
       (grad_sum, new_model_state), (loss_sum, count) = vg(cparams, state.model_state, batch)
     else:
-      zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+      zeros = (jax.tree_util.tree_map(lambda c, p: jnp.zeros_like(c, p.dtype), cparams, params) if host_params
+               else jax.tree_util.tree_map(jnp.zeros_like, params))  # in device memory
       carry = (zeros, state.model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
       micro_batches = jax.tree_util.tree_map(
           lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)  # [A, B/A, T]
@@ -284,15 +314,14 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     # A conditional rather than a select over every parameter: the skip costs nothing when the
     # update is finite (a select reads and writes params and both Adam moments once more).
     def apply_update(_):
-      updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
-      return optax.apply_updates(params, updates), new_opt_state, new_model_state
+      return (*apply_updates(optimizer, grads, state.opt_state, params), new_model_state)
 
     def skip_update(_):
       return params, state.opt_state, state.model_state
 
     if guard == "select":
       new_params, new_opt_state, new_model_state = jax.tree.map(
-          lambda a, b: jnp.where(finite, a, b), apply_update(None), skip_update(None))
+          lambda a, b: _select(finite, a, b), apply_update(None), skip_update(None))
     else:
       new_params, new_opt_state, new_model_state = jax.lax.cond(finite, apply_update, skip_update, None)
     # Under loss scaling an overflow of the scaled gradients (finite loss) is the scale's business: it
@@ -315,6 +344,6 @@ def make_eval_step(model: nn.Module, *, packed: bool = False) -> Callable:
   loss_fn = _forward_loss(model, packed)
 
   def step(state: TrainState, batch):
-    loss, n = loss_fn(state.params, state.model_state, batch)
+    loss, n = loss_fn(to_device_memory(state.params), state.model_state, batch)  # host_params: to the device first
     return {"loss_sum": loss, "tokens": n}
   return step

@@ -224,11 +224,12 @@ OFFLOAD_RUN = ["model.backend=flax", "model.d_model=64", "model.n_heads=4", "mod
                "checkpoint.async_save=false"]
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])  # both moments' (bfloat16: stochastic rounding)
-def test_offloaded_optimizer_state_steps_bit_identical(tmp_path, state_dtype):
-  """optim.offload=host on the GPU: the compiled step takes the optimizer state from host memory and
-  returns it there (XLA's host argument bytes), and three steps give every array bit-identical to the
-  state kept on the device. A checkpoint saved after the first step (the save reads the host-memory
+@pytest.mark.parametrize("state_dtype,offload", [("float32", "host"), ("bfloat16", "host"),
+                                                 ("bfloat16", "host_params")])  # bfloat16: stochastic rounding
+def test_offloaded_optimizer_state_steps_bit_identical(tmp_path, state_dtype, offload):
+  """optim.offload=host on the GPU: the compiled step takes the optimizer state (host_params: and the float32
+  parameters) from host memory and returns it there (XLA's host argument bytes), and three steps give every
+  array bit-identical to the state kept on the device. A checkpoint saved after the first step (the save reads the host-memory
   moments) must leave nothing that trips the next step's donation ("Donation requested for buffer with
   external reference", MaxText's failure); it restores (checksums verified) into host memory, equal to
   the on-device run's. Each batch is a permutation of the vocabulary: the embedding gradient's
@@ -238,13 +239,13 @@ def test_offloaded_optimizer_state_steps_bit_identical(tmp_path, state_dtype):
   batches = [{"inputs": t, "targets": np.roll(t, -1, axis=1), "segment_ids": np.ones_like(t),
               "positions": np.tile(np.arange(64, dtype=np.int32), (4, 1))} for t in toks]
   out = {}
-  for offload in ("none", "host"):
-    cfg = load_config(OFFLOAD_RUN + [f"optim.offload={offload}", f"optim.mu_dtype={state_dtype}",
+  for where in ("none", offload):
+    cfg = load_config(OFFLOAD_RUN + [f"optim.offload={where}", f"optim.mu_dtype={state_dtype}",
                                      f"optim.nu_dtype={state_dtype}",
-                                     f"output_dir={tmp_path}", f"run_name={offload}"])
+                                     f"output_dir={tmp_path}", f"run_name={where}"])
     t = Trainer(cfg)
     t.build()
-    ckpt = Checkpointer(tmp_path / offload / "checkpoints", cfg.checkpoint)
+    ckpt = Checkpointer(tmp_path / where / "checkpoints", cfg.checkpoint)
     try:
       for i, b in enumerate(batches):
         t.state, _ = t.train_step(t.state, t.to_device(b))
@@ -253,14 +254,17 @@ def test_offloaded_optimizer_state_steps_bit_identical(tmp_path, state_dtype):
       restored = ckpt.restore_latest(abstract_like(t.state, t.state_shardings), to_dict(cfg)).state
     finally:
       ckpt.close()
-    kind = "pinned_host" if offload == "host" else "device"
+    kind = "pinned_host" if where != "none" else "device"
     for s in (t.state, restored):
       assert {x.sharding.memory_kind for x in jax.tree.leaves(s.opt_state)} == {kind}
-    out[offload] = (jax.tree.map(np.asarray, (t.state, restored)), t.jitted_train_step.executable.memory_analysis())
-  (ref, mem_dev), (got, mem_host) = out["none"], out["host"]
+      assert {x.sharding.memory_kind for x in jax.tree.leaves(s.params)} == {
+          "pinned_host" if where == "host_params" else "device"}
+    out[where] = (jax.tree.map(np.asarray, (t.state, restored)), t.jitted_train_step.executable.memory_analysis())
+  (ref, mem_dev), (got, mem_host) = out["none"], out[offload]
   moments = {x.dtype for x in jax.tree.leaves(ref[0].opt_state) if x.ndim}
   assert moments == {jnp.dtype(state_dtype)}, moments
   opt_bytes = sum(x.nbytes for x in jax.tree.leaves(ref[0].opt_state))
+  opt_bytes += sum(x.nbytes for x in jax.tree.leaves(ref[0].params)) if offload == "host_params" else 0
   assert mem_dev.host_argument_size_in_bytes == 0 and mem_host.host_argument_size_in_bytes == opt_bytes
   assert mem_host.argument_size_in_bytes == mem_dev.argument_size_in_bytes - opt_bytes
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(got), strict=True):

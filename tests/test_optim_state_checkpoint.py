@@ -1,9 +1,11 @@
 """Checkpoints across the optimizer-state levers (optim.mu_dtype, optim.nu_dtype, optim.moment_rounding,
 optim.offload; maxlm/optim.py and maxlm/offload.py): a checkpoint written under each moment setting (float32
 moments on the device; MaxText's bfloat16 mu with a float32 nu; bfloat16 moments, stochastically rounded, in
-host memory) resumes under each of the others. The layout is the same (leaf paths and shapes); the moments are
+host memory; a bfloat16 mu with the float32 parameters and the moments in host memory, optim.offload=host_params)
+resumes under each of the others. The layout is the same (leaf paths and shapes); the moments are
 read as saved, their checksums verified, then cast (float32 -> bfloat16 rounds to nearest even, bfloat16 ->
-float32 is exact) into the memory the resuming run keeps them in; the next step runs."""
+float32 is exact) into the memory the resuming run keeps them in (the parameters too: host_params); the next
+step runs."""
 
 import shutil
 
@@ -34,6 +36,8 @@ SETTINGS = {
                "optim.offload=none"],
     "bf16-sr-host": ["optim.mu_dtype=bfloat16", "optim.nu_dtype=bfloat16", "optim.moment_rounding=stochastic",
                      "optim.offload=host"],
+    "bf16mu-host-params": ["optim.mu_dtype=bfloat16", "optim.nu_dtype=float32", "optim.moment_rounding=nearest",
+                           "optim.offload=host_params"],
 }
 BF16 = np.dtype(jax.numpy.bfloat16)
 
@@ -91,12 +95,16 @@ def test_checkpoint_resumes_across_moment_dtypes_and_offload(tmp_path, saved, sa
   got = _leaves(t.state)
   assert got.keys() == reference.keys()
   dtypes = {".mu[": "optim.mu_dtype=bfloat16" in levers, ".nu[": "optim.nu_dtype=bfloat16" in levers}
-  host = "optim.offload=host" in levers
+  host_params = "optim.offload=host_params" in levers
+  host = host_params or "optim.offload=host" in levers
   moments = [k for k in got if ".mu[" in k or ".nu[" in k]
-  assert moments and int(got[".step"]) == 2
+  params = [k for k in got if k.startswith(".params")]
+  assert moments and params and int(got[".step"]) == 2
   for k, x in got.items():
     want = reference[k]
     assert x.shape == want.shape, k
+    if k in params:
+      assert x.sharding.memory_kind == ("pinned_host" if host_params else "device"), k
     if k in moments:
       bf16 = dtypes[".mu[" if ".mu[" in k else ".nu["]
       assert x.dtype == (BF16 if bf16 else np.float32), k

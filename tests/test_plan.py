@@ -158,8 +158,10 @@ def test_llama70b_bytes_per_device_match_a_small_compile():
 
 
 def test_llama70b_on_one_gpu_names_the_smallest_device_count(tmp_path, monkeypatch, capsys):
-  # The trainer on one (faked) H200: nothing fits; the doubling skips 2 and 4 devices by the certain bytes and
-  # measures 8 and 16, here with a made-up XLA that needs 70 GiB over the certain bytes (8 do not fit, 16 do)
+  # The trainer on one (faked) H200: nothing fits; the doubling skips 2 devices by the certain bytes and measures 4
+  # and 8, here with a made-up XLA that needs 70 GiB over the certain bytes: with the parameters and moments in
+  # host memory (offload=host_params, the levers' most saving values) 4 do not fit and 8 do (with the moments
+  # alone, offload=host, 8 would not: 16 was the answer before host_params)
   h200 = Target(1, 1, "NVIDIA H200", gpu_named(DEFAULT_GPU).memory, 0.95, False)
   monkeypatch.setattr(plan, "gpu_here", lambda: True)
   monkeypatch.setattr(plan, "make_target", lambda *a, **k: h200)
@@ -173,8 +175,12 @@ def test_llama70b_on_one_gpu_names_the_smallest_device_count(tmp_path, monkeypat
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and err.startswith("maxlm: error: no setting of plan.levers (model.remat,")
   assert "; as written the config certainly needs " in err
-  assert "; the smallest device count that fits is 16 (remat=full, grad_accum=4, offload=host, " in err
-  assert seen == [8, 16] and not any(tmp_path.iterdir())  # nothing written
+  assert "; the smallest device count that fits is 8 (remat=full, grad_accum=8, offload=host_params, " in err
+  assert seen == [4, 8] and not any(tmp_path.iterdir())  # nothing written
+  eight = Target(8, 1, "NVIDIA H200", gpu_named(DEFAULT_GPU).memory, 0.95, True)
+  cfg = load_config(["config=llama70b.yml", "model.backend=flax", "model.remat=full", "train.grad_accum=8"])
+  assert plan.certain_bytes(plan.apply(cfg, {"optim.offload": "host"}), eight)["certain"] + 70 * 2**30 > eight.usable
+  assert plan.certain_bytes(plan.apply(cfg, {"optim.offload": "host_params"}), eight)["certain"] + 70 * 2**30 <= eight.usable
 
 
 
@@ -207,7 +213,7 @@ def test_search_is_deterministic_and_compiles_only_what_it_must():
     seen.append(plan.current(c))
     if c.model.remat == "save_dots":
       return {"oom": "RESOURCE_EXHAUSTED"}
-    mib = extra[c.model.remat] + (c.optim.offload == "host")
+    mib = extra[c.model.remat] + (c.optim.offload != "none")
     return {"device": plan.certain_bytes(c, target)["certain"] + int(mib * 2**20), "how": "measured"}
 
   p1 = plan.search(cfg, target, measure, "flax")
@@ -216,7 +222,7 @@ def test_search_is_deterministic_and_compiles_only_what_it_must():
   assert seen[len(first):] == first and [r.overrides for r in p1.rows] == [r.overrides for r in p2.rows]
   assert p1.chosen is not None and p1.chosen.overrides == p2.chosen.overrides
   order = [r.overrides for r in p1.rows]
-  assert len(order) == 6 * 2 * 2 * 3  # remat (Flax: 6) x accumulation 1, 2 x offload x (mu, nu) dtypes
+  assert len(order) == 6 * 2 * 3 * 3  # remat (Flax: 6) x accumulation 1, 2 x offload (3) x (mu, nu) dtypes
   moments = ("optim.mu_dtype", "optim.nu_dtype")
   assert {tuple(o[k] for k in moments) for o in order} == {("float32", "float32"), ("bfloat16", "float32"),
                                                           ("bfloat16", "bfloat16")}  # no bf16 nu with fp32 mu
@@ -252,7 +258,7 @@ def test_search_is_deterministic_and_compiles_only_what_it_must():
   assert [r.status for r in p1.rows[:2]] == ["too big", "pruned"]
   expected = next(o for o in order if o["model.remat"] not in ("none", "save_dots_attn", "save_dots")
                   and plan.certain_bytes(plan.apply(cfg, o), target)["certain"]
-                  + int((extra[o["model.remat"]] + (o["optim.offload"] == "host")) * 2**20) <= target.usable)
+                  + int((extra[o["model.remat"]] + (o["optim.offload"] != "none")) * 2**20) <= target.usable)
   assert p1.chosen.overrides == expected  # the first that fits, nothing earlier that would have
   # a measurement made already (plan.mode=fit's of the config as written) is used, not pruned nor compiled again
   pruned = p1.rows[1].overrides
@@ -289,11 +295,12 @@ def test_lever_values_split_the_batch_and_stay_in_plan_levers():
     plan.parse_levers("model.remat, model.bogus")
 
 
-def _streamed_peak(leaves: list[int], lag: int) -> int:
+def _streamed_peak(leaves: list[int], lag: int, arrays: int = 2) -> int:
   """Device bytes of the streamed update (maxlm/optim.py, optim.offload=host), simulated parameter by parameter in
-  the order given: parameter i's moments (mu and nu, float32, `leaves[i]` bytes each) come in once those of
-  parameter i - lag have gone back, each held old and new while updated: at every parameter, the last `lag`."""
-  return max(sum(2 * 2 * b for b in leaves[max(0, i - lag + 1):i + 1]) for i in range(len(leaves)))
+  the order given: parameter i's moments (mu and nu, float32, `leaves[i]` bytes each; arrays=3: the parameter
+  too, host_params) come in once those of parameter i - lag have gone back, each held old and new while updated:
+  at every parameter, the last `lag`."""
+  return max(sum(2 * arrays * b for b in leaves[max(0, i - lag + 1):i + 1]) for i in range(len(leaves)))
 
 
 def test_offload_arithmetic_for_simulated_gpus():
@@ -312,6 +319,15 @@ def test_offload_arithmetic_for_simulated_gpus():
   assert worst == 9_200  # 1500 and 800 side by side
   stats = {**stats, "params": 2_550, "opt_state": 5_100}
   assert plan_measure.offloaded(stats)["device"] >= 30_000 - 5_100 + worst
+  # host_params: the parameters (3,750 B) leave the device too, and stream with their moments: the two 1500-byte
+  # parameters side by side, 2 x (p, mu, nu) x (old, new) x 1500
+  leaves = [1500, 1500, 500, 250]
+  worst = max(_streamed_peak(list(order), LAG, arrays=3) for order in itertools.permutations(leaves))
+  assert worst == 18_000
+  stats = {"device": 30_000, "params": 3_750, "opt_state": 7_500, "opt_leaf_fp32": 1_500, "how": "measured"}
+  both = plan_measure.offloaded(stats, "host_params")
+  assert both["device"] == 30_000 - 7_500 - 3_750 + worst == 36_750
+  assert both["how"].startswith("arithmetic") and "parameters and the optimizer state" in both["how"]
 
 
 def test_simulated_devices_in_a_child_measure_like_here():
@@ -321,9 +337,15 @@ def test_simulated_devices_in_a_child_measure_like_here():
   try:
     got = sim.measure(cfg)
     assert sim.measure(plan.apply(cfg, {"optim.offload": "host"}))["how"].startswith("arithmetic")
+    both = sim.measure(plan.apply(cfg, {"optim.offload": "host_params"}))
   finally:
     sim.close()
   assert got["device"] == here["device"]
+  # host_params: the program of offload=none holding the parameters' compute copy (model.cast_params_once), less
+  # the parameters and the optimizer state, plus the streamed parameters and moments
+  once = plan_measure.measure(plan.apply(cfg, {"model.cast_params_once": True}), gpu_footprint=True)
+  assert both["device"] == plan_measure.offloaded(once, "host_params")["device"]
+  assert "parameters and the optimizer state" in both["how"]
   # the stand-in keeps fused attention's footprint: no [B, H, T, T] scores, so less than real CPU attention
   assert here["device"] < plan_measure.measure(cfg)["device"]
 

@@ -53,7 +53,8 @@ def test_compute_is_the_flops_and_every_recomputed_flop_at_the_peak(remat, parts
                                                 ("bfloat16", "bfloat16", 4)])
 def test_optimizer_traffic_at_hbm_bandwidth_and_host_trips_at_the_host_link(mu, nu, moment_bytes):
   """The update reads parameter and gradient and writes the parameter (3 x 4 B) and reads and writes the moments
-  (2 x their bytes) at HBM bandwidth; offloaded, the moments cross the host link in and out instead."""
+  (2 x their bytes) at HBM bandwidth; offloaded, the moments cross the host link in and out instead (and with
+  host_params the parameters three times)."""
   base = cfg("model.remat=save_attn", f"optim.mu_dtype={mu}", f"optim.nu_dtype={nu}")
   t = step_time(base, H200)
   assert t["optimizer_s"] == pytest.approx(PARAMS * (12 + 2 * moment_bytes) / HBM, rel=1e-12)
@@ -62,6 +63,13 @@ def test_optimizer_traffic_at_hbm_bandwidth_and_host_trips_at_the_host_link(mu, 
                       "optim.offload=host"), H200)
   assert off["optimizer_s"] == pytest.approx(PARAMS * 12 / HBM, rel=1e-12)
   assert off["offload_s"] == pytest.approx(2 * PARAMS * moment_bytes / HOST, rel=1e-12)
+  # host_params: the float32 parameters cross too, in for the forward and backward passes, in and out for the
+  # update (3 x 4 B), beside the moments; the update's HBM traffic is the same as host's
+  both = step_time(cfg("model.remat=save_attn", f"optim.mu_dtype={mu}", f"optim.nu_dtype={nu}",
+                       "optim.offload=host_params"), H200)
+  assert both["optimizer_s"] == pytest.approx(PARAMS * 12 / HBM, rel=1e-12)
+  assert both["offload_s"] == pytest.approx(PARAMS * (2 * moment_bytes + 12) / HOST, rel=1e-12)
+  assert both["total_s"] == pytest.approx(both["compute_s"] + both["optimizer_s"] + both["offload_s"], rel=1e-12)
 
 
 def test_accumulation_reads_the_weights_again_and_the_gradient_sum():

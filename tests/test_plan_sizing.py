@@ -196,6 +196,43 @@ def test_optimizer_state_dtype_and_host_offload():
   assert (off["params"], off["gradients"], off["optimizer"], off["host"]) == (100, 100, 0, 208)
 
 
+def test_host_params_moves_the_master_weights_to_the_host_and_counts_their_compute_copy():
+  """optim.offload=host_params, Llama 3 8B on one 80 GB GPU (llama8b.yml: bf16 compute, untied, loss_chunk 1024,
+  batch 8): no params nor moments on the device between steps (the host term: 4 + 8 B per parameter); for the step
+  the compute copy: the GEMM weights, the embedding and the head in bf16 (2 B), the 65 norms in fp32 (4 B). The
+  untied embedding's copy (read once by the lookup) is not certainly held; the rest is, with the head's output,
+  and with the gradient sum too when accumulating. Numbers by hand from the shapes."""
+  base = load_config(["config=llama8b", "mesh.fsdp=1"])
+  copy = 2 * (32 * L8_LAYER + 2 * 128256 * 4096) + 4 * 65 * 4096  # 16.1e9 B
+  embedding = 2 * 128256 * 4096
+  head_row = 1024 * 128256 * 2  # one row's chunk of the head's bf16 output
+  est = estimate(with_(base, optim={"offload": "host_params"}), 1)
+  assert (est["params"], est["optimizer"], est["gradients"]) == (0, 0, 4 * L8_PARAMS)
+  assert est["host"] == 12 * L8_PARAMS and (est["copy"], est["copy_embedding"]) == (copy, embedding)
+  # one micro-batch of 8 rows: the gradients (32.1e9 B) outweigh the copy (less the embedding) with the head's output
+  assert est["head"] == 8 * head_row and est["lower_bound"] == 4 * L8_PARAMS
+  plain = estimate(base, 1)
+  assert est["total"] == plain["total"] - 12 * L8_PARAMS + copy
+  # 8 micro-batches of one row: the gradient sum, the copy (less the embedding) and one row's head output at once
+  acc = estimate(with_(base, optim={"offload": "host_params"}, train={"grad_accum": 8}), 1)
+  assert acc["lower_bound"] == 4 * L8_PARAMS + copy - embedding + head_row
+  assert human_bytes(acc["lower_bound"]) == "44.1 GiB"  # 47.4e9 B: under an H100's 79.2 GiB
+  check_fits(with_(base, optim={"offload": "host_params"}, train={"grad_accum": 8}), 1, int(79.2 * GiB))
+  with pytest.raises(ConfigError, match=r"the params' compute copy 14\.0 GiB"):
+    check_fits(with_(base, optim={"offload": "host_params"}, train={"grad_accum": 8}), 1, 40 * GiB)
+  # sharded over 8 devices (FSDP): every part per device, rounded up
+  est8 = estimate(load_config(["config=llama8b", "optim.offload=host_params"]), 8)
+  assert est8["copy"] == -(-copy // 8) and est8["host"] == 12 * L8_PARAMS // 8
+  # FP8: TE's GEMMs take the float32 master weights, so the copy is the parameters in float32
+  fp8 = estimate(with_(base, optim={"offload": "host_params"}, model={"precision": "fp8_delayed"}), 1)
+  assert fp8["copy"] == 4 * L8_PARAMS and fp8["copy_embedding"] == 4 * 128256 * 4096
+  # tied: the embedding is the head, never cast (fp32), and certainly held
+  tied = estimate(with_(base, optim={"offload": "host_params"}, model={"tie_embeddings": True}), 1)
+  assert (tied["copy"], tied["copy_embedding"]) == (2 * 32 * L8_LAYER + 4 * 128256 * 4096 + 4 * 65 * 4096, 0)
+  for off in ("none", "host"):
+    assert estimate(with_(base, optim={"offload": off}), 1)["copy"] == 0
+
+
 # Small shapes where each term of the lower bound leads (n_layers 1, vocab 65536: the embedding and the head are
 # most of the 33.7M parameters), compiled on the 8 CPU devices (FSDP over 8).
 BOUND = ["model.backend=flax", "data.type=synthetic", "model.n_layers=1", "model.d_model=256", "model.ffn_dim=512",

@@ -33,7 +33,8 @@ devices = topologies.get_topology_desc(platform="cuda", target_config=target.KIN
 compiled, _ = compile_step(load_config(sys.argv[2:] + ["plan.mode=off"]), devices, fused_attention=True)
 m = compiled.memory_analysis()
 print(json.dumps({"bytes": m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                  - m.alias_size_in_bytes, "platform": devices[0].platform, "kind": devices[0].device_kind}))
+                  - m.alias_size_in_bytes, "host_argument": m.host_argument_size_in_bytes,
+                  "platform": devices[0].platform, "kind": devices[0].device_kind}))
 """
 
 
@@ -44,12 +45,15 @@ def _plugin():
   return plugin
 
 
-@pytest.mark.parametrize("n", [2, 8])
-def test_plan_figure_is_xla_gpu_memory_analysis(n):
+@pytest.mark.parametrize("n,offload", [(2, "none"), (8, "none"), (2, "host_params")])
+def test_plan_figure_is_xla_gpu_memory_analysis(n, offload):
+  """host_params: XLA:GPU's own program with the parameters and the optimizer state in pinned host memory (the
+  compile-only devices drop a NamedSharding's memory kind; maxlm/plan/target.py compiles through AbstractMesh
+  shardings), no arithmetic: the same bytes as the reference, which holds the state in host memory."""
   plugin = _plugin()
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  r = subprocess.run([sys.executable, "-m", "maxlm.cli", "plan", *TINY, "--devices", str(n), "--target", "h200",
-                      "--mesh-as-written", "--json"], env=env,
+  r = subprocess.run([sys.executable, "-m", "maxlm.cli", "plan", *TINY, f"optim.offload={offload}", "--devices",
+                      str(n), "--target", "h200", "--mesh-as-written", "--json"], env=env,
                      capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   p = json.loads(r.stdout)
@@ -58,12 +62,14 @@ def test_plan_figure_is_xla_gpu_memory_analysis(n):
   assert p["target"]["measured_by"] == f"XLA:GPU target h200 (compile-only), jax {jax.__version__}"
   ref_env = target.compiler_env(plugin, "auto", target.KINDS["h200"])
   levers = [f"{k}={v}" for k, v in chosen[0]["levers"].items()]  # the chosen moments' dtypes
-  ref = subprocess.run([sys.executable, "-c", REFERENCE, str(n), *TINY, *levers], env=ref_env, capture_output=True,
-                       text=True, timeout=900)
+  ref = subprocess.run([sys.executable, "-c", REFERENCE, str(n), *TINY, f"optim.offload={offload}", *levers],
+                       env=ref_env, capture_output=True, text=True, timeout=900)
   assert ref.returncode == 0, ref.stderr[-3000:]
   want = json.loads(ref.stdout.splitlines()[-1])
   assert want["platform"] == "gpu" and "H200" in want["kind"]
   assert chosen[0]["measured_bytes"] == want["bytes"]  # the same program, the same compiler: equal to the byte
+  assert (want["host_argument"] > 0) == (offload != "none")
+  assert chosen[0]["how"] == "measured"  # no arithmetic
   assert chosen[0]["xla"]["jax"] == jax.__version__
 
 

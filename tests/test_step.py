@@ -18,8 +18,8 @@ from maxlm.layers import FP8_COLLECTION, PrecisionError, check_precision, precis
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
-from maxlm.step import (cast_matmul_weights, chunked_token_losses, fp8_chunked_head, make_eval_step,
-                        make_train_step, pow2_scale, quantize, token_losses, use_chunked_loss)
+from maxlm.step import (cast_matmul_weights, chunked_token_losses, forward_params, fp8_chunked_head,
+                        make_eval_step, make_train_step, pow2_scale, quantize, token_losses, use_chunked_loss)
 from maxlm.train_state import abstract_state, create_train_state
 
 MODEL = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
@@ -532,6 +532,25 @@ def test_cast_matmul_weights_leaves_norms_and_a_tied_embedding():
   assert untied == {"embed/embedding": bf, "layers/qkv/kernel": bf, "layers/qkv/scale": f32,
                     "layers/mlp/wi_kernel": bf, "layers/mlp/wo_kernel": bf}
   assert tied == {**untied, "embed/embedding": f32}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_delayed"])
+def test_host_params_reach_the_forward_moved_then_cast_unless_quantized(precision):
+  """optim.offload=host_params: the forward reads the parameters in device memory, the matmul weights in the
+  compute dtype (bf16; the norms float32), as model.cast_params_once gives them; under FP8 (its GEMMs quantize the
+  master weights) every leaf float32, as it was. The values: the host arrays', cast by round to nearest."""
+  params = {"embed": {"embedding": jnp.linspace(-1, 1, 8).reshape(4, 2)},
+            "layers": {"qkv": {"kernel": jnp.full((2, 2), 1 / 3), "scale": jnp.full(2, 1 / 3)}}}
+  host = jax.device_put(params, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+  cfg = dataclasses.replace(MODEL, dtype="bfloat16", precision=precision)
+  got = jax.jit(lambda p: forward_params(p, cfg, False, True))(host)
+  bf16 = precision == "bf16"
+  for (name, x), (_, y) in zip(named_leaves(got), named_leaves(params)):
+    assert x.sharding.memory_kind == "device", name
+    want = y.astype(jnp.bfloat16) if bf16 and name[-1] != "scale" else y
+    assert x.dtype == want.dtype and np.array_equal(np.asarray(x), np.asarray(want)), name
+  assert {x.dtype for x in jax.tree.leaves(got)} == ({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)} if bf16
+                                                    else {jnp.dtype(jnp.float32)})
 
 
 @pytest.mark.te

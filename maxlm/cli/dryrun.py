@@ -200,17 +200,21 @@ def render(p: dict) -> str:
       "memory  per device, estimated:",
   ]
   piped = ms["pipeline"] > 1
+  off = c["optim"]["offload"]
   rows = [("params", f"{m['param_dtype']}, sharded over fsdp x tensor" + (", the layers also over pipeline" if piped
-                                                                          else "")),
+                                                                          else "")
+           + ("; in host memory (optim.offload=host_params)" if off == "host_params" else "")),
           ("optimizer", f"AdamW mu in {c['optim']['mu_dtype']}, nu in {c['optim']['nu_dtype']}, the params' "
                         "shards"
-           + ("; in host memory (optim.offload=host)" if c["optim"]["offload"] == "host" else "")),
+           + (f"; in host memory (optim.offload={off})" if off != "none" else "")),
           ("gradients", "same dtype and shards as the params"),
           ("fp8_meta", f"TE delayed-scaling amax histories and scales, from {mem['fp8_meta_from']}"),
           ("logits", ("the whole batch (pipelined)" if piped else "one micro-batch")
            + ", fp32 for the loss + the compute-dtype copy"),
           ("activations", "rough: everything the backward pass reads, every layer" if mem["remat"] == "none"
            else f"rough: what remat={mem['remat']} keeps per layer + one layer recomputed")]
+  if off == "host_params":
+    rows.append(("copy", "the params on the device for the step: matmul weights in the compute dtype"))
   for key, why in rows:
     lines.append(f"  {key:<12}{human_bytes(est[key]):>11}   {why}")
   lines.append(f"  {'lower bound':<12}{human_bytes(est['lower_bound']):>11}   certainly held at once: the state, and the "
@@ -218,8 +222,8 @@ def render(p: dict) -> str:
                f"({est['lower_bound'] / 1e9:.1f} GB)")
   lines.append(f"  {'total':<12}{human_bytes(est['total']):>11}   ({est['total'] / 1e9:.1f} GB, the unit of peak_memory_gb)")
   if est["host"]:
-    lines.append(f"  {'host':<12}{human_bytes(est['host']):>11}   the optimizer state in pinned host memory, not in "
-                 "the totals")
+    lines.append(f"  {'host':<12}{human_bytes(est['host']):>11}   the optimizer state"
+                 + (" and the params" if off == "host_params" else "") + " in pinned host memory, not in the totals")
   if "device_bytes" in mem:
     verdict = "fits" if mem["fits"] else ("the lower bound fits, the total does not" if mem["lower_bound_fits"]
                                           else "does NOT fit (the run stops at start)")

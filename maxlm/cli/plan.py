@@ -45,7 +45,7 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
   t = p.target
   tokens = cfg.data.global_batch_size * cfg.data.seq_len
   lines = [f"maxlm plan: {cfg.model.name} on {t.describe()}",
-           f"{'':2}{'#':>4}  {'model.remat':<19}{'grad_accum':>10}  {'offload':<8}{'mu':<9}{'nu':<9}"
+           f"{'':2}{'#':>4}  {'model.remat':<19}{'grad_accum':>10}  {'offload':<12}{'mu':<9}{'nu':<9}"
            f"{'certain':>11}{'measured':>12}{'step':>12}{'tok/s':>12}  status"]
   written = plan.current(cfg)
   shown = [(i, r) for i, r in enumerate(p.rows, 1) if everything or r.measured is not None or r is p.chosen]
@@ -56,7 +56,7 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
     status = r.status + (f": {r.note}" if r.note else "") + ("" if r.how in ("", "measured") else f" ({r.how})")
     status += "; the config as written" if r.overrides == written else ""
     lines.append(f"{'*' if r is p.chosen else '':2}{i:>4}  {o['model.remat']:<19}{o['train.grad_accum']:>10}  "
-                 f"{o['optim.offload']:<8}{o['optim.mu_dtype']:<9}{o['optim.nu_dtype']:<9}{human_bytes(r.certain):>11}"
+                 f"{o['optim.offload']:<12}{o['optim.mu_dtype']:<9}{o['optim.nu_dtype']:<9}{human_bytes(r.certain):>11}"
                  f"{(human_bytes(r.measured) if r.measured is not None else '-'):>12}{timing}  {status}")
   counts = {k: sum(r.status == k for r in p.rows) for k in ("pruned", "not tried")}
   if not everything:

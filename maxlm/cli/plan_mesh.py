@@ -26,7 +26,7 @@ def _settings(o: dict) -> str:
 
 def render(mp: mesh_search.MeshPlan, cfg, target: Target) -> str:
   lines = [f"maxlm plan: the mesh of {cfg.model.name} on {target.describe()}",
-           f"  {'mesh':<58}{'est. step':>10}  {'levers (remat, accum, offload, mu, nu)':<42}{'peak':>11}"
+           f"  {'mesh':<58}{'est. step':>10}  {'levers (remat, accum, offload, mu, nu)':<50}{'peak':>11}"
            f"{'predicted':>11}{'tok/s/GPU':>11}  status"]
   rank = {"chosen": 0, "runner-up": 1}
   done = sorted((r for r in mp.rows if r.plan is not None),
@@ -42,7 +42,7 @@ def render(mp: mesh_search.MeshPlan, cfg, target: Target) -> str:
     est = f"{r.estimate_s:>9.3g}s" if r.estimate_s is not None else f"{'-':>10}"
     mark = {"chosen": "*", "runner-up": "2"}.get(r.status, "")
     status = r.status + ("; the config's mesh" if r.written else "")
-    lines.append(f"{mark:2}{mesh_search.label(r.overrides):<58}{est}  {levers:<42}{peak:>11}{pred}  {status}")
+    lines.append(f"{mark:2}{mesh_search.label(r.overrides):<58}{est}  {levers:<50}{peak:>11}{pred}  {status}")
   skipped = sum(r.status == "certain bytes too big" for r in mp.rows)
   rest = sum(r.plan is None and r.estimate_s is not None for r in mp.rows) - sum(r.plan is None for r in shown)
   lines.append(f"  {len(mp.rows)} meshes: {skipped} need more than a device holds (certain bytes, every lever at its "

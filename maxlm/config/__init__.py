@@ -163,8 +163,11 @@ class OptimConfig:
                                 choices=("stochastic", "nearest"))
   offload: str = option("none", "host: the optimizer state lives in pinned host memory; after the backward "
                         "pass the update streams it through the device a few parameters at a time (no moments "
-                        "on the GPU during forward and backward; costs host-device transfers each step)",
-                        choices=("none", "host"))
+                        "on the GPU during forward and backward; costs host-device transfers each step); "
+                        "host_params: the float32 master parameters too (the step brings them to the device "
+                        "and holds their compute-dtype copy for forward and backward, float32 under FP8; the "
+                        "update streams them with their moments; the same numbers as none)",
+                        choices=("none", "host", "host_params"))
 
 
 _DEGREE = "[1, inf) or -1"

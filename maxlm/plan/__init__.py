@@ -1,8 +1,8 @@
 """Memory planner: the fastest setting of the memory levers whose train step fits, as measured by XLA.
 
-Levers (each a plain config key; `plan.levers` lists those the planner may set): `model.remat`,
-`train.grad_accum` (micro-batches at the same global batch), `optim.offload` (none | host), `optim.mu_dtype`
-and `optim.nu_dtype` (float32 | bfloat16; a bfloat16 nu only with a bfloat16 mu). `candidates` lists their
+Levers (each a plain config key; `plan.levers` lists those the planner may set): `model.remat`, `train.grad_accum`
+(micro-batches at the same global batch), `optim.offload` (none | host | host_params), `optim.mu_dtype` and
+`optim.nu_dtype` (float32 | bfloat16; a bfloat16 nu only with a bfloat16 mu). `candidates` lists their
 settings, fastest expected first; `search` walks that list and compiles the train step of each plausible one
 ahead of time on abstract shapes (maxlm/plan/measure.py: XLA's `memory_analysis()`, nothing allocated); the
 first whose measured peak fits the usable memory wins, so the choice is deterministic. `resolve` applies
@@ -83,7 +83,7 @@ def lever_values(cfg: Config, target: Target, backend: str) -> dict[str, tuple]:
   accums = tuple(a for a in powers if batch % a == 0 and (batch // a) % dp == 0 and a >= deg["pipeline"])
   # from the most kept to the least (maxlm/tables.py REMATS: what each keeps per layer)
   remats = tuple(name for name, r in REMATS.items() if not r.te_only or backend == "te")
-  offloads = ("none", "host") if target.gpu else ("none",)  # a CPU has one memory: host offload saves nothing
+  offloads = ("none", "host", "host_params") if target.gpu else ("none",)  # a CPU has one memory: nothing to save
   pairs = moments.settings(cfg, chosen)  # in their order, none lossy (maxlm/plan/moments.py)
   values = {"model.remat": remats, "train.grad_accum": accums, "optim.offload": offloads,
             **{k: tuple(dict.fromkeys(p[i] for p in pairs)) for i, k in enumerate(moments.KEYS)}}
@@ -119,7 +119,7 @@ def candidates(cfg: Config, target: Target, backend: str) -> list[dict]:
 def certain_bytes(cfg: Config, target: Target) -> dict:
   """Bytes per device: "certain" = sizing's lower_bound (what the step certainly holds at once: the state, and
   the gradients or the logits, both when accumulating; maxlm/plan/sizing.py says why it is a lower bound of
-  XLA's peak), the moments left out when offloaded (streamed a few parameters at a time); "activations" =
+  XLA's peak), the moments (and with host_params the parameters) left out when offloaded; "activations" =
   sizing's rough activations."""
   est = sizing.estimate(cfg, target.n_devices, target.n_nodes)
   return {"certain": est["lower_bound"], "activations": est["activations"]}
@@ -280,10 +280,10 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
   if least is not None:
     c = apply(cfg, least.overrides)
     est = sizing.estimate(c, t.n_devices, t.n_nodes)
-    both = est["params"] + est["gradients"]
+    both = est["params"] + est["copy"] + est["gradients"]  # host_params: the parameters' compute copy
     msg += (f"; the least measured, {_label(least.overrides)}, needs {human_bytes(least.measured)}, of which "
             f"the parameters and their gradients take {human_bytes(both)}: no lever in plan.levers shrinks "
-            "those (the missing lever: parameters or gradients kept in host memory)")
+            "those further (the missing lever: gradients kept in host memory)")
   elif pruned:
     r = min(pruned, key=lambda r: r.plausible)
     msg += (f"; the least of the {len(pruned)} candidates pruned is {_label(r.overrides)} at "

@@ -12,7 +12,8 @@ fitted to a run:
 * per extra micro-batch, the weights read again and the gradient sum read and written, at HBM bandwidth;
 * the optimizer update's memory traffic (read parameter, gradient, moments; write parameter, moments) at HBM
   bandwidth, the moments in their dtypes; with `optim.offload=host` the moments' trip to the host and back at
-  the host link's bandwidth instead.
+  the host link's bandwidth instead; with `host_params` also the parameters' three crossings (in for the forward
+  and backward passes, in and out again for the update: maxlm/step.py, maxlm/optim.py), in `model.param_dtype`.
 
 A roofline is a bound: real steps are slower (the 8B on one H200 ran at 57% of the compute term) and by
 different factors for different settings; the times are for ordering, and the GPUs at hand measure.
@@ -108,9 +109,11 @@ def step_time(cfg: Config, target: Target) -> dict:
   per_device = held / shards  # parameters per device
   p_bytes = sizing.DTYPE_BYTES[m.param_dtype]
   moment_bytes = sizing.moment_bytes(cfg.optim)  # mu's and nu's, per parameter
-  host_trip = cfg.optim.offload == "host"
+  host_trip = cfg.optim.offload in ("host", "host_params")
   optimizer = per_device * (3 * p_bytes + (0 if host_trip else 2 * moment_bytes)) / hbm  # read p, g; write p (+ moments)
-  offload = 2 * per_device * moment_bytes / host if host_trip else 0.0  # the moments in and out over the host link
+  # over the host link: the moments in and out; host_params: the parameters in (forward), in and out (update)
+  crossings = 2 * moment_bytes + (3 * p_bytes if cfg.optim.offload == "host_params" else 0)
+  offload = per_device * crossings / host if host_trip else 0.0
   context = context_exchange_bytes(cfg, deg) / (net if cfg.mesh.dcn_context != 1 else link)
   total = max(compute, fsdp + data + context) + accum + handoff + optimizer + offload
   return {"compute_s": compute, "bubble_s": bubble, "comm_s": fsdp + data + context, "context_s": context,

@@ -64,11 +64,15 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
   per device, "bf16_kept"}), from abstract shapes only: the trainer's step (maxlm/build.py). fused_attention
   (measuring a GPU's step): with fused attention's footprint, and on CPU devices with bf16 kept
   (GPU_DTYPE_OPTIONS; bf16_kept: True, False where XLA:CPU could not compile it so, None where not asked).
-  unrolled: the model is scanned for the measurement only, so a scanned stack counts per layer in opt_leaf_fp32."""
+  unrolled: the model is scanned for the measurement only, so a scanned stack counts per layer in opt_leaf_fp32
+  (as it does where an offloaded state streams the stack a layer at a time: no pipeline stages, maxlm/optim.py)."""
   built, gpu_dtypes = measured_build(cfg, devices, fused_attention, guard_select)
   structs, batch = built.state, built.batch_structs()
-  kept = None
-  if not gpu_dtypes:
+  split = built.mesh.shape["pipeline"] == 1  # maxlm/build.py's make_optimizer(split_layers=...)
+  kept, host = None, cfg.optim.offload != "none" and target.drops_memory_kinds(built.mesh)
+  if host:  # compile-only GPUs: the state in host memory through AbstractMesh shardings (maxlm/plan/target.py)
+    compiled = target.compile_in_host_memory(built, cfg.optim.offload)
+  elif not gpu_dtypes:
     compiled = built.train_step.compile(structs, batch)
   else:
     lowered, kept = built.train_step.lower(structs, batch), True
@@ -81,8 +85,8 @@ def compile_step(cfg: Config, devices=None, fused_attention: bool = False, unrol
       # program, bf16 computed in f32 (higher, as before GPU_DTYPE_OPTIONS)
       compiled, kept = lowered.compile(), False
   return compiled, {"params": _shard_bytes(structs.params), "opt_state": _shard_bytes(structs.opt_state),
-                    "opt_leaf_fp32": _largest_parameter(structs.params, cfg.model.n_layers if unrolled else 1),
-                    "bf16_kept": kept}
+                    "opt_leaf_fp32": _largest_parameter(structs.params, cfg.model.n_layers if unrolled or split else 1),
+                    "bf16_kept": kept, "host_memory": host}
 
 
 def measured_build(cfg: Config, devices=None, fused_attention: bool = False,
@@ -99,7 +103,8 @@ def measured_build(cfg: Config, devices=None, fused_attention: bool = False,
 
 def _largest_parameter(params, n_layers: int) -> int:
   """Float32 bytes of one device's shard of the largest parameter, a scanned stack counted per layer (what
-  an unrolled model's streamed update moves at once; see `offloaded`)."""
+  an unrolled model's streamed update moves at once, and a scanned one's where it streams the stack a layer at a
+  time; see `offloaded`)."""
   sizes = []
   for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
     n = math.prod(a.sharding.shard_shape(a.shape)) * 4
@@ -131,20 +136,28 @@ def measure(cfg: Config, devices=None, gpu_footprint: bool = False, inspect=None
     return {"oom": str(e).splitlines()[0][:300]}
   if parts.pop("bf16_kept") is False:
     how += ", bf16 computed in f32 (XLA:CPU could not compile the step with bf16 kept: higher)"
+  host = parts.pop("host_memory")  # XLA:GPU's own program with the state in host memory: no arithmetic
   out = memory_stats(compiled) | parts | {"how": how} | (inspect(compiled) if inspect else {})
-  return offloaded(out) if gpu_footprint and cfg.optim.offload == "host" else out
+  return offloaded(out, cfg.optim.offload) if gpu_footprint and cfg.optim.offload != "none" and not host else out
 
 
-def offloaded(stats: dict) -> dict:
+def offloaded(stats: dict, offload: str = "host") -> dict:
   """XLA:CPU has one memory (host offload compiles to the same program), and XLA:GPU's compile-only devices
-  report no host memory, so there the device bytes of an optimizer state kept in host memory are arithmetic:
-  the measured peak less the state, plus what the streamed update (maxlm/optim.py) holds on the device at
-  once: the moments of LAG parameters, each upcast to float32 and updated (old and new), taken for the
-  largest parameter (of each layer where the layers were scanned for the measurement only; a whole stack
-  where the model scans them)."""
-  stream = LAG * 2 * 2 * stats["opt_leaf_fp32"]  # LAG parameters x (old, new) x (mu, nu)
-  return stats | {"device": stats["device"] - stats["opt_state"] + stream,
-                  "how": f"arithmetic: the compiled peak - the optimizer state + {LAG} streamed parameters' moments"}
+  report no host memory (a sharding over them drops its memory kind: benchmarks/gpu_deviceless.py), so there the
+  device bytes of an optimizer state kept in host memory are arithmetic: the measured peak less the state, plus
+  what the streamed update (maxlm/optim.py) holds on the device at once: the moments of LAG parameters, each
+  upcast to float32 and updated (old and new), taken for the largest parameter (of each layer where the layers
+  were scanned for the measurement only or the stack streams a layer at a time; a whole stack where pipeline
+  stages split it). offload="host_params": the parameters are left out too and stream with their moments
+  (float32, old and new); the program measured holds their compute-dtype copy (the host_params step itself, or
+  offload=none with model.cast_params_once: `Simulator`)."""
+  both = offload == "host_params"
+  stream = LAG * 2 * (3 if both else 2) * stats["opt_leaf_fp32"]  # LAG parameters x (old, new) x (mu, nu[, p])
+  state = stats["opt_state"] + (stats["params"] if both else 0)
+  what = "the parameters and the optimizer state" if both else "the optimizer state"
+  moved = "parameters and moments" if both else "parameters' moments"
+  return stats | {"device": stats["device"] - state + stream,
+                  "how": f"arithmetic: the compiled peak - {what} + {LAG} streamed {moved}"}
 
 
 def simulated_env(n_devices: int) -> dict[str, str]:
@@ -160,25 +173,30 @@ def simulated_env(n_devices: int) -> dict[str, str]:
 
 class Simulator:
   """`measure(..., gpu_footprint=True)` on n simulated CPU devices in one child process (started on the first
-  call), or on what `command` measures on in the environment `env` (maxlm/plan/target.py's compile-only GPUs).
-  Configs that differ only in optim.offload are one program there: compiled once."""
+  call), or on what `command` measures on in the environment `env` (maxlm/plan/target.py's compile-only GPUs,
+  one_memory=False: they compile the offloaded program itself). On XLA:CPU's one memory, configs that differ only
+  in optim.offload are one program: compiled once, the offload by `offloaded` (host_params: the program of
+  offload=none with model.cast_params_once, which holds the parameters' compute-dtype copy as host_params does)."""
 
   def __init__(self, n_devices: int, command: list[str] | None = None, env: dict | None = None,
-               label: str = ""):
-    self.n, self.proc, self.cache = n_devices, None, {}
+               label: str = "", one_memory: bool = True):
+    self.n, self.proc, self.cache, self.one_memory = n_devices, None, {}, one_memory
     self.command = command or [sys.executable, "-m", "maxlm.plan.measure"]
     self.env, self.label = env, label or f"{n_devices} simulated CPU devices"
 
   def measure(self, cfg: Config) -> dict:
     data = to_dict(cfg)
-    data["optim"]["offload"] = "none"
+    arithmetic = self.one_memory and cfg.optim.offload != "none"
+    if arithmetic:
+      data["optim"]["offload"] = "none"
+      data["model"]["cast_params_once"] |= cfg.optim.offload == "host_params"
     key = json.dumps(data, sort_keys=True)
     if key not in self.cache:
       self.cache[key] = self._ask(key)
     out = self.cache[key]
     if "error" in out:
       raise ConfigError(out["error"])
-    return offloaded(out) if "oom" not in out and cfg.optim.offload == "host" else out
+    return offloaded(out, cfg.optim.offload) if "oom" not in out and arithmetic else out
 
   def _ask(self, line: str) -> dict:
     if self.proc is None:
@@ -275,7 +293,7 @@ def gpu_compiler(key: str, n_devices: int, n_nodes: int, preset: str) -> Simulat
     raise RuntimeError(why)
   return Simulator(n_devices, [sys.executable, "-c", target.WORKER, key, str(n_devices), str(n_nodes)],
                    target.compiler_env(plugin, preset, target.KINDS[key]),
-                   f"{n_devices} compile-only {key} GPUs (XLA:GPU)")
+                   f"{n_devices} compile-only {key} GPUs (XLA:GPU)", one_memory=False)
 
 
 def _local_memory(dev) -> int | None:

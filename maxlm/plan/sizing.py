@@ -2,13 +2,20 @@
 
 `estimate(cfg, n_devices)` gives bytes per device for each part:
 
-* params: the parameters, in `model.param_dtype`.
+* params: the parameters, in `model.param_dtype`; 0 with `optim.offload=host_params`, where they live in host
+  memory between steps (see copy).
 * optimizer: AdamW's two moments, mu in `optim.mu_dtype` and nu in `optim.nu_dtype` (4 bytes per parameter
-  each in float32, 2 in bfloat16: `moment_bytes`); 0 with `optim.offload=host`, where they live in host
-  memory (the update streams them through the device a few parameters at a time after the backward pass:
-  not counted here).
-* host: the optimizer state in pinned host memory per device (`optim.offload=host`), else 0; not part of
-  lower_bound or total, which are device memory.
+  each in float32, 2 in bfloat16: `moment_bytes`); 0 with `optim.offload=host` or `host_params`, where they live
+  in host memory (the update streams them through the device a few parameters at a time after the backward
+  pass: not counted here).
+* host: what is in pinned host memory per device: the optimizer state (`optim.offload=host`), and the
+  parameters too (`host_params`), else 0; not part of lower_bound or total, which are device memory.
+* copy: with `optim.offload=host_params`, the parameters as the forward and backward passes read them, on the
+  device for the step (maxlm/step.py): the matmul weights (embedding and LM head included) in the compute dtype,
+  the norms and a tied embedding in `model.param_dtype` (everything in it under an FP8 precision, whose GEMMs
+  take the master weights); else 0 (the parameters are counted in params). `copy_embedding` is the untied
+  embedding's part of it: read once, by the lookup at the start (its gradient is a scatter that does not read
+  it), so not certainly held when the gradients or the head's output are.
 * gradients: one gradient per parameter, in the parameter dtype.
 * fp8_meta: TE's delayed-scaling state (`fp8_metas`): per quantized GEMM (4 per layer, + the LM head
   with `model.fp8_lm_head` when unchunked), an fp32 amax history and scale for its input, kernel and gradient;
@@ -25,8 +32,10 @@
   first) and the logits in the compute dtype (the LM head's GEMM output; the fp32 copy the loss reads may be
   fused away), or both when accumulating (the gradient sum is the carry of the scan over micro-batches, live
   through every micro-batch's head). Not the two together without accumulation: the logits are gone before
-  most gradients exist. total: params + optimizer + gradients + fp8_meta + logits + activations (an
-  estimate).
+  most gradients exist. With `host_params` the compute copy (less `copy_embedding`) is held with the head's
+  output (every layer's weights are read again by the backward pass), and with the gradient sum too when
+  accumulating (it is read by every micro-batch). total: params + optimizer + gradients + fp8_meta + logits +
+  activations + copy (an estimate).
 
 `estimate(..., state=...)` takes params / optimizer / fp8_meta bytes per device measured elsewhere
 (`maxlm.cli.dryrun` reads them off the abstract train state and its shardings) instead of the formulas.
@@ -105,10 +114,23 @@ def _logit_positions(m, seq_len: int) -> int:
   return min(seq_len, m.loss_chunk) if m.loss_chunk else seq_len
 
 
+def compute_copy(m: ModelConfig, stages: int, shards: int) -> tuple[int, int]:
+  """(bytes per device of the parameters as the step's forward reads them with optim.offload=host_params, the
+  untied embedding's part of them): see the module doc, `copy`. One pipeline stage's layers."""
+  p_bytes, prec = DTYPE_BYTES[m.param_dtype], PRECISIONS[m.precision]
+  w_bytes = p_bytes if prec.quantized else DTYPE_BYTES[prec.compute_dtype or m.dtype]  # matmul weights
+  d, v = m.d_model, m.vocab_size
+  per_layer = d * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim + m.n_heads * m.head_dim * d + 3 * d * m.ffn_dim
+  layers = -(-m.n_layers * (per_layer * w_bytes + 2 * d * p_bytes) // stages)
+  head = v * d * (p_bytes if m.tie_embeddings else w_bytes)  # a tied embedding is the head, never cast
+  embedding = 0 if m.tie_embeddings else v * d * w_bytes
+  return -(-(layers + d * p_bytes + head + embedding) // shards), -(-embedding // shards)
+
+
 def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
              state: dict[str, int] | None = None) -> dict[str, int]:
-  """Bytes per device: params, optimizer, gradients, fp8_meta, logits, head, activations, lower_bound, total,
-  and host (pinned host memory, not in the totals)."""
+  """Bytes per device: params, optimizer, gradients, fp8_meta, logits, head, activations, copy, copy_embedding,
+  lower_bound, total, and host (pinned host memory, not in the totals)."""
   if n_devices < 1 or n_nodes < 1:
     raise ValueError(f"n_devices ({n_devices}) and n_nodes ({n_nodes}) must be >= 1")
   from maxlm.model import count_params  # noqa: PLC0415 - maxlm.model imports jax, the rest here needs none
@@ -127,22 +149,28 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
   moments = -(-n_params * moment_bytes(cfg.optim) // shards)
   if state is not None:
     params, moments = state["params"], state["optimizer"]
-  host = cfg.optim.offload == "host"
+  host_params = cfg.optim.offload == "host_params"
+  host = host_params or cfg.optim.offload == "host"
+  copy, copy_embedding = compute_copy(m, stages, shards) if host_params else (0, 0)
   out = {
-      "params": params,
+      "params": 0 if host_params else params,
       "optimizer": 0 if host else moments,
-      "host": moments if host else 0,
+      "host": (moments if host else 0) + (params if host_params else 0),
       "gradients": params,
+      "copy": copy,
+      "copy_embedding": copy_embedding,
       "fp8_meta": fp8_meta_bytes(m) if state is None else state["fp8_meta"],
       "logits": rows * -(-_logit_positions(m, d.seq_len) // deg["context"]) * vocab * logit_bytes,
       "activations": (rows * (d.seq_len // deg["context"]) * _activation_elements(cfg, m.n_layers // stages)
                       * c_bytes),
   }
   out["head"] = rows * _logit_positions(m, d.seq_len) * vocab * c_bytes  # the LM head's output: materialized
-  live = (out["gradients"] + out["head"] if cfg.train.grad_accum > 1 else max(out["gradients"], out["head"]))
+  held = copy - copy_embedding  # host_params: read again by the backward pass (and by every micro-batch)
+  live = (out["gradients"] + out["head"] + held if cfg.train.grad_accum > 1
+          else max(out["gradients"], out["head"] + held))
   out["lower_bound"] = out["params"] + out["optimizer"] + out["fp8_meta"] + live
   out["total"] = (out["params"] + out["optimizer"] + out["gradients"] + out["fp8_meta"] + out["logits"]
-                  + out["activations"])
+                  + out["activations"] + copy)
   return out
 
 
@@ -156,6 +184,7 @@ def check_fits(cfg: Config, n_devices: int, bytes_per_device: int, n_nodes: int 
   deg = mesh_degrees(cfg.mesh, n_devices, n_nodes)
   both = cfg.train.grad_accum > 1
   parts = (f"params {human_bytes(est['params'])}, optimizer {human_bytes(est['optimizer'])}"
+           + (f", the params' compute copy {human_bytes(est['copy'] - est['copy_embedding'])}" if est["copy"] else "")
            + (f", fp8 state {human_bytes(est['fp8_meta'])}" if est["fp8_meta"] else "")
            + f", {'the gradient sum' if both else 'gradients'} {human_bytes(est['gradients'])} "
            f"{'and' if both else 'or'} the LM head's output {human_bytes(est['head'])}"

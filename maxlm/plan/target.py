@@ -19,6 +19,12 @@ attention is fused attention's footprint, as in the simulation (no Transformer E
 
 Known difference: jax 0.10.2's XLA:GPU keeps a copy of the donated state under the step's `lax.cond` (the
 non-finite guard); 0.11.2 does not (docs/plan.md). Every result says which jax measured.
+
+Host memory (optim.offload): compile-only devices have no memories, and a NamedSharding over them drops its memory
+kind (JAX canonicalizes it against the devices' memories), so the state's shardings as the trainer builds them
+would compile the offload=none program. `compile_in_host_memory` compiles the trainer's step function again with
+the state's shardings over the mesh's AbstractMesh, which keeps memory kinds, lowered inside the concrete mesh:
+XLA:GPU's own program with the state in pinned host memory (its host bytes in memory_analysis's host_* fields).
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ from pathlib import Path
 
 import jax
 from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
 
+from maxlm.offload import place
 from maxlm.runtime import xla_presets
 
 HERE = Path(__file__).resolve().parent / "gpu_targets"
@@ -159,3 +167,22 @@ def compile_only_devices(kind: GpuKind, n_devices: int, n_nodes: int = 1) -> lis
 
 # the child's program: measure.py's `gpu_worker`, which compiles on `compile_only_devices`
 WORKER = "import sys; from maxlm.plan.measure import gpu_worker; sys.exit(gpu_worker(*sys.argv[1:]))"
+
+
+def drops_memory_kinds(mesh) -> bool:
+  """Compile-only devices: no memories, so a sharding over them loses its memory kind (see the module doc)."""
+  return not mesh.devices.flat[0].addressable_memories()
+
+
+def compile_in_host_memory(built, offload: str):
+  """The train step of `built` (maxlm/build.py) compiled on its compile-only devices with the state in the memories
+  `offload` gives it (maxlm/offload.py `place`), through shardings over the mesh's AbstractMesh."""
+  am = built.mesh.abstract_mesh
+  shardings = place(jax.tree.map(lambda s: NamedSharding(am, s.spec), built.state_shardings), offload)
+  structs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), built.state, shardings)
+  bs = NamedSharding(am, built.batch_sharding.spec)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bs) for k, v in built.batch_structs().items()}
+  jitted = jax.jit(built.train_step.jitted.__wrapped__, in_shardings=(shardings, {k: bs for k in batch}),
+                   out_shardings=(shardings, NamedSharding(am, PartitionSpec())), donate_argnums=(0,))
+  with built.scope():
+    return jitted.lower(structs, batch).compile()

@@ -45,14 +45,18 @@ def _plugin():
   return plugin
 
 
-@pytest.mark.parametrize("n,offload", [(2, "none"), (8, "none"), (2, "host_params")])
-def test_plan_figure_is_xla_gpu_memory_analysis(n, offload):
+@pytest.mark.parametrize("n,offload,layers", [(2, "none", "scanned"), (8, "none", "scanned"),
+                                              (2, "host_params", "scanned"), (2, "host_params", "unrolled")])
+def test_plan_figure_is_xla_gpu_memory_analysis(n, offload, layers):
   """host_params: XLA:GPU's own program with the parameters and the optimizer state in pinned host memory (the
   compile-only devices drop a NamedSharding's memory kind; maxlm/plan/target.py compiles through AbstractMesh
-  shardings), no arithmetic: the same bytes as the reference, which holds the state in host memory."""
+  shardings), no arithmetic: the same bytes as the reference, which holds the state in host memory. Unrolled
+  layers with host_params are compiled unrolled, as written (maxlm/plan/measure.py `measure`, xla_gpu): the
+  reference compiles the config as written."""
   plugin = _plugin()
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  r = subprocess.run([sys.executable, "-m", "maxlm.cli", "plan", *TINY, f"optim.offload={offload}", "--devices",
+  scan = [f"model.scan_layers={'true' if layers == 'scanned' else 'false'}"]
+  r = subprocess.run([sys.executable, "-m", "maxlm.cli", "plan", *TINY, *scan, f"optim.offload={offload}", "--devices",
                       str(n), "--target", "h200", "--mesh-as-written", "--json"], env=env,
                      capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -62,7 +66,7 @@ def test_plan_figure_is_xla_gpu_memory_analysis(n, offload):
   assert p["target"]["measured_by"] == f"XLA:GPU target h200 (compile-only), jax {jax.__version__}"
   ref_env = target.compiler_env(plugin, "auto", target.KINDS["h200"])
   levers = [f"{k}={v}" for k, v in chosen[0]["levers"].items()]  # the chosen moments' dtypes
-  ref = subprocess.run([sys.executable, "-c", REFERENCE, str(n), *TINY, f"optim.offload={offload}", *levers],
+  ref = subprocess.run([sys.executable, "-c", REFERENCE, str(n), *TINY, *scan, f"optim.offload={offload}", *levers],
                        env=ref_env, capture_output=True, text=True, timeout=900)
   assert ref.returncode == 0, ref.stderr[-3000:]
   want = json.loads(ref.stdout.splitlines()[-1])

@@ -118,13 +118,19 @@ def is_oom(e: BaseException) -> bool:
   return isinstance(e, jax.errors.JaxRuntimeError) and OOM_STATUS in str(e)
 
 
-def measure(cfg: Config, devices=None, gpu_footprint: bool = False, inspect=None, guard_select: bool = False) -> dict:
+def measure(cfg: Config, devices=None, gpu_footprint: bool = False, inspect=None, guard_select: bool = False,
+            xla_gpu: bool = False) -> dict:
   """memory_stats of cfg's compiled train step, with the state's parts and "how" the device bytes were
   found; {"oom": message} where XLA itself runs out compiling. gpu_footprint (measuring for a GPU on CPU
   devices, or on compile-only GPUs: maxlm/plan/target.py): attention with fused attention's footprint,
   unrolled layers scanned, and an offloaded optimizer state by `offloaded`. inspect(compiled) -> dict: more
-  fields read off the compiled step (the GPU target's collectives). guard_select: see standins.for_gpu_step."""
-  how, unrolled = "measured", gpu_footprint and not cfg.model.scan_layers
+  fields read off the compiled step (the GPU target's collectives). guard_select: see standins.for_gpu_step.
+  xla_gpu (compile-only GPUs): an unrolled model with optim.offload=host_params is compiled as written, not
+  scanned. There XLA:GPU hoists the recomputed MLP products of every layer to the start of the backward pass
+  at grad_accum=1, which the scanned stand-in misses: the 8B on one H100, save_attn, grad_accum=1, measured
+  203.6 GiB unrolled against 71.5 GiB scanned (benchmarks/results/2026-12-06-host_params_deviceless_h100.jsonl)."""
+  as_written = xla_gpu and cfg.optim.offload == "host_params"
+  how, unrolled = "measured", gpu_footprint and not cfg.model.scan_layers and not as_written
   if unrolled:  # see the module doc
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
     how = "measured, layers scanned"
@@ -380,7 +386,7 @@ def gpu_worker(key: str, n_devices: str, n_nodes: str) -> int:
   for line in sys.stdin:
     try:
       result = measure(from_dict(json.loads(line)), devices, gpu_footprint=True, inspect=inspect,
-                       guard_select=select)
+                       guard_select=select, xla_gpu=True)
     except ConfigError as e:
       result = {"error": str(e)}
     out.write(json.dumps(result) + "\n")

@@ -11,7 +11,6 @@ anything is written.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import yaml
 from maxlm.config import names as config_names
 from maxlm.config import schema
 from maxlm.config.files import parse_overrides, resolve_config_path, yaml_layers
+from maxlm.config.rules import check_distributed, check_run_name
 from maxlm.config.schema import ConfigError, option
 from maxlm.tables import PRECISIONS, REMATS
 from maxlm.config.sections import (  # the process and tool sections, re-exported
@@ -360,53 +360,13 @@ def validate(cfg: Config) -> None:
   for key, tok in (("data.bos_id", d.bos_id), ("data.eos_id", d.eos_id)):
     if tok >= m.vocab_size:
       raise ConfigError(f"config key '{key}' ({tok}) must be below model.vocab_size ({m.vocab_size})")
-  _check_run_name(cfg.output_dir, cfg.run_name)
-  _check_distributed(cfg.distributed)
+  check_run_name(cfg.output_dir, cfg.run_name)
+  check_distributed(cfg.distributed)
   p = cfg.profile
   if p.start_step and p.start_step + p.num_steps - 1 > t.steps:
     raise ConfigError(f"profile window steps {p.start_step}-{p.start_step + p.num_steps - 1} "
                       f"(profile.start_step={p.start_step}, profile.num_steps={p.num_steps}) ends after "
                       f"train.steps={t.steps}")
-
-
-def _check_run_name(output_dir: str, name: str) -> None:
-  """run_name is one plain path component that stays inside output_dir (even through a symlink)."""
-  plain = (name not in ("", ".", "..") and not any(c in name for c in "/\\")
-           and all(c.isprintable() for c in name))
-  if not plain:
-    raise ConfigError(f"config key 'run_name' must be a single plain directory name (no '/', '\\', "
-                      f"'.', '..' or control characters), got {schema.show(name)}")
-  parent = os.path.realpath(output_dir or ".")
-  target = os.path.realpath(os.path.join(parent, name))
-  if os.path.dirname(target) != parent:
-    raise ConfigError(f"config key 'run_name' {schema.show(name)} resolves to {target!r}, outside "
-                      f"output_dir {schema.show(output_dir)}")
-
-
-def local_device_ids(text: str) -> tuple[int, ...] | None:
-  """`distributed.local_device_ids` as ids; None for "" (chosen from the launcher) and "all"."""
-  if text.strip() in ("", "all"):
-    return None
-  try:
-    ids = tuple(int(p) for p in text.split(","))
-  except ValueError:
-    ids = ()
-  if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
-    raise ConfigError(f"config key 'distributed.local_device_ids' must be \"\", all, or distinct device "
-                      f"numbers like 0,1; got {schema.show(text)}")
-  return ids
-
-
-def _check_distributed(d: DistributedConfig) -> None:
-  if d.coordinator_address:
-    host, _, port = d.coordinator_address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in host):
-      raise ConfigError(f"config key 'distributed.coordinator_address' must be host:port (port 1-65535), "
-                        f"got {schema.show(d.coordinator_address)}")
-  if d.num_processes and d.process_id >= d.num_processes:
-    raise ConfigError(f"config key 'distributed.process_id' ({d.process_id}) must be below "
-                      f"distributed.num_processes ({d.num_processes})")
-  local_device_ids(d.local_device_ids)
 
 
 def from_dict(data: dict[str, Any]) -> Config:

@@ -29,7 +29,8 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 
-from maxlm.config import Config, ConfigError, DistributedConfig, local_device_ids, to_dict
+from maxlm.config import Config, ConfigError, DistributedConfig, to_dict
+from maxlm.config.rules import local_device_ids
 from maxlm.runtime import watchdog
 from maxlm.runtime.process_output import prefix_output
 

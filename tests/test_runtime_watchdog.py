@@ -383,5 +383,5 @@ def test_a_process_stopped_during_start_up_ends_the_others_in_one_line(tmp_path,
                    r"at "
                    r"most one compile and its set-up\); stacks of every thread in (\S+); exiting with code 76",
                    lines[0])
-  assert m, lines[0]
+  assert m, (lines[0], processes.output(tmp_path, 0)[0][-2000:])
   assert took < limit + 30 and "wait" in Path(m[2]).read_text()

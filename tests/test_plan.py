@@ -1,8 +1,8 @@
-"""The memory planner (maxlm/plan/__init__.py, plan/measure.py, cli/plan.py) on 8 simulated CPU devices: its
-per-device bytes equal XLA's memory analysis of the step the trainer compiles (read here off the trainer's own
-executable), a config that fits only with a memory-saving lever gets it (CLI table, trainer, dry run), the search
-is deterministic and compiles only what it must, an out-of-memory error ends in one line, and in a run of several
-processes process 0 decides the plan that every process runs."""
+"""The memory planner (maxlm/plan/__init__.py and plan/search.py, plan/measure.py, cli/plan.py) on 8 simulated CPU
+devices: its per-device bytes equal XLA's memory analysis of the step the trainer compiles (read here off the
+trainer's own executable), a config that fits only with a memory-saving lever gets it (CLI table, trainer, dry
+run), the search is deterministic and compiles only what it must, an out-of-memory error ends in one line, and in
+a run of several processes process 0 decides the plan that every process runs."""
 
 import itertools
 import json
@@ -228,11 +228,11 @@ def test_search_is_deterministic_and_compiles_only_what_it_must():
                                                           ("bfloat16", "bfloat16")}  # no bf16 nu with fp32 mu
   # fastest estimate first; on a tie the fewer bfloat16 moments first (they are rounded): fp32, bf16 mu, both;
   # a setting within TIE of its float32-moments twin (the same other levers) counts the twin's time
-  raw = [plan.step_time(plan.apply(cfg, o), target)["total_s"] for o in order]
+  raw = [step_time(plan.apply(cfg, o), target)["total_s"] for o in order]
 
   def twin_time(o):
     twin = {**o, "optim.mu_dtype": "float32", "optim.nu_dtype": "float32"}
-    return plan.step_time(plan.apply(cfg, twin), target)["total_s"]
+    return step_time(plan.apply(cfg, twin), target)["total_s"]
   times = [tt if t * (1 + TIE) >= tt else t for t, tt in zip(raw, map(twin_time, order))]
   assert all(round(a, 9) <= round(b, 9) for a, b in zip(times, times[1:]))
   for a, b, ta, tb in zip(order, order[1:], times, times[1:]):
@@ -275,10 +275,10 @@ def test_step_time_counts_the_context_exchange():
   target = Target(n_devices=8, n_nodes=1, kind="NVIDIA H200", device_bytes=141 * 10**9, fraction=None,
                   simulated=True)
   args = ["config=llama8b", "data.seq_len=131072", "data.global_batch_size=2", "mesh.fsdp=2"]
-  cp = plan.step_time(load_config([*args, "mesh.context=4"]), target)
+  cp = step_time(load_config([*args, "mesh.context=4"]), target)
   want = 3 * 32 * 2 * (32768 * 8 * 128 * 2) * 3 / 450e9
   assert cp["context_s"] == pytest.approx(want, rel=1e-12)
-  fsdp_only = plan.step_time(load_config([*args, "data.global_batch_size=8", "mesh.fsdp=8"]), target)
+  fsdp_only = step_time(load_config([*args, "data.global_batch_size=8", "mesh.fsdp=8"]), target)
   assert fsdp_only["context_s"] == 0.0
 
 

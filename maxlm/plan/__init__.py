@@ -10,19 +10,10 @@ first whose measured peak fits the usable memory wins, so the choice is determin
 default) = on the GPUs at hand, the config as written when XLA measures it to fit, else the search's choice
 (each said in one line).
 
-* Order. By the roofline estimate (maxlm/plan/cost.py), fastest first; on a tie the fewer bfloat16 moments
-  first (float32 both, then bfloat16 mu (MaxText's mu_dtype), then both: maxlm/plan/moments.py, which also
-  leaves out a bfloat16 moment the configured decay would make lossy), then lever order.
-* Choice. On the GPUs at hand (one process) the first `plan.timed` candidates that fit are run for a few
-  steps each (maxlm/plan/timing.py) and the fastest measured wins; elsewhere (simulated devices, several
-  processes, plan.timed=0) the first that fits, by the estimate, and the line says "estimated". The line
-  also says which moment dtypes were chosen, how they are rounded, and which were not tried and why.
-* Pruning (the analytic model, maxlm/plan/sizing.py, only prunes). A candidate is not compiled when the bytes
-  it certainly needs (sizing's lower_bound: the state, and the gradients or the logits, both when
-  accumulating; a true lower bound of XLA's peak) plus a share of sizing's rough activations exceed the usable
-  memory. The share starts at one half, then is the least (measured - certain) / activations seen so far,
-  at most 1: calibrated on XLA's own numbers, so that a big model compiles few candidates. Where every
-  candidate was pruned the message says so: nothing was compiled.
+The search itself (the order, the choice, the pruning, the no-fit line) is maxlm/plan/search.py; this module is what
+a run asks of it: `choose`, `resolve` by plan.mode, the decision kept across starts (`resolve_kept`) and the one
+decision every process of a run applies (`for_run`).
+
 * Usable memory: device memory x `xla.mem_fraction` (0.95 on a GPU by default; XLA's own default is 0.75),
   less a margin of 2%: XLA's estimate equalled the allocator's measured peak on the H200 (41.8 and 38.7 GB,
   benchmarks/README.md), and the margin covers fragmentation of XLA's memory pool.
@@ -30,279 +21,23 @@ default) = on the GPUs at hand, the config as written when XLA measures it to fi
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-import math
-
 import jax
 
-from maxlm.config import Config, ConfigError, load_config
+from maxlm.config import Config, ConfigError
 from maxlm.layers import resolve_backend
-from maxlm.plan import moments, sizing, timing
-from maxlm.plan.cost import TIE, degrees, step_time
-from maxlm.plan.measure import Target, make_target
 from maxlm.metrics import echo
+from maxlm.plan import sizing
+from maxlm.plan.measure import make_target
+from maxlm.plan.search import (LEVERS, Plan, Row, apply, candidates, certain_bytes, current, lever_values,
+                               most_saving, no_fit_message, parse_levers, run_search, search, smallest_devices,
+                               timer)
 from maxlm.runtime import agree, warm_start, watchdog
 from maxlm.runtime.devices import device_kind, device_memory_bytes, is_gpu, local_device
-from maxlm.tables import REMATS, human_bytes
+from maxlm.tables import human_bytes
 
-LEVERS = ("model.remat", "train.grad_accum", "optim.offload", *moments.KEYS)
-
-
-def parse_levers(text: str) -> tuple[str, ...]:
-  """plan.levers as keys; ConfigError (one line) for an unknown one."""
-  if text.strip() == "all":
-    return LEVERS
-  keys = tuple(k.strip() for k in text.split(",") if k.strip())
-  bad = [k for k in keys if k not in LEVERS]
-  if bad:
-    raise ConfigError(f"config key 'plan.levers': unknown lever {bad[0]!r} (levers: {', '.join(LEVERS)})")
-  return keys
-
-
-def current(cfg: Config) -> dict:
-  """The lever values of `cfg`, in LEVERS order."""
-  return {"model.remat": cfg.model.remat, "train.grad_accum": cfg.train.grad_accum,
-          "optim.offload": cfg.optim.offload, "optim.mu_dtype": cfg.optim.mu_dtype,
-          "optim.nu_dtype": cfg.optim.nu_dtype}
-
-
-def apply(cfg: Config, overrides: dict) -> Config:
-  """`cfg` with the lever values set (validated like command-line overrides)."""
-  return load_config([f"{k}={v}" for k, v in overrides.items()], base=cfg)
-
-
-def lever_values(cfg: Config, target: Target, backend: str) -> dict[str, tuple]:
-  """Every value each lever may take here, fastest (least saving) first; the config's own value for
-  the levers not in plan.levers. Accumulation keeps each micro-batch split evenly over the data devices."""
-  chosen = parse_levers(cfg.plan.levers)
-  deg = degrees(cfg, target)
-  dp, batch = deg["data"] * deg["fsdp"], cfg.data.global_batch_size
-  powers = (2 ** i for i in range(int(math.log2(batch)) + 1))
-  # a pipeline of S stages needs S micro-batches at least (maxlm/pipeline.py)
-  accums = tuple(a for a in powers if batch % a == 0 and (batch // a) % dp == 0 and a >= deg["pipeline"])
-  # from the most kept to the least (maxlm/tables.py REMATS: what each keeps per layer)
-  remats = tuple(name for name, r in REMATS.items() if not r.te_only or backend == "te")
-  offloads = ("none", "host", "host_params") if target.gpu else ("none",)  # a CPU has one memory: nothing to save
-  pairs = moments.settings(cfg, chosen)  # in their order, none lossy (maxlm/plan/moments.py)
-  values = {"model.remat": remats, "train.grad_accum": accums, "optim.offload": offloads,
-            **{k: tuple(dict.fromkeys(p[i] for p in pairs)) for i, k in enumerate(moments.KEYS)}}
-  now = current(cfg)
-  return {k: (values[k] if k in chosen else (now[k],)) for k in LEVERS}
-
-
-def candidates(cfg: Config, target: Target, backend: str) -> list[dict]:
-  """Every combination of lever values (the moment dtypes as maxlm/plan/moments.py pairs them), in search
-  order: by estimated step time, the fewer bfloat16 moments first on a tie, then lever order (deterministic).
-  Less exact moments must earn their place: a setting whose estimate is within cost.TIE of its twin with the
-  most exact moments tried (the same other levers) counts that twin's time, so the twin comes first; the
-  roofline does not resolve finer, and a bfloat16 moment is a loss of precision, however small."""
-  values = lever_values(cfg, target, backend)
-  pairs = moments.settings(cfg, parse_levers(cfg.plan.levers))
-  rows = [o for o in (dict(zip(LEVERS, combo)) for combo in itertools.product(*values.values()))
-          if tuple(o[k] for k in moments.KEYS) in pairs]
-  rank = {k: {v: i for i, v in enumerate(vs)} for k, vs in values.items()}
-  seconds = {id(o): step_time(apply(cfg, o), target)["total_s"] for o in rows}
-  exact = {tuple((k, v) for k, v in o.items() if k not in moments.KEYS): o for o in reversed(rows)
-           if tuple(o[k] for k in moments.KEYS) == pairs[0]}
-
-  def key(o):
-    t = seconds[id(o)]
-    twin = exact.get(tuple((k, v) for k, v in o.items() if k not in moments.KEYS))
-    if twin is not None and t * (1 + TIE) >= seconds[id(twin)]:
-      t = seconds[id(twin)]
-    t = round(t, 9)  # rounding: ties broken by the moments, then lever order
-    return (t, sum(o[k] == "bfloat16" for k in moments.KEYS), [rank[k][o[k]] for k in LEVERS])
-  return sorted(rows, key=key)
-
-
-def certain_bytes(cfg: Config, target: Target) -> dict:
-  """Bytes per device: "certain" = sizing's lower_bound (what the step certainly holds at once: the state, and
-  the gradients or the logits, both when accumulating; maxlm/plan/sizing.py says why it is a lower bound of
-  XLA's peak), the moments (and with host_params the parameters) left out when offloaded; "activations" =
-  sizing's rough activations."""
-  est = sizing.estimate(cfg, target.n_devices, target.n_nodes)
-  return {"certain": est["lower_bound"], "activations": est["activations"]}
-
-
-@dataclasses.dataclass
-class Row:
-  overrides: dict
-  status: str  # "fits", "too big", "pruned", "not tried"
-  certain: int
-  measured: int | None = None  # XLA's per-device bytes
-  how: str = ""  # "measured" or the arithmetic used
-  time: dict | None = None  # the roofline estimate (maxlm/plan/cost.py)
-  note: str = ""
-  stats: dict | None = None  # everything the measurement returned
-  plausible: int | None = None  # what the analytic model took as plausible, where it pruned
-  seconds: float | None = None  # the step time measured on the devices at hand (maxlm/plan/timing.py)
-
-
-@dataclasses.dataclass
-class Plan:
-  target: Target
-  rows: list[Row]
-  chosen: Row | None
-  cfg: Config  # the config with the chosen levers (the input config when none fits)
-  moments: str = ""  # what the line says about the moment dtypes (maxlm/plan/moments.py)
-
-  def line(self) -> str:
-    """The one line the trainer prints."""
-    if self.chosen is None:
-      return "no plan fits"
-    c = self.chosen
-    levers = ", ".join(f"{k}={v}" for k, v in c.overrides.items())
-    n = sum(r.measured is not None or r.note.startswith("XLA ran out") for r in self.rows)
-    how = f"measured by {self.target.measured_by}" if c.how == "measured" else f"{c.how}, by {self.target.measured_by}"
-    timed = [r for r in self.rows if r.seconds is not None]
-    speed = (f"; step {c.seconds:.3g} s measured, the fastest of {len(timed)} timed" if c.seconds is not None
-             else f"; step {c.time['total_s']:.3g} s estimated (roofline), not measured" if self.target.gpu
-             else "")  # CPU devices: no roofline, nothing timed
-    return (f"plan: {levers} (peak {human_bytes(c.measured)} of {human_bytes(self.target.usable)} "
-            f"usable per device; {how}{speed}; {n} compiled, {len(self.rows) - n} not)"
-            + (f"; {self.moments}" if self.moments else ""))
-
-
-def _fits(cfg, target, row, need, measured, share, rows) -> float:
-  """Record `measured` (plan.measure's dict) in `row`; the calibrated share of the activations after it."""
-  if "oom" in measured:
-    row.status, row.note = "too big", f"XLA ran out of memory compiling: {measured['oom']}"
-    return share
-  row.measured, row.how, row.stats = measured["device"], measured.get("how", "measured"), measured
-  if need["activations"] > 0:  # calibrated: the least share seen, at most 1
-    seen = max(0, row.measured - need["certain"]) / need["activations"]
-    share = min(share if any(r.measured for r in rows[:-1]) else 1.0, seen)
-  row.status = "fits" if row.measured <= target.usable else "too big"
-  return share
-
-
-def _fastest(cfg: Config, fits: list[Row], timer) -> Row | None:
-  """The row of `fits` whose step `timer` measured fastest (the first on a tie); a row whose step ran out of
-  memory (timer: None) does not fit after all."""
-  for r in fits:
-    r.seconds = timer(apply(cfg, r.overrides))
-    if r.seconds is None:
-      r.status, r.note = "too big", "ran out of device memory running the step"
-  timed = [r for r in fits if r.seconds is not None]
-  return min(timed, key=lambda r: r.seconds) if timed else None
-
-
-def search(cfg: Config, target: Target, measure, backend: str, everything: bool = False,
-           known: dict | None = None, timer=None, timed: int = 1) -> Plan:
-  """Walk the candidates in order; `measure(cfg) -> plan.measure's dict`; `known`: measurements made
-  already, by lever values (never pruned, never compiled again). With `timer(cfg) -> seconds per step` (the
-  devices at hand: maxlm/plan/timing.py), the first `timed` candidates that fit are timed and the fastest
-  measured is chosen; without, the first that fits (by the roofline's order). everything=True measures every
-  plausible candidate (for the table) but still chooses among the first that fit."""
-  rows, fits = [], []
-  want = max(1, timed) if timer is not None else 1
-  share = 0.5  # of the rough activations taken as plausible: then the least share XLA showed (module doc)
-  for o in candidates(cfg, target, backend):
-    c = apply(cfg, o)
-    need = certain_bytes(c, target)
-    row = Row(o, "not tried", need["certain"], time=step_time(c, target))
-    rows.append(row)
-    if len(fits) >= want and not everything:
-      continue
-    measured = (known or {}).get(tuple(o.items()))
-    plausible = need["certain"] + int(share * need["activations"])
-    if measured is None and plausible > target.usable:
-      row.status, row.plausible = "pruned", plausible
-      row.note = (f"certain {human_bytes(need['certain'])}" if need["certain"] > target.usable else
-                  f"certain + {share:.2f} x activations = {human_bytes(plausible)}")
-      continue
-    share = _fits(cfg, target, row, need, measure(c) if measured is None else measured, share, rows)
-    if row.status == "fits" and len(fits) < want:
-      fits.append(row)
-  chosen = (fits[0] if fits else None) if timer is None else _fastest(cfg, fits, timer)
-  return Plan(target, rows, chosen, apply(cfg, chosen.overrides) if chosen else cfg,
-              moments.note(cfg, chosen.overrides, parse_levers(cfg.plan.levers)) if chosen else "")
-
-
-def _label(o: dict) -> str:
-  return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in o.items())
-
-
-def timer(cfg: Config, target: Target):
-  """What times a candidate's step here: maxlm/plan/timing.py on GPUs at hand driven by this one process;
-  None (the roofline orders) on simulated devices, CPUs, several processes, or with plan.timed=0."""
-  if target.simulated or not target.gpu or jax.process_count() > 1 or cfg.plan.timed == 0:
-    return None
-  return lambda c: timing.time_step(c, target.devices)
-
-
-def run_search(cfg: Config, target: Target, everything: bool = False) -> Plan:
-  """`search` on the target's devices (at hand or simulated)."""
-  parse_levers(cfg.plan.levers)
-  return search(cfg, target, target.measure, resolve_backend(cfg.model.backend), everything,
-                timer=timer(cfg, target), timed=cfg.plan.timed)
-
-
-def most_saving(cfg: Config, target: Target) -> dict | None:
-  """Every lever at its most saving value (None where the mesh or the batch does not split)."""
-  try:
-    values = lever_values(cfg, target, resolve_backend(cfg.model.backend))
-  except ConfigError:  # the mesh does not fit this device count
-    return None
-  return {k: vs[-1] for k, vs in values.items()} if all(values.values()) else None
-
-
-def smallest_devices(cfg: Config, target: Target, limit: int = 4096) -> tuple[int, dict, int] | None:
-  """(n, levers, measured bytes): the fewest devices (doubling) on which every lever at its most saving value
-  fits, measured on n simulated devices (the target's: XLA:GPU's compile-only, else XLA:CPU's); None to `limit`."""
-  n = target.n_devices * 2
-  while n <= limit:
-    t = dataclasses.replace(target, n_devices=n, n_nodes=1, simulated=True, devices=None, _sim=None)
-    o = most_saving(cfg, t)
-    if o is None and n > cfg.data.global_batch_size:
-      return None  # the batch cannot split over more devices either
-    if o is not None and certain_bytes(apply(cfg, o), t)["certain"] <= t.usable:
-      try:
-        m = t.measure(apply(cfg, o))
-      finally:
-        t.close()
-      if "oom" not in m and m["device"] <= t.usable:
-        return n, o, m["device"]
-    n *= 2
-  return None
-
-
-def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
-  """One line: nothing fits here, the least that was needed, and the device count that fits."""
-  t = p.target
-  tried = [r for r in p.rows if r.measured is not None]
-  least = min(tried, key=lambda r: r.measured) if tried else None
-  compiled = any(r.measured is not None or r.note.startswith("XLA ran out") for r in p.rows)
-  msg = f"no setting of plan.levers ({','.join(parse_levers(cfg.plan.levers))}) fits {t.describe(compiled)}"
-  msg += f"; {note}" if note else ""
-  pruned = [r for r in p.rows if r.status == "pruned"]
-  if least is not None:
-    c = apply(cfg, least.overrides)
-    est = sizing.estimate(c, t.n_devices, t.n_nodes)
-    both = est["params"] + est["copy"] + est["gradients"]  # host_params: the parameters' compute copy
-    msg += (f"; the least measured, {_label(least.overrides)}, needs {human_bytes(least.measured)}, of which "
-            f"the parameters and their gradients take {human_bytes(both)}: no lever in plan.levers shrinks "
-            "those further (the missing lever: gradients kept in host memory)")
-  elif pruned:
-    r = min(pruned, key=lambda r: r.plausible)
-    msg += (f"; the least of the {len(pruned)} candidates pruned is {_label(r.overrides)} at "
-            f"{human_bytes(r.plausible)} ({r.note})")
-  else:
-    msg += "; no candidate: the global batch does not split over the data-parallel devices"
-  found = smallest_devices(cfg, t) if t.gpu else None
-  if found:
-    n, o, need = found
-    where = f"by XLA:GPU on {n} compile-only GPUs" if t.gpu_target else f"on {n} simulated CPU devices"
-    msg += (f"; the smallest device count that fits is {n} ({_label(o)}: {human_bytes(need)} per device, "
-            f"measured {where}; `maxlm plan ... --devices {n}` shows the plan)")
-  elif t.gpu and most_saving(cfg, dataclasses.replace(t, n_devices=2 * t.n_devices)) is None:
-    msg += (f"; data.global_batch_size={cfg.data.global_batch_size} does not split over {2 * t.n_devices} "
-            "devices, so more devices do not help unless it grows")
-  elif t.gpu:
-    msg += "; no device count up to 4096 fits either"
-  return msg
-
+__all__ = ["LEVERS", "Plan", "Row", "apply", "candidates", "certain_bytes", "choose", "current", "decide", "for_run",
+           "gpu_here", "lever_values", "make_target", "most_saving", "no_fit_message", "parse_levers", "resolve",
+           "resolve_kept", "run_search", "search", "smallest_devices", "timer", "view"]
 
 def choose(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
            device_memory: int | None = None, on_measure=None) -> Plan:

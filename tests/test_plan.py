@@ -1,4 +1,4 @@
-"""The memory planner (maxlm/plan/__init__.py and plan/search.py, plan/measure.py, cli/plan.py) on 8 simulated CPU
+"""The memory planner (maxlm/plan/__init__.py and plan/levers.py, plan/measure.py, cli/plan.py) on 8 simulated CPU
 devices: its per-device bytes equal XLA's memory analysis of the step the trainer compiles (read here off the
 trainer's own executable), a config that fits only with a memory-saving lever gets it (CLI table, trainer, dry
 run), the search is deterministic and compiles only what it must, an out-of-memory error ends in one line, and in

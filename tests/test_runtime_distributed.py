@@ -75,6 +75,18 @@ def test_tasks_per_node_list():
   assert distributed.tasks_on_node("8", 0) == 8 and distributed.tasks_on_node("x", 0) is None
 
 
+def test_processes_on_this_node():
+  """What shares this node's RAM: SLURM's tasks on this node (SRUN: node 0 of "2(x2)"), OpenMPI's local size
+  (before SLURM's, as the launch itself), else 1: no launcher, or SLURM variables of a batch shell (no srun)."""
+  assert distributed.processes_on_node(SRUN) == 2
+  assert distributed.processes_on_node({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "8,4", "SLURM_NODEID": "1"}) == 4
+  assert distributed.processes_on_node({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "garbled"}) == 1
+  assert distributed.processes_on_node({**SRUN, **MPIRUN, "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}) == 3
+  assert distributed.processes_on_node(MPIRUN) == 2
+  assert distributed.processes_on_node({}) == 1
+  assert distributed.processes_on_node({"SLURM_JOB_ID": "5", "SLURM_TASKS_PER_NODE": "8"}) == 1
+
+
 @pytest.mark.parametrize("env,setting,want", [
     ({**SRUN}, "", (1,)),  # one process per GPU: the GPU numbered by the local rank (JAX's convention)
     ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_LOCALID": "0"}, "", None),  # one per node: all

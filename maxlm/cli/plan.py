@@ -2,7 +2,7 @@
 
 Compiles the train step ahead of time (abstract shapes: nothing is allocated) for settings of the levers in
 `plan.levers` (model.remat, train.grad_accum, optim.offload, optim.mu_dtype, optim.nu_dtype), fastest expected
-first, and reads XLA's memory analysis of each; the first that fits is chosen (maxlm/plan/search.py says how
+first, and reads XLA's memory analysis of each; the first that fits is chosen (maxlm/plan/levers.py says how
 they are ordered and pruned). It prints a table of the candidates it compiled: per-device peak, the bytes the
 analytic model says are certainly needed, and an estimated step time and tokens/s; the chosen row is
 marked `*`. `plan.mode=auto` makes the trainer (and `--dry-run`) apply the same choice.

@@ -10,7 +10,7 @@ first whose measured peak fits the usable memory wins, so the choice is determin
 default) = on the GPUs at hand, the config as written when XLA measures it to fit, else the search's choice
 (each said in one line).
 
-The search itself (the order, the choice, the pruning, the no-fit line) is maxlm/plan/search.py; this module is what
+The search itself (the order, the choice, the pruning, the no-fit line) is maxlm/plan/levers.py; this module is what
 a run asks of it: `choose`, `resolve` by plan.mode, the decision kept across starts (`resolve_kept`) and the one
 decision every process of a run applies (`for_run`).
 
@@ -28,16 +28,17 @@ from maxlm.layers import resolve_backend
 from maxlm.metrics import echo
 from maxlm.plan import sizing
 from maxlm.plan.measure import make_target
-from maxlm.plan.search import (LEVERS, Plan, Row, apply, candidates, certain_bytes, current, lever_values,
-                               most_saving, no_fit_message, parse_levers, run_search, search, smallest_devices,
-                               timer)
+from maxlm.plan.levers import (LEVERS, Plan, Row, apply, candidates, certain_bytes, current, host_short,
+                               lever_values, most_saving, no_fit_message, parse_levers, run_search, search,
+                               smallest_devices, timer)
 from maxlm.runtime import agree, warm_start, watchdog
 from maxlm.runtime.devices import device_kind, device_memory_bytes, is_gpu, local_device
 from maxlm.tables import human_bytes
 
-__all__ = ["LEVERS", "Plan", "Row", "apply", "candidates", "certain_bytes", "choose", "current", "decide", "for_run",
-           "gpu_here", "lever_values", "make_target", "most_saving", "no_fit_message", "parse_levers", "resolve",
-           "resolve_kept", "run_search", "search", "smallest_devices", "timer", "view"]
+__all__ = ["LEVERS", "Plan", "Row", "apply", "candidates", "certain_bytes", "choose", "current", "decide",
+           "for_run", "gpu_here", "host_short", "lever_values", "make_target", "most_saving",
+           "no_fit_message", "parse_levers", "resolve", "resolve_kept", "run_search", "search",
+           "smallest_devices", "timer", "view"]
 
 def choose(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
            device_memory: int | None = None, on_measure=None) -> Plan:
@@ -76,8 +77,9 @@ def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = Non
   target.on_measure = on_measure
   try:
     known, certain = {}, certain_bytes(cfg, target)["certain"]
-    why = f"certainly needs {human_bytes(certain)}"
-    if certain <= target.usable:
+    short = host_short(cfg, target)
+    why = short or f"certainly needs {human_bytes(certain)}"
+    if certain <= target.usable and short is None:
       m = known[tuple(current(cfg).items())] = target.measure(cfg)
       if "oom" not in m and m["device"] <= target.usable:
         return cfg, (f"plan: the config fits as written (peak {human_bytes(m['device'])} of "
@@ -123,9 +125,17 @@ def view() -> list:
 def decide(cfg: Config, on_measure=None) -> dict:
   """The decision `for_run` hands every process: the levers, the line to print, how they came (for the
   out-of-memory line) and the view it was taken with. Where nothing was planned, the bytes the step certainly
-  needs are checked against a device (sizing.check_fits)."""
+  needs are checked against a device (sizing.check_fits), and what optim.offload pins against the host's RAM
+  (levers.host_short)."""
   out, line = resolve_kept(cfg, on_measure)
   mine = view()
+  if line is None and cfg.optim.offload != "none" and gpu_here():  # the config as written, held in host memory
+    short = host_short(cfg, make_target(cfg))
+    if short is not None:
+      less = "optim.offload=host (the moments only) or none" if cfg.optim.offload == "host_params" else \
+          "optim.offload=none"
+      raise ConfigError(f"config key 'optim.offload': {short}; use more devices (the state shards over fsdp), "
+                        f"{less}, or a node with more RAM")
   if line is None and mine[1]:
     try:
       sizing.check_fits(cfg, jax.device_count(), mine[1], n_nodes=jax.process_count())

@@ -45,7 +45,8 @@ from maxlm.optim import LAG
 from maxlm.pipeline import check as check_pipeline
 from maxlm.plan import collectives
 from maxlm.plan.standins import GPU_DTYPE_OPTIONS, for_gpu_step
-from maxlm.runtime.devices import bytes_limit, device_kind, is_gpu, local_device
+from maxlm.runtime.devices import bytes_limit, device_kind, host_memory_bytes, is_gpu, local_device
+from maxlm.runtime.distributed import processes_on_node
 from maxlm.plan import target
 from maxlm.runtime.env import GPU_FRACTION, XLA_DEFAULT_FRACTION, fraction_in_environment
 from maxlm.tables import DEFAULT_GPU, gpu_named, human_bytes
@@ -241,6 +242,8 @@ class Target:
   assumed: str = ""  # what was assumed about the device (no GPU here to ask)
   gpu_target: str = ""  # a key of maxlm/plan/target.py's KINDS: measured by XLA:GPU on compile-only GPUs
   note: str = ""  # why a simulation is XLA:CPU's (no CUDA plugin, --simulate)
+  host_bytes: int | None = None  # the node's RAM over its devices (GPUs only: a CPU has one memory), None: unknown
+  host_assumed: str = ""  # what was assumed about the host (a compile-only target: no node to ask)
   _sim: Simulator | None = None
   on_measure: Callable[[], None] | None = None  # told before each measurement (the start-up watchdog's progress)
 
@@ -334,8 +337,10 @@ def make_target(cfg: Config, n_devices: int | None = None, n_nodes: int | None =
     total = device_memory or (int(here / frac_here) if gpu_here and here else here)
     if not total:
       raise ConfigError("this device reports no memory size: give --device-memory-gb G")
+    host = host_memory_bytes() if gpu_here else None
     return Target(n, n_nodes or jax.process_count(), device_kind(dev) if gpu_here else "cpu", total, frac_here,
-                  False, jax.devices()[:n])
+                  False, jax.devices()[:n],
+                  host_bytes=host // (jax.local_device_count() * processes_on_node(os.environ)) if host else None)
   kind, total, assumed = f"NVIDIA {DEFAULT_GPU}", gpu_named(DEFAULT_GPU).memory, " (assumed: no GPU here)"
   key = gpu or (target.kind_for(dev.device_kind) if gpu_here else "h200")
   if gpu is not None:
@@ -349,7 +354,7 @@ def make_target(cfg: Config, n_devices: int | None = None, n_nodes: int | None =
     note = note or f"no target description of {dev.device_kind} in maxlm/plan/gpu_targets"
   return Target(n_devices or n_nodes * jax.local_device_count(), n_nodes, kind, device_memory or total, frac, True,
                 assumed=assumed if not device_memory else "", gpu_target=key if plugin and key else "",
-                note="" if plugin and key else note)
+                note="" if plugin and key else note, host_bytes=target.NODE_HOST_PER_GPU, host_assumed=target.NODE_HOST)
 
 
 def worker() -> int:

@@ -1,6 +1,6 @@
 """The planner's choice of mesh for N devices over M nodes: pipeline x data x fsdp x context x tensor, each
 intra-node (NVLink) or inter-node (network), chosen by the predicted step time of the compiled step among the
-meshes whose levers fit (maxlm/plan/search.py on each), XLA:GPU measuring both (maxlm/plan/target.py).
+meshes whose levers fit (maxlm/plan/levers.py on each), XLA:GPU measuring both (maxlm/plan/target.py).
 Within TIE (2%) of the fastest the config's own mesh wins, then the fewer bfloat16 moments.
 
 Candidates (`meshes`): tensor and context inside a node (their exchanges are per layer and on the critical
@@ -26,7 +26,7 @@ from maxlm.config import Config, ConfigError
 from maxlm.layers import resolve_backend
 from maxlm.mesh import mesh_shape
 from maxlm.plan import moments
-from maxlm.plan.search import apply, candidates, certain_bytes, most_saving
+from maxlm.plan.levers import apply, candidates, certain_bytes, most_saving
 from maxlm.plan.cost import TIE, degrees, hardware, step_time  # TIE: predictions closer are a tie
 from maxlm.plan.measure import Target
 

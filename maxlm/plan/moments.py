@@ -4,7 +4,7 @@ ones it never tries because the configured decays make them lossy, and what its 
 Order (issue 40): float32 both, then bfloat16 mu with a float32 nu (MaxText's `mu_dtype`), then bfloat16 both;
 a bfloat16 nu never with a float32 mu (nu is the one that stalls). The planner takes the fastest setting that
 fits; on equal times the more exact one, and times within the estimate's resolution (maxlm/plan/cost.py TIE, 2%)
-count as equal (maxlm/plan/search.py `candidates`).
+count as equal (maxlm/plan/levers.py `candidates`).
 
 Lossy. A moment m stored in bfloat16 and rounded to nearest moves by (1 - b) (x - m) a step (x: the new gradient
 term); a change below half a bfloat16 ulp, up to 2**-8 |m| (8 significant bits), is rounded away, so m can stay

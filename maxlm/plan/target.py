@@ -66,6 +66,10 @@ class GpuKind:
 
 
 GIB = 2 ** 30
+# A compile-only target's host RAM per GPU, for optim.offload's pinned host memory: a DGX node's (H100, H200 and
+# B200 alike: 2 TB for 8 GPUs, NVIDIA's datasheets; B200's can be 4 TB), assumed and said so
+NODE_HOST_PER_GPU = 2 * 1024 * GIB // 8
+NODE_HOST = "assumed: a DGX node's 2 TB of RAM for 8 GPUs"
 KINDS = {
     "h200": GpuKind("h200", "NVIDIA H200", "h200.txtpb", int(139.87 * GIB), "9.0",
                     "JAX on an H200: bytes_limit 104.9 GiB at XLA's default fraction 0.75"),

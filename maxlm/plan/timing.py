@@ -9,7 +9,7 @@ other in the memory one of them needs. A step that runs out of device memory (XL
 allocator did not) is None: the candidate does not fit after all.
 
 One process only: a run of several processes compiles and runs every step on all of them, and the planner
-decides on one (maxlm/plan/search.py), so there the estimate orders the candidates.
+decides on one (maxlm/plan/levers.py), so there the estimate orders the candidates.
 """
 
 from __future__ import annotations

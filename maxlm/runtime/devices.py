@@ -6,11 +6,13 @@ an error).
 The test switch (docs/testing.md): `MAXLM_TEST_GPU_PATHS=1` makes CPU devices take the code paths that only a GPU
 takes otherwise (`gpu_paths`): plan.mode=fit measuring on the devices at hand, the GPU memory arithmetic, the
 out-of-memory line. `MAXLM_TEST_DEVICE_BYTES=N` (with the switch) is what a local device reports as the
-allocator's limit, as a GPU's `bytes_limit`, so that tests can give processes different memories."""
+allocator's limit, as a GPU's `bytes_limit`, so that tests can give processes different memories;
+`MAXLM_TEST_HOST_BYTES=N` (with the switch) is this node's RAM as `host_memory_bytes` reports it."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,6 +20,7 @@ import numpy as np
 
 GPU_PATHS_ENV = "MAXLM_TEST_GPU_PATHS"
 DEVICE_BYTES_ENV = "MAXLM_TEST_DEVICE_BYTES"
+HOST_BYTES_ENV = "MAXLM_TEST_HOST_BYTES"
 
 
 def gpu_paths() -> bool:
@@ -61,6 +64,46 @@ def device_memory_bytes() -> int | None:
     except (ValueError, OSError):
       return None
   return None
+
+
+def cgroup_memory_limit(cgroups: str, root: Path = Path("/sys/fs/cgroup")) -> int | None:
+  """The lowest memory limit over this process's cgroup and those above it (`cgroups`: /proc/self/cgroup's text):
+  cgroup v2's memory.max, v1's memory.limit_in_bytes (a SLURM job's --mem, a container's limit); None where
+  none is set or readable."""
+  limits = []
+  for line in cgroups.splitlines():
+    _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+    if controllers == "":
+      base, name = root, "memory.max"  # v2: one unified hierarchy
+    elif "memory" in controllers.split(","):
+      base, name = root / "memory", "memory.limit_in_bytes"
+    else:
+      continue
+    parts = [p for p in path.strip().split("/") if p]
+    for depth in range(len(parts), -1, -1):  # this cgroup, then each one above it, to the (namespace's) root
+      try:
+        text = (base.joinpath(*parts[:depth]) / name).read_text().strip()
+      except OSError:
+        continue
+      if text.isdigit():
+        limits.append(int(text))
+  return min(limits) if limits else None
+
+
+def host_memory_bytes() -> int | None:
+  """This node's RAM as this process may use it: the physical memory, or a cgroup's limit where lower
+  (`cgroup_memory_limit`); the test switch's MAXLM_TEST_HOST_BYTES where set."""
+  if gpu_paths() and os.environ.get(HOST_BYTES_ENV, "").isdigit():
+    return int(os.environ[HOST_BYTES_ENV])
+  try:
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError):
+    return None
+  try:
+    limit = cgroup_memory_limit(Path("/proc/self/cgroup").read_text())
+  except OSError:
+    limit = None
+  return min(physical, limit) if limit else physical
 
 
 def peak_memory_gb() -> float | None:

@@ -79,6 +79,16 @@ def tasks_on_node(tasks_per_node: str, node: int) -> int | None:
   return counts[node] if 0 <= node < len(counts) else None
 
 
+def processes_on_node(env: Mapping[str, str]) -> int:
+  """This run's processes on this node, which share its RAM: SLURM's tasks on this node (under srun), OpenMPI's
+  local size (under mpirun), else 1 (one process, or an explicit launch, which does not say)."""
+  if "OMPI_COMM_WORLD_LOCAL_SIZE" in env and env["OMPI_COMM_WORLD_LOCAL_SIZE"].isdigit():
+    return max(1, int(env["OMPI_COMM_WORLD_LOCAL_SIZE"]))
+  per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+  node = int(env["SLURM_NODEID"]) if env.get("SLURM_NODEID", "").isdigit() else 0
+  return (tasks_on_node(per_node, node) or 1) if all(v in env for v in SLURM_VARS) else 1
+
+
 def _int(env: Mapping[str, str], name: str) -> int:
   try:
     return int(env[name])

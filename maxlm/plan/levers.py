@@ -15,6 +15,11 @@ so, or that nothing fits and what would.
   memory. The share starts at one half, then is the least (measured - certain) / activations seen so far,
   at most 1: calibrated on XLA's own numbers, so that a big model compiles few candidates. Where every
   candidate was pruned the message says so: nothing was compiled.
+* Host memory (optim.offload): a candidate whose pinned host memory per device (sizing's host: the moments, and
+  with host_params the parameters; twice on jax < 0.11, whose XLA:GPU keeps a copy of the donated state under the
+  step's cond) exceeds HOST_SHARE of the host RAM per device (the node's RAM, or its cgroup's limit, over the devices
+  of the node's processes; a DGX node's on a compile-only target, said so) is not compiled: pinned memory cannot be
+  paged out, and past the RAM the kernel ends the process without a word.
 * Nothing fits. `no_fit_message`: the least measured (or pruned) candidate, and the fewest devices on which the
   most saving levers fit, measured on simulated devices (`smallest_devices`).
 """
@@ -32,9 +37,13 @@ from maxlm.layers import resolve_backend
 from maxlm.plan import moments, sizing, timing
 from maxlm.plan.cost import TIE, degrees, step_time
 from maxlm.plan.measure import Target
+from maxlm.plan.target import COND_COPY, cond_copies
 from maxlm.tables import REMATS, human_bytes
 
 LEVERS = ("model.remat", "train.grad_accum", "optim.offload", *moments.KEYS)
+# Of the host RAM per device, what the pinned state may take: a choice, not a measurement; the rest is for the
+# system, this process (its data pipeline's buffers, its compiled programs) and what a checkpoint save stages
+HOST_SHARE = 0.9
 
 
 def parse_levers(text: str) -> tuple[str, ...]:
@@ -111,6 +120,26 @@ def certain_bytes(cfg: Config, target: Target) -> dict:
   sizing's rough activations."""
   est = sizing.estimate(cfg, target.n_devices, target.n_nodes)
   return {"certain": est["lower_bound"], "activations": est["activations"]}
+
+
+def host_need(cfg: Config, target: Target) -> int:
+  """Bytes of pinned host memory per device with cfg's optim.offload (sizing's host), doubled where this jax's
+  XLA:GPU copies the donated state under the step's cond (maxlm/plan/target.py `cond_copies`)."""
+  return sizing.estimate(cfg, target.n_devices, target.n_nodes)["host"] * (2 if cond_copies() else 1)
+
+
+def host_short(cfg: Config, target: Target) -> str | None:
+  """None where cfg's pinned host memory fits the target's hosts (or nothing is pinned, or a CPU: one memory);
+  else why not, in one clause with the numbers."""
+  if not target.gpu or target.host_bytes is None or cfg.optim.offload == "none":
+    return None
+  need, have = host_need(cfg, target), int(target.host_bytes * HOST_SHARE)
+  if need <= have:
+    return None
+  whose = target.host_assumed or "this node's RAM over its devices"
+  return (f"pinned host memory {human_bytes(need)} per device (optim.offload={cfg.optim.offload}"
+          + (f"; x2: {COND_COPY}" if cond_copies() else "") + f") exceeds {HOST_SHARE:.0%} of the host's "
+          f"{human_bytes(target.host_bytes)} per device ({whose})")
 
 
 @dataclasses.dataclass
@@ -193,6 +222,10 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
     rows.append(row)
     if len(fits) >= want and not everything:
       continue
+    short = host_short(c, target)
+    if short is not None:  # nothing to compile: the host could not hold it
+      row.status, row.note = "too big", short
+      continue
     measured = (known or {}).get(tuple(o.items()))
     plausible = need["certain"] + int(share * need["activations"])
     if measured is None and plausible > target.usable:
@@ -237,15 +270,17 @@ def most_saving(cfg: Config, target: Target) -> dict | None:
 
 
 def smallest_devices(cfg: Config, target: Target, limit: int = 4096) -> tuple[int, dict, int] | None:
-  """(n, levers, measured bytes): the fewest devices (doubling) on which every lever at its most saving value
-  fits, measured on n simulated devices (the target's: XLA:GPU's compile-only, else XLA:CPU's); None to `limit`."""
+  """(n, levers, measured bytes): the fewest devices (doubling) on which every lever at its most saving value fits
+  (its pinned host memory too), measured on n simulated devices (the target's: XLA:GPU's compile-only, else
+  XLA:CPU's); None to `limit`."""
   n = target.n_devices * 2
   while n <= limit:
     t = dataclasses.replace(target, n_devices=n, n_nodes=1, simulated=True, devices=None, _sim=None)
     o = most_saving(cfg, t)
     if o is None and n > cfg.data.global_batch_size:
       return None  # the batch cannot split over more devices either
-    if o is not None and certain_bytes(apply(cfg, o), t)["certain"] <= t.usable:
+    fits = o is not None and certain_bytes(apply(cfg, o), t)["certain"] <= t.usable
+    if fits and host_short(apply(cfg, o), t) is None:
       try:
         m = t.measure(apply(cfg, o))
       finally:
@@ -265,6 +300,7 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
   msg = f"no setting of plan.levers ({','.join(parse_levers(cfg.plan.levers))}) fits {t.describe(compiled)}"
   msg += f"; {note}" if note else ""
   pruned = [r for r in p.rows if r.status == "pruned"]
+  host = [r for r in p.rows if r.note.startswith("pinned host memory")]
   if least is not None:
     c = apply(cfg, least.overrides)
     est = sizing.estimate(c, t.n_devices, t.n_nodes)
@@ -276,8 +312,10 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
     r = min(pruned, key=lambda r: r.plausible)
     msg += (f"; the least of the {len(pruned)} candidates pruned is {_label(r.overrides)} at "
             f"{human_bytes(r.plausible)} ({r.note})")
-  else:
+  elif not host:
     msg += "; no candidate: the global batch does not split over the data-parallel devices"
+  if host:
+    msg += f"; {_label(host[0].overrides)}, the fastest held in host memory, was not compiled: {host[0].note}"
   found = smallest_devices(cfg, t) if t.gpu else None
   if found:
     n, o, need = found

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from maxlm.runtime import startup
@@ -65,3 +66,18 @@ def test_deterministic_with_a_size_limited_cache_says_what_a_restart_risks(tmp_p
   assert line in r.stdout, r.stdout
   r = _train(tmp_path, "run_name=b", "train.steps=1", JAX_COMPILATION_CACHE_MAX_SIZE=str(3 * 10 ** 9))
   assert r.returncode == 0 and "JAX_COMPILATION_CACHE_MAX_SIZE" not in r.stdout  # only deterministic runs care
+
+
+def test_the_process_start_is_read_from_adjacent_clocks(monkeypatch):
+  """process_start = the clock now less the process's age at that same moment. An age that takes 0.2 s to read
+  (a loaded machine: the /proc read, a descheduled process) is an age at the end of those 0.2 s, so the clock is
+  read after it; read before (the old order), the start came out 0.2 s early, and the time to the first step long
+  (a CI failure: 1.8 ms above the test's own clock)."""
+  def slow_age():
+    time.sleep(0.2)
+    return 5.0  # seconds old, as of now: the moment it returns
+  monkeypatch.setattr(startup, "process_age_s", slow_age)
+  before = time.perf_counter()
+  t0 = startup.process_start()
+  after = time.perf_counter()
+  assert before + 0.2 - 5.0 <= t0 <= after - 5.0

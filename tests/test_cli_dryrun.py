@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from maxlm.cli.dryrun import FLAGS, plan
@@ -13,6 +14,7 @@ from maxlm.cli.grammar import SIZING, parse_options
 from maxlm.cli.train import main
 from maxlm.config import load_config
 from maxlm.layers import RECIPES
+from maxlm.model import count_params
 from maxlm.tables import PRECISIONS
 
 # Llama 3 8B: d=4096, 32 layers, 32 heads / 8 kv heads of 128, ffn 14336, vocab 128256, untied.
@@ -84,6 +86,27 @@ def test_no_gpu_verdict_points_to_sizing_for_gpus(capsys, monkeypatch):
   assert "does NOT fit" in out and "no GPU here" not in out
   _, out, _ = dry(capsys, "config=default.yml")
   assert "   fits" in out and "no GPU here" not in out and "warning" not in out
+
+
+@pytest.mark.parametrize("ram, verdict", [(2**40, "fits"), (2**20, "does NOT fit (the run stops at start)")])
+def test_what_the_offload_pins_against_this_hosts_ram(capsys, monkeypatch, ram, verdict):
+  """The tiny config with optim.offload=host_params on "GPUs" (the test switch) of a host with `ram`: the pinned
+  bytes are the float32 parameters and both float32 moments, 12 bytes a parameter over the 8 devices (fsdp),
+  twice on jax 0.10; the RAM is the host's over its 8 devices. plan.mode=off: the config as written."""
+  monkeypatch.setenv("MAXLM_TEST_GPU_PATHS", "1")
+  monkeypatch.setenv("MAXLM_TEST_DEVICE_BYTES", str(2**34))
+  monkeypatch.setenv("MAXLM_TEST_HOST_BYTES", str(ram))
+  args = ["config=tiny.yml", "model.backend=flax", "optim.offload=host_params", "plan.mode=off"]
+  code, out, _ = dry(capsys, *args, "--json")
+  mem = json.loads(out)["memory"]
+  copies = 2 if tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11) else 1
+  n = count_params(load_config(args).model)["total"]
+  assert code == 0 and mem["host_ram_per_device"] == ram // 8
+  assert mem["host_pinned"] == n * 12 // 8 * copies and mem["host_copies"] == copies
+  assert mem["host_fits"] == (verdict == "fits")
+  _, out, _ = dry(capsys, *args)
+  line = next(ln for ln in out.splitlines() if ln.startswith("  host RAM"))
+  assert line.endswith(f", at most 90% may be: {verdict}"), line
 
 
 def test_a_trial_shorter_than_the_warmup_is_warned(capsys):

@@ -34,6 +34,8 @@ from maxlm.data.readers import META_NAME, file_format, resolve_files, split_list
 from maxlm.data.shards import read_meta
 from maxlm.data.sources import resolve_type
 from maxlm.plan import sizing
+from maxlm.plan.levers import HOST_SHARE, host_need
+from maxlm.plan.target import cond_copies
 from maxlm.runtime import xla_presets
 from maxlm.layers import context
 from maxlm.layers import check_remat, resolve_backend, supported_precisions
@@ -224,6 +226,12 @@ def render(p: dict) -> str:
   if est["host"]:
     lines.append(f"  {'host':<12}{human_bytes(est['host']):>11}   the optimizer state"
                  + (" and the params" if off == "host_params" else "") + " in pinned host memory, not in the totals")
+  if "host_ram_per_device" in mem:
+    verdict = "fits" if mem["host_fits"] else "does NOT fit (the run stops at start)"
+    lines.append(f"  {'host RAM':<12}{human_bytes(mem['host_ram_per_device']):>11}   per device; the run pins "
+                 f"{human_bytes(mem['host_pinned'])}"
+                 + (" (the host state twice: jax 0.10 copies it under the step's cond)" if mem["host_copies"] == 2
+                    else "") + f", at most {HOST_SHARE:.0%} may be: {verdict}")
   if "device_bytes" in mem:
     verdict = "fits" if mem["fits"] else ("the lower bound fits, the total does not" if mem["lower_bound_fits"]
                                           else "does NOT fit (the run stops at start)")
@@ -262,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         device_memory_bytes() if local else None)
     kind = jax.devices()[0].device_kind if local and jax.default_backend() != "cpu" else None
     p = plan(cfg, n_devices, n_nodes, memory, kind)
+    if local and cfg.optim.offload != "none" and planner.gpu_here():  # what the offload pins, against this host
+      t = planner.make_target(cfg)
+      if t.host_bytes:
+        p["memory"] |= {"host_ram_per_device": t.host_bytes, "host_pinned": host_need(cfg, t),
+                        "host_copies": 2 if cond_copies() else 1, "host_fits": planner.host_short(cfg, t) is None}
   except BadInput as e:  # a config, an argument, data or a precision: one line, exit 2
     return report(e)
   if chosen is not None:

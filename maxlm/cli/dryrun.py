@@ -169,6 +169,22 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   return out
 
 
+def _verdicts(mem: dict) -> list[str]:
+  """The report's lines on whether the run fits this host's RAM (what optim.offload pins) and a device."""
+  lines = []
+  if "host_ram_per_device" in mem:
+    verdict = "fits" if mem["host_fits"] else "does NOT fit (the run stops at start)"
+    lines.append(f"  {'host RAM':<12}{human_bytes(mem['host_ram_per_device']):>11}   per device; the run pins "
+                 f"{human_bytes(mem['host_pinned'])}"
+                 + (" (the host state twice: jax 0.10 copies it under the step's cond)" if mem["host_copies"] == 2
+                    else "") + f", at most {HOST_SHARE:.0%} may be: {verdict}")
+  if "device_bytes" in mem:
+    verdict = "fits" if mem["fits"] else ("the lower bound fits, the total does not" if mem["lower_bound_fits"]
+                                          else "does NOT fit (the run stops at start)")
+    lines.append(f"  {'device':<12}{human_bytes(mem['device_bytes']):>11}   {verdict}")
+  return lines
+
+
 def render(p: dict) -> str:
   """The plan as text, one topic per block."""
   c, m, ms, pa, fl, mem, da = (p["config"], p["config"]["model"], p["mesh"], p["params"], p["flops"], p["memory"],
@@ -226,16 +242,7 @@ def render(p: dict) -> str:
   if est["host"]:
     lines.append(f"  {'host':<12}{human_bytes(est['host']):>11}   the optimizer state"
                  + (" and the params" if off == "host_params" else "") + " in pinned host memory, not in the totals")
-  if "host_ram_per_device" in mem:
-    verdict = "fits" if mem["host_fits"] else "does NOT fit (the run stops at start)"
-    lines.append(f"  {'host RAM':<12}{human_bytes(mem['host_ram_per_device']):>11}   per device; the run pins "
-                 f"{human_bytes(mem['host_pinned'])}"
-                 + (" (the host state twice: jax 0.10 copies it under the step's cond)" if mem["host_copies"] == 2
-                    else "") + f", at most {HOST_SHARE:.0%} may be: {verdict}")
-  if "device_bytes" in mem:
-    verdict = "fits" if mem["fits"] else ("the lower bound fits, the total does not" if mem["lower_bound_fits"]
-                                          else "does NOT fit (the run stops at start)")
-    lines.append(f"  {'device':<12}{human_bytes(mem['device_bytes']):>11}   {verdict}")
+  lines += _verdicts(mem)
   src = da.get("source")
   if src is None:
     src = "; ".join(f"{e['path']} ({e['format']}, {e['files']} file(s), {human_bytes(e['bytes'])}"

@@ -40,6 +40,7 @@ __all__ = ["LEVERS", "Plan", "Row", "apply", "candidates", "certain_bytes", "cho
            "no_fit_message", "parse_levers", "resolve", "resolve_kept", "run_search", "search",
            "smallest_devices", "timer", "view"]
 
+
 def choose(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
            device_memory: int | None = None, on_measure=None) -> Plan:
   """The plan for the devices at hand (or `make_target`'s simulated ones); ConfigError (one line) when

@@ -45,7 +45,8 @@ from maxlm.optim import LAG
 from maxlm.pipeline import check as check_pipeline
 from maxlm.plan import collectives
 from maxlm.plan.standins import GPU_DTYPE_OPTIONS, for_gpu_step
-from maxlm.runtime.devices import bytes_limit, device_kind, host_memory_bytes, is_gpu, local_device
+from maxlm.runtime.devices import (bytes_limit, device_kind, host_memory_bytes, is_gpu, local_device,
+                                   physical_memory_bytes)
 from maxlm.runtime.distributed import processes_on_node
 from maxlm.plan import target
 from maxlm.runtime.env import GPU_FRACTION, XLA_DEFAULT_FRACTION, fraction_in_environment
@@ -310,10 +311,8 @@ def _local_memory(dev) -> int | None:
   limit = bytes_limit(dev)
   if limit:
     return limit
-  try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
-  except (ValueError, OSError):
-    return None
+  physical = physical_memory_bytes()
+  return physical // jax.local_device_count() if physical else None
 
 
 def make_target(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,

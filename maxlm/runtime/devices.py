@@ -59,11 +59,17 @@ def device_memory_bytes() -> int | None:
   if limit:
     return limit
   if dev.platform == "cpu":
-    try:
-      return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
-    except (ValueError, OSError):
-      return None
+    physical = physical_memory_bytes()
+    return physical // jax.local_device_count() if physical else None
   return None
+
+
+def physical_memory_bytes() -> int | None:
+  """This machine's physical RAM; None where the system does not say."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError):
+    return None
 
 
 def cgroup_memory_limit(cgroups: str, root: Path = Path("/sys/fs/cgroup")) -> int | None:
@@ -95,9 +101,8 @@ def host_memory_bytes() -> int | None:
   (`cgroup_memory_limit`); the test switch's MAXLM_TEST_HOST_BYTES where set."""
   if gpu_paths() and os.environ.get(HOST_BYTES_ENV, "").isdigit():
     return int(os.environ[HOST_BYTES_ENV])
-  try:
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  except (ValueError, OSError):
+  physical = physical_memory_bytes()
+  if physical is None:
     return None
   try:
     limit = cgroup_memory_limit(Path("/proc/self/cgroup").read_text())

@@ -79,14 +79,25 @@ def tasks_on_node(tasks_per_node: str, node: int) -> int | None:
   return counts[node] if 0 <= node < len(counts) else None
 
 
+def _slurm_tasks_here(env: Mapping[str, str]) -> int | None:
+  """SLURM's tasks on this node (the step's list, else the job's), None if unreadable."""
+  per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+  node = int(env["SLURM_NODEID"]) if env.get("SLURM_NODEID", "").isdigit() else 0
+  return tasks_on_node(per_node, node)
+
+
+def _mpi_local_size(env: Mapping[str, str]) -> int | None:
+  """OpenMPI's ranks on this node, None where it does not say."""
+  local_size = env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
+  return int(local_size) if local_size.isdigit() else None
+
+
 def processes_on_node(env: Mapping[str, str]) -> int:
   """This run's processes on this node, which share its RAM: SLURM's tasks on this node (under srun), OpenMPI's
   local size (under mpirun), else 1 (one process, or an explicit launch, which does not say)."""
-  if "OMPI_COMM_WORLD_LOCAL_SIZE" in env and env["OMPI_COMM_WORLD_LOCAL_SIZE"].isdigit():
-    return max(1, int(env["OMPI_COMM_WORLD_LOCAL_SIZE"]))
-  per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
-  node = int(env["SLURM_NODEID"]) if env.get("SLURM_NODEID", "").isdigit() else 0
-  return (tasks_on_node(per_node, node) or 1) if all(v in env for v in SLURM_VARS) else 1
+  if _mpi_local_size(env) is not None:
+    return max(1, _mpi_local_size(env))
+  return (_slurm_tasks_here(env) or 1) if all(v in env for v in SLURM_VARS) else 1
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -117,10 +128,8 @@ def _slurm(env: Mapping[str, str]) -> tuple[str, int, int, int, int | None]:
     raise err or ConfigError(f"distributed.mode=slurm, but {', '.join(missing)} "
                              f"{'is' if len(missing) == 1 else 'are'} not set: start the trainer with srun")
   port = env.get("JAX_COORDINATOR_PORT") or str(PORT_BASE + _int(env, "SLURM_JOB_ID") % PORT_SPAN)
-  per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
-  node = int(env["SLURM_NODEID"]) if env.get("SLURM_NODEID", "").isdigit() else 0
   return (f"{first_host(env['SLURM_STEP_NODELIST'])}:{port}", _int(env, "SLURM_NTASKS"),
-          _int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID"), tasks_on_node(per_node, node))
+          _int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID"), _slurm_tasks_here(env))
 
 
 def _mpi(env: Mapping[str, str], coordinator: str) -> tuple[str, int, int, int, int | None]:
@@ -139,10 +148,8 @@ def _mpi(env: Mapping[str, str], coordinator: str) -> tuple[str, int, int, int, 
     job = int(uri.split(".", 1)[0]) // 4096 if uri.split(".", 1)[0].isdigit() else 0
     port = env.get("JAX_COORDINATOR_PORT") or str(PORT_BASE + job % PORT_SPAN)
     coordinator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-  local_size = env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
   return (coordinator, _int(env, "OMPI_COMM_WORLD_SIZE"), _int(env, "OMPI_COMM_WORLD_RANK"),
-          int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0") or 0),
-          int(local_size) if local_size.isdigit() else None)
+          int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0") or 0), _mpi_local_size(env))
 
 
 def _devices(text: str, launcher: str, local_rank: int, local_size: int | None,

@@ -4,6 +4,7 @@ in one line (maxlm/plan/__init__.py `decide`). The order, pruning and timing of 
 tests/test_plan.py, which predates the module."""
 
 import jax
+import processes
 import pytest
 
 from maxlm import plan
@@ -103,3 +104,21 @@ def test_a_config_written_to_pin_more_than_the_host_has_stops_at_start(tmp_path,
   monkeypatch.setenv("MAXLM_TEST_HOST_BYTES", str(2**40))
   assert plan.decide(cfg)["levers"]["optim.offload"] == "host_params"
 
+
+def test_two_processes_stop_on_process_0s_host_check_in_one_line_each(tmp_path):
+  """Two processes (the test switch: their CPU devices take the GPU paths), plan.mode=off with
+  optim.offload=host_params: process 0's host has 1 KiB of RAM, process 1's 1 TiB. Process 0 decides for both
+  (maxlm/runtime/agree.py), so both stop at start with process 0's line and exit 2; no run directory."""
+  env = [{"MAXLM_TEST_GPU_PATHS": "1", "MAXLM_TEST_DEVICE_BYTES": str(2**34), "MAXLM_TEST_HOST_BYTES": "1024"},
+         {"MAXLM_TEST_GPU_PATHS": "1", "MAXLM_TEST_DEVICE_BYTES": str(2**34), "MAXLM_TEST_HOST_BYTES": str(2**40)}]
+  procs = processes.start(2, ["run_name=r", "train.steps=2", "data.global_batch_size=8", "mesh.dcn_fsdp=2",
+                              "plan.mode=off", "optim.offload=host_params"], tmp_path, env)
+  codes = processes.finish(procs, 240)
+  outs = [processes.output(tmp_path, i) for i in range(2)]
+  assert codes == [2, 2], outs
+  for i, (out, err) in enumerate(outs):
+    lines = [ln for ln in (out + err).splitlines() if "maxlm: error:" in ln]
+    assert len(lines) == 1 and not processes.errors(out + err.replace(lines[0], "")), (out, err)
+    assert lines[0].startswith(f"[process {i}/2 ") and "maxlm: error: config key 'optim.offload': pinned host " \
+        "memory " in lines[0] and "of the host's 1.0 KiB per device" in lines[0], lines[0]
+  assert not (tmp_path / "runs" / "r").exists()

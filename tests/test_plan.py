@@ -92,11 +92,15 @@ def test_trainer_and_dry_run_apply_the_plan(reference, tmp_path, monkeypatch, ca
   assert decided.train.grad_accum == 2 and cfg.train.grad_accum == 1 and how == "chosen by plan.mode=auto"
   assert Trainer(decided).cfg is decided  # the trainer plans nothing itself
   out = capsys.readouterr().out.splitlines()
-  assert len(out) == 1 and out[0].startswith(
+  # a line as each compile ends, then the plan's
+  assert len(out) == 3 and out[0].startswith("maxlm: plan: compiled remat=none, grad_accum=1, ") and \
+      f": peak {human_bytes(reference[1])} of " in out[0] and ", too big (" in out[0]
+  assert out[1].startswith("maxlm: plan: compiled remat=none, grad_accum=2, ") and ", fits (" in out[1]
+  assert out[2].startswith(
       "maxlm: plan: model.remat=none, train.grad_accum=2, optim.offload=none, optim.mu_dtype=float32, "
       f"optim.nu_dtype=float32 (peak "
       f"{human_bytes(reference[2])} of ")
-  assert out[0].endswith("usable per device; measured by XLA on the devices at hand; 2 compiled, 0 not)")
+  assert out[2].endswith("usable per device; measured by XLA on the devices at hand; 2 compiled, 0 not)")
   code = train_main(["--dry-run", "--json", *auto])
   p = json.loads(capsys.readouterr().out)
   assert code == 0 and p["config"]["train"]["grad_accum"] == 2 and "train.grad_accum=2" in p["plan"]
@@ -120,12 +124,15 @@ def test_fit_keeps_a_config_that_fits_and_plans_one_that_does_not(reference, whe
   if where == "roomy":
     assert decided is cfg and [c["train.grad_accum"] for c in compiled] == [1]
     assert how == "as written, measured to fit by plan.mode=fit"
-    assert out == [f"maxlm: plan: the config fits as written (peak {h(reference[1])} of {h(usable)} usable per "
-                   "device, measured by XLA; plan.mode=fit keeps it)"]
+    assert out[1:] == [f"maxlm: plan: the config fits as written (peak {h(reference[1])} of {h(usable)} usable "
+                       "per device, measured by XLA; plan.mode=fit keeps it)"]
   else:
     assert decided.train.grad_accum == 2 and [c["train.grad_accum"] for c in compiled] == [1, 2]
-    assert len(out) == 1 and out[0].startswith("maxlm: plan: model.remat=none, train.grad_accum=2, ")
-    assert out[0].endswith(f"2 compiled, 0 not); as written the config peaks at {h(reference[1])} per device")
+    # a line as each compile ends (the as-written one is not compiled again), then the plan's
+    assert len(out) == 3 and out[1].startswith("maxlm: plan: compiled remat=none, grad_accum=2, ")
+    assert out[2].startswith("maxlm: plan: model.remat=none, train.grad_accum=2, ")
+    assert out[2].endswith(f"2 compiled, 0 not); as written the config peaks at {h(reference[1])} per device")
+  assert out[0].startswith(f"maxlm: plan: compiled the config as written: peak {h(reference[1])} of {h(usable)} (")
   monkeypatch.setattr(plan, "gpu_here", lambda: False)  # on a CPU fit does nothing: no compile
   compiled.clear()
   assert plan.for_run(cfg, print) == (cfg, "plan.mode=fit") and compiled == [] and capsys.readouterr().out == ""

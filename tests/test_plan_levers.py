@@ -122,3 +122,48 @@ def test_two_processes_stop_on_process_0s_host_check_in_one_line_each(tmp_path):
     assert lines[0].startswith(f"[process {i}/2 ") and "maxlm: error: config key 'optim.offload': pinned host " \
         "memory " in lines[0] and "of the host's 1.0 KiB per device" in lines[0], lines[0]
   assert not (tmp_path / "runs" / "r").exists()
+
+
+def test_each_compile_and_timing_is_reported_as_it_ends_and_the_budget_stops_the_walk():
+  """report(line) hears of every compile (its peak against the usable memory, fits or too big, and its seconds)
+  and every timing; with plan.budget_s the walk compiles nothing more once that many seconds have gone and one
+  candidate fits, and the line says so. A fake clock advances 100 s per compile: with a budget of 250 s and
+  the first candidate too big, the second and third (fit) are compiled, then the walk stops at 300 s, before the
+  fourth, though plan.timed wants 4 that fit."""
+  cfg = load_config([*DIMS, "plan.levers=model.remat", "plan.budget_s=250"])
+  target = gpu_target(None)
+  order = levers.candidates(cfg, target, "flax")
+  assert len(order) >= 6
+  now = [0.0]
+  compiled, lines = [], []
+
+  def measure(c):
+    now[0] += 100.0
+    compiled.append(c.model.remat)
+    return {"device": 2**41 if len(compiled) == 1 else 2**20, "how": "measured"}
+
+  def timer(c):
+    now[0] += 7.0
+    return 0.5
+
+  p = levers.search(cfg, target, measure, "flax", timer=timer, timed=4, report=lines.append, budget_s=250,
+                    clock=lambda: now[0])
+  names = [levers._label(o) for o in order]
+  assert compiled == [o["model.remat"] for o in order[:3]] and [r.status for r in p.rows[3:]] == ["not tried"] * (len(order) - 3)
+  usable = levers.human_bytes(target.usable)
+  assert lines == [f"plan: compiled {names[0]}: peak 2.0 TiB of {usable}, too big (100 s)",
+                   f"plan: compiled {names[1]}: peak 1.0 MiB of {usable}, fits (100 s)",
+                   f"plan: compiled {names[2]}: peak 1.0 MiB of {usable}, fits (100 s)",
+                   f"plan: timed {names[1]}: step 0.5 s (7 s)",
+                   f"plan: timed {names[2]}: step 0.5 s (7 s)"]
+  assert "search stopped by plan.budget_s=250 after 300 s" in p.line()
+  # no budget: the walk goes on to plan.timed fits
+  compiled.clear()
+  p = levers.search(cfg, target, measure, "flax", timer=timer, timed=4, clock=lambda: now[0])
+  assert compiled == [o["model.remat"] for o in order[:5]] and "budget" not in p.line()  # one too big, 4 fit
+  # nothing fits yet when the budget is spent: the walk goes on until one does
+  compiled.clear()
+  p = levers.search(cfg, target, lambda c: (compiled.append(1), now.__setitem__(0, now[0] + 100.0),
+                                            {"device": 2**41 if len(compiled) < 4 else 2**20, "how": "measured"})[2],
+                    "flax", budget_s=50, clock=lambda: now[0])
+  assert len(compiled) == 4 and p.chosen is p.rows[3]

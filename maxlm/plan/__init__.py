@@ -21,6 +21,8 @@ decision every process of a run applies (`for_run`).
 
 from __future__ import annotations
 
+import time
+
 import jax
 
 from maxlm.config import Config, ConfigError
@@ -42,13 +44,13 @@ __all__ = ["LEVERS", "Plan", "Row", "apply", "candidates", "certain_bytes", "cho
 
 
 def choose(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
-           device_memory: int | None = None, on_measure=None) -> Plan:
+           device_memory: int | None = None, on_measure=None, report=None) -> Plan:
   """The plan for the devices at hand (or `make_target`'s simulated ones); ConfigError (one line) when
   nothing fits."""
   target = make_target(cfg, n_devices, n_nodes, device_memory)
   target.on_measure = on_measure
   try:
-    p = run_search(cfg, target)
+    p = run_search(cfg, target, report=report)
   finally:
     target.close()
   if p.chosen is None:
@@ -62,17 +64,18 @@ def gpu_here() -> bool:
 
 
 def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
-            device_memory: int | None = None, on_measure=None) -> tuple[Config, str | None]:
+            device_memory: int | None = None, on_measure=None, report=None) -> tuple[Config, str | None]:
   """(the config to run, one line on what the planner did; None where it did nothing), by plan.mode: off
   keeps cfg; auto takes `choose`'s levers; fit (the default) acts only on the GPUs at hand (no n_devices /
   n_nodes): it keeps cfg when XLA measures it to fit (one compile, none where the bytes it certainly needs
   exceed a device), else takes the search's levers. ConfigError (one line) when nothing fits. `on_measure` is
-  called before each compile (the start-up watchdog's sign of progress)."""
+  called before each compile (the start-up watchdog's sign of progress), `report(line)` after each compile and
+  timing (levers.search)."""
   mode = cfg.plan.mode
   if mode == "off" or (mode != "auto" and (n_devices or n_nodes or not gpu_here())):
     return cfg, None  # fit on a CPU or for other devices: the config as written (`maxlm plan` plans for those)
   if mode == "auto":
-    p = choose(cfg, n_devices, n_nodes, device_memory, on_measure)
+    p = choose(cfg, n_devices, n_nodes, device_memory, on_measure, report)
     return p.cfg, p.line()
   target = make_target(cfg, device_memory=device_memory)
   target.on_measure = on_measure
@@ -81,14 +84,19 @@ def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = Non
     short = host_short(cfg, target)
     why = short or f"certainly needs {human_bytes(certain)}"
     if certain <= target.usable and short is None:
+      began = time.monotonic()
       m = known[tuple(current(cfg).items())] = target.measure(cfg)
+      if report is not None:
+        report("plan: compiled the config as written: " + ("XLA ran out of memory" if "oom" in m else
+               f"peak {human_bytes(m['device'])} of {human_bytes(target.usable)}")
+               + f" ({time.monotonic() - began:.0f} s)")
       if "oom" not in m and m["device"] <= target.usable:
         return cfg, (f"plan: the config fits as written (peak {human_bytes(m['device'])} of "
                      f"{human_bytes(target.usable)} usable per device, measured by XLA; plan.mode=fit "
                      "keeps it)")
       why = "ran XLA out of memory compiling" if "oom" in m else f"peaks at {human_bytes(m['device'])}"
     p = search(cfg, target, target.measure, resolve_backend(cfg.model.backend), known=known,
-               timer=timer(cfg, target), timed=cfg.plan.timed)
+               timer=timer(cfg, target), timed=cfg.plan.timed, report=report, budget_s=cfg.plan.budget_s)
     if p.chosen is None:
       raise ConfigError(no_fit_message(cfg, p, f"as written the config {why} per device"))
   finally:
@@ -96,7 +104,7 @@ def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = Non
   return p.cfg, f"{p.line()}; as written the config {why} per device"
 
 
-def resolve_kept(cfg: Config, on_measure=None) -> tuple[Config, str | None]:
+def resolve_kept(cfg: Config, on_measure=None, report=None) -> tuple[Config, str | None]:
   """`resolve(cfg)` on the devices at hand, or the decision an earlier start of this run took on this machine
   (compile.warm_start, maxlm/runtime/warm_start.py: the key holds the config, the code, the devices and the memory
   the planner counts as usable), which a decision taken now is kept as."""
@@ -108,7 +116,7 @@ def resolve_kept(cfg: Config, on_measure=None) -> tuple[Config, str | None]:
   if kept is not None:
     levers, line = kept
     return (cfg if levers == current(cfg) else apply(cfg, levers)), f"{line} (kept from an earlier start)"
-  out, line = resolve(cfg, on_measure=on_measure)
+  out, line = resolve(cfg, on_measure=on_measure, report=report)
   if line is not None:
     entry.save((current(out), line))
   return out, line
@@ -123,12 +131,12 @@ def view() -> list:
   return [device_kind(dev) if is_gpu(dev) else dev.device_kind, device_memory_bytes()]
 
 
-def decide(cfg: Config, on_measure=None) -> dict:
+def decide(cfg: Config, on_measure=None, report=None) -> dict:
   """The decision `for_run` hands every process: the levers, the line to print, how they came (for the
   out-of-memory line) and the view it was taken with. Where nothing was planned, the bytes the step certainly
   needs are checked against a device (sizing.check_fits), and what optim.offload pins against the host's RAM
   (levers.host_short)."""
-  out, line = resolve_kept(cfg, on_measure)
+  out, line = resolve_kept(cfg, on_measure, report)
   mine = view()
   if line is None and cfg.optim.offload != "none" and gpu_here():  # the config as written, held in host memory
     short = host_short(cfg, make_target(cfg))
@@ -153,15 +161,16 @@ def for_run(cfg: Config, say=None, watch=None) -> tuple[Config, str]:
   """(the run's config by plan.mode, how its levers came), decided once for the run, before the trainer is built:
   by process 0, whose decision every process applies (maxlm/runtime/agree.py), so that all run one program. A
   process whose own view of its devices differs from process 0's says so in one warning line. `say` prints the
-  plan's line (process 0's); `watch` is the start-up watchdog: each of the planner's compiles is a phase of
-  train.watchdog_first_step_s (maxlm/runtime/watchdog.py `start_up_limit`)."""
+  plan's line (process 0's), and as it plans a line for each compile and timing; `watch` is the start-up
+  watchdog: each of the planner's compiles is a phase of train.watchdog_first_step_s (maxlm/runtime/watchdog.py `start_up_limit`)."""
   watch = watch or watchdog.OFF
   limit = watchdog.start_up_limit(cfg.train)
 
   def measuring() -> None:  # process 0, before each compile: a new phase, and a sign of life for the others
     agree.progress("plan")
     watch.arm("start-up: plan (a compile)", limit=limit)
-  got = agree.decide("plan", lambda: decide(cfg, measuring), watch, "start-up: plan", limit)
+  progress = (lambda line: say(f"maxlm: {line}")) if say is not None else None  # each compile and timing, as it ends
+  got = agree.decide("plan", lambda: decide(cfg, measuring, progress), watch, "start-up: plan", limit)
   out = cfg if got["levers"] == current(cfg) else apply(cfg, got["levers"])
   mine = view() if jax.process_index() > 0 and cfg.plan.mode != "off" else got["view"]
   if mine != got["view"]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 
 import jax
 
@@ -163,6 +164,8 @@ class Plan:
   chosen: Row | None
   cfg: Config  # the config with the chosen levers (the input config when none fits)
   moments: str = ""  # what the line says about the moment dtypes (maxlm/plan/moments.py)
+  stopped: float | None = None  # seconds into the search when plan.budget_s stopped it
+  budget_s: float = 0.0
 
   def line(self) -> str:
     """The one line the trainer prints."""
@@ -177,7 +180,9 @@ class Plan:
              else f"; step {c.time['total_s']:.3g} s estimated (roofline), not measured" if self.target.gpu
              else "")  # CPU devices: no roofline, nothing timed
     return (f"plan: {levers} (peak {human_bytes(c.measured)} of {human_bytes(self.target.usable)} "
-            f"usable per device; {how}{speed}; {n} compiled, {len(self.rows) - n} not)"
+            f"usable per device; {how}{speed}; {n} compiled, {len(self.rows) - n} not"
+            + (f"; search stopped by plan.budget_s={self.budget_s:g} after {self.stopped:.0f} s"
+               if self.stopped is not None else "") + ")"
             + (f"; {self.moments}" if self.moments else ""))
 
 
@@ -194,33 +199,44 @@ def _fits(cfg, target, row, need, measured, share, rows) -> float:
   return share
 
 
-def _fastest(cfg: Config, fits: list[Row], timer) -> Row | None:
+def _fastest(cfg: Config, fits: list[Row], timer, report, clock) -> Row | None:
   """The row of `fits` whose step `timer` measured fastest (the first on a tie); a row whose step ran out of
   memory (timer: None) does not fit after all."""
   for r in fits:
+    start = clock()
     r.seconds = timer(apply(cfg, r.overrides))
     if r.seconds is None:
       r.status, r.note = "too big", "ran out of device memory running the step"
+    report(f"plan: timed {_label(r.overrides)}: "
+           + (r.note if r.seconds is None else f"step {r.seconds:.3g} s") + f" ({clock() - start:.0f} s)")
   timed = [r for r in fits if r.seconds is not None]
   return min(timed, key=lambda r: r.seconds) if timed else None
 
 
 def search(cfg: Config, target: Target, measure, backend: str, everything: bool = False,
-           known: dict | None = None, timer=None, timed: int = 1) -> Plan:
+           known: dict | None = None, timer=None, timed: int = 1, report=None, budget_s: float = 0.0,
+           clock=time.monotonic) -> Plan:
   """Walk the candidates in order; `measure(cfg) -> plan.measure's dict`; `known`: measurements made
   already, by lever values (never pruned, never compiled again). With `timer(cfg) -> seconds per step` (the
   devices at hand: maxlm/plan/timing.py), the first `timed` candidates that fit are timed and the fastest
   measured is chosen; without, the first that fits (by the roofline's order). everything=True measures every
-  plausible candidate (for the table) but still chooses among the first that fit."""
+  plausible candidate (for the table) but still chooses among the first that fit. `report(line)` is told of
+  each compile and each timing as it ends (the run's progress lines). budget_s > 0: once that many seconds
+  (by `clock`) have gone and one candidate fits, no further candidate is compiled (the line says so)."""
   rows, fits = [], []
+  report = report or (lambda line: None)
   want = max(1, timed) if timer is not None else 1
   share = 0.5  # of the rough activations taken as plausible: then the least share XLA showed (module doc)
+  start, stopped = clock(), None
   for o in candidates(cfg, target, backend):
     c = apply(cfg, o)
     need = certain_bytes(c, target)
     row = Row(o, "not tried", need["certain"], time=step_time(c, target))
     rows.append(row)
     if len(fits) >= want and not everything:
+      continue
+    if budget_s > 0 and fits and clock() - start > budget_s and not everything:
+      stopped = stopped or clock() - start
       continue
     short = host_short(c, target)
     if short is not None:  # nothing to compile: the host could not hold it
@@ -233,12 +249,18 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
       row.note = (f"certain {human_bytes(need['certain'])}" if need["certain"] > target.usable else
                   f"certain + {share:.2f} x activations = {human_bytes(plausible)}")
       continue
+    began = clock()
     share = _fits(cfg, target, row, need, measure(c) if measured is None else measured, share, rows)
+    if measured is None:
+      report(f"plan: compiled {_label(o)}: " + (row.note if row.measured is None else
+             f"peak {human_bytes(row.measured)} of {human_bytes(target.usable)}, {row.status}")
+             + f" ({clock() - began:.0f} s)")
     if row.status == "fits" and len(fits) < want:
       fits.append(row)
-  chosen = (fits[0] if fits else None) if timer is None else _fastest(cfg, fits, timer)
+  chosen = (fits[0] if fits else None) if timer is None else _fastest(cfg, fits, timer, report, clock)
   return Plan(target, rows, chosen, apply(cfg, chosen.overrides) if chosen else cfg,
-              moments.note(cfg, chosen.overrides, parse_levers(cfg.plan.levers)) if chosen else "")
+              moments.note(cfg, chosen.overrides, parse_levers(cfg.plan.levers)) if chosen else "",
+              stopped=stopped, budget_s=budget_s)
 
 
 def _label(o: dict) -> str:
@@ -253,11 +275,11 @@ def timer(cfg: Config, target: Target):
   return lambda c: timing.time_step(c, target.devices)
 
 
-def run_search(cfg: Config, target: Target, everything: bool = False) -> Plan:
+def run_search(cfg: Config, target: Target, everything: bool = False, report=None) -> Plan:
   """`search` on the target's devices (at hand or simulated)."""
   parse_levers(cfg.plan.levers)
   return search(cfg, target, target.measure, resolve_backend(cfg.model.backend), everything,
-                timer=timer(cfg, target), timed=cfg.plan.timed)
+                timer=timer(cfg, target), timed=cfg.plan.timed, report=report, budget_s=cfg.plan.budget_s)
 
 
 def most_saving(cfg: Config, target: Target) -> dict | None:

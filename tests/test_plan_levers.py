@@ -127,9 +127,10 @@ def test_two_processes_stop_on_process_0s_host_check_in_one_line_each(tmp_path):
 def test_each_compile_and_timing_is_reported_as_it_ends_and_the_budget_stops_the_walk():
   """report(line) hears of every compile (its peak against the usable memory, fits or too big, and its seconds)
   and every timing; with plan.budget_s the walk compiles nothing more once that many seconds have gone and one
-  candidate fits, and the line says so. A fake clock advances 100 s per compile: with a budget of 250 s and
-  the first candidate too big, the second and third (fit) are compiled, then the walk stops at 300 s, before the
-  fourth, though plan.timed wants 4 that fit."""
+  candidate fits, and times no more once one is timed; the line says so. A fake clock advances 100 s per compile
+  and 7 s per timing: with a budget of 250 s and the first candidate too big, the second and third (fit) are
+  compiled, then the walk stops at 300 s, before the fourth, though plan.timed wants 4 that fit, and only the
+  second is timed."""
   cfg = load_config([*DIMS, "plan.levers=model.remat", "plan.budget_s=250"])
   target = gpu_target(None)
   order = levers.candidates(cfg, target, "flax")
@@ -154,8 +155,8 @@ def test_each_compile_and_timing_is_reported_as_it_ends_and_the_budget_stops_the
   assert lines == [f"plan: compiled {names[0]}: peak 2.0 TiB of {usable}, too big (100 s)",
                    f"plan: compiled {names[1]}: peak 1.0 MiB of {usable}, fits (100 s)",
                    f"plan: compiled {names[2]}: peak 1.0 MiB of {usable}, fits (100 s)",
-                   f"plan: timed {names[1]}: step 0.5 s (7 s)",
-                   f"plan: timed {names[2]}: step 0.5 s (7 s)"]
+                   f"plan: timed {names[1]}: step 0.5 s (7 s)"]  # past the budget: one timed, no more
+  assert p.chosen is p.rows[1] and p.rows[2].status == "fits" and p.rows[2].seconds is None
   assert "search stopped by plan.budget_s=250 after 300 s" in p.line()
   # no budget: the walk goes on to plan.timed fits
   compiled.clear()

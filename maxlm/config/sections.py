@@ -41,9 +41,9 @@ class PlanConfig:
   levers: str = option("all", "the config keys plan.mode=auto may set, comma-separated (the others keep their "
                        "value); all = model.remat,train.grad_accum,optim.offload,optim.mu_dtype,"
                        "optim.nu_dtype")
-  budget_s: float = option(300.0, "seconds the search may spend compiling candidates once one fits: past them no "
-                           "further candidate is compiled and the choice is among those that fit (the line says "
-                           "so); 0 = no limit", within="[0, 86400]")
+  budget_s: float = option(300.0, "seconds the search may spend once a candidate fits: past them it compiles no "
+                           "further candidate, and times none once one is timed; the choice is among those "
+                           "(the line says so); 0 = no limit", within="[0, 86400]")
   timed: int = option(3, "on the GPUs at hand (one process), time this many of the candidates that fit, the "
                       "fastest by the roofline estimate first, for a few steps each, and take the fastest measured; "
                       "0 = take the first that fits by the estimate (as on simulated devices)", within="[0, 64]")

@@ -199,10 +199,12 @@ def _fits(cfg, target, row, need, measured, share, rows) -> float:
   return share
 
 
-def _fastest(cfg: Config, fits: list[Row], timer, report, clock) -> Row | None:
+def _fastest(cfg: Config, fits: list[Row], timer, report, clock, over) -> Row | None:
   """The row of `fits` whose step `timer` measured fastest (the first on a tie); a row whose step ran out of
-  memory (timer: None) does not fit after all."""
+  memory (timer: None) does not fit after all. Once `over()` (the budget spent) and one is timed, no more are."""
   for r in fits:
+    if over() and any(f.seconds is not None for f in fits):
+      break
     start = clock()
     r.seconds = timer(apply(cfg, r.overrides))
     if r.seconds is None:
@@ -222,12 +224,16 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
   measured is chosen; without, the first that fits (by the roofline's order). everything=True measures every
   plausible candidate (for the table) but still chooses among the first that fit. `report(line)` is told of
   each compile and each timing as it ends (the run's progress lines). budget_s > 0: once that many seconds
-  (by `clock`) have gone and one candidate fits, no further candidate is compiled (the line says so)."""
+  (by `clock`) have gone and one candidate fits, no further candidate is compiled, and once one is timed no
+  further one is timed (the line says so)."""
   rows, fits = [], []
   report = report or (lambda line: None)
   want = max(1, timed) if timer is not None else 1
   share = 0.5  # of the rough activations taken as plausible: then the least share XLA showed (module doc)
   start, stopped = clock(), None
+
+  def over() -> bool:
+    return budget_s > 0 and clock() - start > budget_s
   for o in candidates(cfg, target, backend):
     c = apply(cfg, o)
     need = certain_bytes(c, target)
@@ -235,7 +241,7 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
     rows.append(row)
     if len(fits) >= want and not everything:
       continue
-    if budget_s > 0 and fits and clock() - start > budget_s and not everything:
+    if fits and over() and not everything:
       stopped = stopped or clock() - start
       continue
     short = host_short(c, target)
@@ -257,7 +263,9 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
              + f" ({clock() - began:.0f} s)")
     if row.status == "fits" and len(fits) < want:
       fits.append(row)
-  chosen = (fits[0] if fits else None) if timer is None else _fastest(cfg, fits, timer, report, clock)
+  chosen = (fits[0] if fits else None) if timer is None else _fastest(cfg, fits, timer, report, clock, over)
+  if timer is not None and any(r.seconds is None and r.status == "fits" for r in fits):
+    stopped = stopped or clock() - start  # the budget ended the timing
   return Plan(target, rows, chosen, apply(cfg, chosen.overrides) if chosen else cfg,
               moments.note(cfg, chosen.overrides, parse_levers(cfg.plan.levers)) if chosen else "",
               stopped=stopped, budget_s=budget_s)

@@ -252,17 +252,22 @@ def test_search_is_deterministic_and_compiles_only_what_it_must():
   assert all(r.status == "not tried" for r in p1.rows[i + 1:])
   # compiled: exactly the rows with a measurement or an out-of-memory compile, once each, in order
   assert [r.overrides for r in p1.rows if r.measured is not None or "out of memory" in r.note] == first
-  # pruned: certain + share x rough activations over the usable memory; the share is 1/2 until something
-  # is measured, then the least (measured - certain) / activations seen, at most 1
-  shares = []
+  # pruned: certain + share x rough activations over the usable memory; the share is kept per remat policy:
+  # 1/2 until a candidate of that policy is measured, then the least (measured - certain) / activations seen
+  # for that policy, at most 1
+  shares = {}
   for r in p1.rows[:i + 1]:
     need = plan.certain_bytes(plan.apply(cfg, r.overrides), target)
-    share = min([0.5] if not shares else [1.0, *shares])
+    remat = r.overrides["model.remat"]
+    share = min([0.5] if remat not in shares else [1.0, *shares[remat]])
     assert (r.status == "pruned") == (need["certain"] + int(share * need["activations"]) > target.usable)
     if r.measured is not None:
-      shares.append(max(0, r.measured - need["certain"]) / need["activations"])
-  assert shares[0] > 1  # so the share went to 1: save_dots_attn (1 x its activations over) was pruned
-  assert [r.status for r in p1.rows[:2]] == ["too big", "pruned"]
+      shares.setdefault(remat, []).append(max(0, r.measured - need["certain"]) / need["activations"])
+  assert shares["none"][0] > 1  # so none's share went to 1
+  assert [r.status for r in p1.rows[:2]] == ["too big", "too big"]  # save_dots_attn's own share: 1/2, compiled
+  # one share for all would have pruned save_dots_attn after none's measurement (> 1): its own stays 1/2
+  assert [r.overrides["model.remat"] for r in p1.rows[:i + 1]] == ["none", "save_dots_attn", "save_dots",
+                                                                  "save_qkv_attn"]
   expected = next(o for o in order if o["model.remat"] not in ("none", "save_dots_attn", "save_dots")
                   and plan.certain_bytes(plan.apply(cfg, o), target)["certain"]
                   + int((extra[o["model.remat"]] + (o["optim.offload"] != "none")) * 2**20) <= target.usable)

@@ -12,9 +12,12 @@ so, or that nothing fits and what would.
 * Pruning (the analytic model, maxlm/plan/sizing.py, only prunes). A candidate is not compiled when the bytes
   it certainly needs (sizing's lower_bound: the state, and the gradients or the logits, both when
   accumulating; a true lower bound of XLA's peak) plus a share of sizing's rough activations exceed the usable
-  memory. The share starts at one half, then is the least (measured - certain) / activations seen so far,
-  at most 1: calibrated on XLA's own numbers, so that a big model compiles few candidates. Where every
-  candidate was pruned the message says so: nothing was compiled.
+  memory. The share is kept per model.remat policy: one half until a candidate of that policy is measured, then
+  the least (measured - certain) / activations seen for it so far, at most 1: calibrated on XLA's own numbers,
+  so that a big model compiles few candidates. Per policy, because the rough activations err by policy: on the
+  H200 (jax 0.11.2, the 8B, bf16 moments) save_attn at one micro-batch measured 0.46 of them (2026-12-04); with
+  a float32 nu, remat=none at 8 micro-batches took 1.9 (178.5 GiB, the figure XLA's rematerialization pass
+  logged, 2026-12-06). One share for all (as before) then pruned save_attn at one micro-batch, which fits. Where every candidate was pruned the message says so: nothing was compiled.
 * Host memory (optim.offload): a candidate whose pinned host memory per device (sizing's host: the moments, and
   with host_params the parameters; twice on jax < 0.11, whose XLA:GPU keeps a copy of the donated state under the
   step's cond) exceeds HOST_SHARE of the host RAM per device (the node's RAM, or its cgroup's limit, over the devices
@@ -187,7 +190,8 @@ class Plan:
 
 
 def _fits(cfg, target, row, need, measured, share, rows) -> float:
-  """Record `measured` (plan.measure's dict) in `row`; the calibrated share of the activations after it."""
+  """Record `measured` (plan.measure's dict) in `row`; the calibrated share of the activations after it (`share`
+  and `rows`: those of the row's remat policy)."""
   if "oom" in measured:
     row.status, row.note = "too big", f"XLA ran out of memory compiling: {measured['oom']}"
     return share
@@ -229,7 +233,8 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
   rows, fits = [], []
   report = report or (lambda line: None)
   want = max(1, timed) if timer is not None else 1
-  share = 0.5  # of the rough activations taken as plausible: then the least share XLA showed (module doc)
+  # of the rough activations taken as plausible, per remat policy: 1/2, then the least share XLA showed (module doc)
+  shares: dict[str, float] = {}
   start, stopped = clock(), None
 
   def over() -> bool:
@@ -249,6 +254,8 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
       row.status, row.note = "too big", short
       continue
     measured = (known or {}).get(tuple(o.items()))
+    remat = o["model.remat"]
+    share = shares.get(remat, 0.5)
     plausible = need["certain"] + int(share * need["activations"])
     if measured is None and plausible > target.usable:
       row.status, row.plausible = "pruned", plausible
@@ -256,7 +263,8 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
                   f"certain + {share:.2f} x activations = {human_bytes(plausible)}")
       continue
     began = clock()
-    share = _fits(cfg, target, row, need, measure(c) if measured is None else measured, share, rows)
+    shares[remat] = _fits(cfg, target, row, need, measure(c) if measured is None else measured, share,
+                          [r for r in rows if r.overrides["model.remat"] == remat])
     if measured is None:
       report(f"plan: compiled {_label(o)}: " + (row.note if row.measured is None else
              f"peak {human_bytes(row.measured)} of {human_bytes(target.usable)}, {row.status}")

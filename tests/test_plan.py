@@ -73,7 +73,12 @@ def midpoint_gb(reference) -> float:
 def test_cli_table_chooses_the_lever_that_fits(reference, capsys):
   code = cli_main(["plan", *BASE, "plan.levers=train.grad_accum", "--device-memory-gb", str(midpoint_gb(reference))])
   out, err = capsys.readouterr()
-  assert code == 0 and err == ""
+  # progress on stderr, a line as each compile ends; the table alone on stdout
+  lines = err.splitlines()
+  assert code == 0 and len(lines) == 2
+  for line, accum, status in zip(lines, (1, 2), ("too big", "fits")):
+    assert line.startswith(f"maxlm: plan: compiled remat=none, grad_accum={accum}, offload=none, ")
+    assert f", {status} (" in line
   rows = [ln for ln in out.splitlines() if ln[2:6].strip().isdigit()]
   assert len(rows) == 2  # accumulation 1 (too big), then 2 (fits): both compiled, in that order
   assert rows[0].startswith("  ") and rows[0].split()[:3] == ["1", "none", "1"] and "too big" in rows[0]

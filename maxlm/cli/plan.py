@@ -108,7 +108,8 @@ def run(argv: list[str]) -> int:
       raise ConfigError(f"no mesh of {target.n_devices} devices over {target.n_nodes} node(s) fits: see the table")
     return 0
   try:
-    p = plan.run_search(cfg, target, everything)
+    p = plan.run_search(cfg, target, everything,  # progress on stderr: the table (or JSON) alone on stdout
+                        report=lambda line: print(f"maxlm: {line}", file=sys.stderr, flush=True))
   finally:
     target.close()
   print(as_json(p) if want_json else render(p, cfg, everything), flush=True)

@@ -17,7 +17,8 @@ so, or that nothing fits and what would.
   so that a big model compiles few candidates. Per policy, because the rough activations err by policy: on the
   H200 (jax 0.11.2, the 8B, bf16 moments) save_attn at one micro-batch measured 0.46 of them (2026-12-04); with
   a float32 nu, remat=none at 8 micro-batches took 1.9 (178.5 GiB, the figure XLA's rematerialization pass
-  logged, 2026-12-06). One share for all (as before) then pruned save_attn at one micro-batch, which fits.
+  logged, 2026-12-06). One share for all (as before) then pruned save_attn at one micro-batch, which should fit
+  (110.1 GiB with bf16 moments, + 15 GiB for a float32 nu).
   Where every candidate was pruned the message says so: nothing was compiled.
 * Host memory (optim.offload): a candidate whose pinned host memory per device (sizing's host: the moments, and
   with host_params the parameters; twice on jax < 0.11, whose XLA:GPU keeps a copy of the donated state under the

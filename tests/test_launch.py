@@ -477,10 +477,12 @@ def test_sbatch_two_nodes_plan_fit_on_the_gpu_path_runs_process_0s_plan_everywhe
   assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out[-3000:])
   assert "srun: error" not in out and "Traceback" not in out and "maxlm: error" not in out, out[-3000:]
   assert info["NumNodes"] == "2" and "start 1 (restart count 0)" in out, (info, out[-3000:])
-  # the planner took its GPU path (the target's kind names the switch) and printed its line once, as process 0
+  # the planner took its GPU path (the target's kind names the switch) and printed, as process 0 only, a line as
+  # its one compile ended, then its plan's line
   plan = [line for line in out.splitlines() if "maxlm: plan:" in line]
-  assert len(plan) == 1 and plan[0].startswith("[process 0/2 "), plan
-  assert "plan: the config fits as written (peak " in plan[0] and "plan.mode=fit keeps it" in plan[0], plan
+  assert len(plan) == 2 and all(line.startswith("[process 0/2 ") for line in plan), plan
+  assert "maxlm: plan: compiled the config as written: peak " in plan[0], plan
+  assert "plan: the config fits as written (peak " in plan[1] and "plan.mode=fit keeps it" in plan[1], plan
   warnings = [line for line in out.splitlines() if "warning: plan:" in line]
   if process_1_bytes == SAME:
     assert warnings == [], warnings

@@ -9,6 +9,9 @@ so, or that nothing fits and what would.
   steps each (maxlm/plan/timing.py) and the fastest measured wins; elsewhere (simulated devices, several
   processes, plan.timed=0) the first that fits, by the estimate, and the line says "estimated". The line
   also says which moment dtypes were chosen, how they are rounded, and which were not tried and why.
+* Budget and progress. Once one candidate fits, plan.budget_s bounds the search: past it nothing more is compiled,
+  and nothing more timed once one is (on the GPUs at hand a compile of the 8B's unrolled layers takes about a
+  minute). Each compile and timing is reported as it ends (the trainer prints it: a long search shows itself).
 * Pruning (the analytic model, maxlm/plan/sizing.py, only prunes). A candidate is not compiled when the bytes
   it certainly needs (sizing's lower_bound: the state, and the gradients or the logits, both when
   accumulating; a true lower bound of XLA's peak) plus a share of sizing's rough activations exceed the usable

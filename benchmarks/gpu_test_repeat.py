@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -95,7 +96,7 @@ def main() -> None:
       except subprocess.TimeoutExpired as e:
         status, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
       secs = time.time() - start
-      subprocess.run(["rm", "-rf", str(base)])
+      shutil.rmtree(base, ignore_errors=True)
       row.update(status=status, seconds=round(secs, 1), started_s=round(start - t0, 1), ended_s=round(time.time() - t0, 1))
       with lock:
         seen["slowest"] = max(seen["slowest"], secs)
@@ -111,6 +112,7 @@ def main() -> None:
   with ThreadPoolExecutor(a.parallel) as ex:
     for n, (rep, tid) in enumerate(jobs, 1):
       ex.submit(one, n, rep, tid)
+  shutil.rmtree(scratch, ignore_errors=True)
   for tid in ids:
     mine = sorted((r for r in rows if r["test"] == tid), key=lambda r: r["repetition"])
     st = [r["status"] for r in mine if r["status"] != "not_started"]

@@ -147,10 +147,11 @@ def test_each_compile_and_timing_is_reported_as_it_ends_and_the_budget_stops_the
     now[0] += 7.0
     return 0.5
 
-  p = levers.search(cfg, target, measure, "flax", timer=timer, timed=4, report=lines.append, budget_s=250,
+  p = levers.search(cfg, target, measure, "flax", timer=timer, timed=4, report=lines.append,
                     clock=lambda: now[0])
   names = [levers._label(o) for o in order]
-  assert compiled == [o["model.remat"] for o in order[:3]] and [r.status for r in p.rows[3:]] == ["not tried"] * (len(order) - 3)
+  assert compiled == [o["model.remat"] for o in order[:3]]
+  assert [r.status for r in p.rows[3:]] == ["not tried"] * (len(order) - 3)
   usable = levers.human_bytes(target.usable)
   assert lines == [f"plan: compiled {names[0]}: peak 2.0 TiB of {usable}, too big (100 s)",
                    f"plan: compiled {names[1]}: peak 1.0 MiB of {usable}, fits (100 s)",
@@ -160,11 +161,16 @@ def test_each_compile_and_timing_is_reported_as_it_ends_and_the_budget_stops_the
   assert "search stopped by plan.budget_s=250 after 300 s" in p.line()
   # no budget: the walk goes on to plan.timed fits
   compiled.clear()
-  p = levers.search(cfg, target, measure, "flax", timer=timer, timed=4, clock=lambda: now[0])
+  p = levers.search(levers.apply(cfg, {"plan.budget_s": 0}), target, measure, "flax", timer=timer, timed=4,
+                    clock=lambda: now[0])
   assert compiled == [o["model.remat"] for o in order[:5]] and "budget" not in p.line()  # one too big, 4 fit
   # nothing fits yet when the budget is spent: the walk goes on until one does
   compiled.clear()
-  p = levers.search(cfg, target, lambda c: (compiled.append(1), now.__setitem__(0, now[0] + 100.0),
-                                            {"device": 2**41 if len(compiled) < 4 else 2**20, "how": "measured"})[2],
-                    "flax", budget_s=50, clock=lambda: now[0])
+
+  def fourth_fits(c):  # 100 s a compile; the first three too big
+    now[0] += 100.0
+    compiled.append(c.model.remat)
+    return {"device": 2**41 if len(compiled) < 4 else 2**20, "how": "measured"}
+
+  p = levers.search(levers.apply(cfg, {"plan.budget_s": 50}), target, fourth_fits, "flax", clock=lambda: now[0])
   assert len(compiled) == 4 and p.chosen is p.rows[3]

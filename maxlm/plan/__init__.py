@@ -96,7 +96,7 @@ def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = Non
                      "keeps it)")
       why = "ran XLA out of memory compiling" if "oom" in m else f"peaks at {human_bytes(m['device'])}"
     p = search(cfg, target, target.measure, resolve_backend(cfg.model.backend), known=known,
-               timer=timer(cfg, target), timed=cfg.plan.timed, report=report, budget_s=cfg.plan.budget_s)
+               timer=timer(cfg, target), timed=cfg.plan.timed, report=report)
     if p.chosen is None:
       raise ConfigError(no_fit_message(cfg, p, f"as written the config {why} per device"))
   finally:

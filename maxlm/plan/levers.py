@@ -53,6 +53,7 @@ LEVERS = ("model.remat", "train.grad_accum", "optim.offload", *moments.KEYS)
 # Of the host RAM per device, what the pinned state may take: a choice, not a measurement; the rest is for the
 # system, this process (its data pipeline's buffers, its compiled programs) and what a checkpoint save stages
 HOST_SHARE = 0.9
+START_SHARE = 0.5  # of the rough activations taken as plausible for a remat policy not yet measured
 
 
 def parse_levers(text: str) -> tuple[str, ...]:
@@ -173,7 +174,6 @@ class Plan:
   cfg: Config  # the config with the chosen levers (the input config when none fits)
   moments: str = ""  # what the line says about the moment dtypes (maxlm/plan/moments.py)
   stopped: float | None = None  # seconds into the search when plan.budget_s stopped it
-  budget_s: float = 0.0
 
   def line(self) -> str:
     """The one line the trainer prints."""
@@ -189,23 +189,23 @@ class Plan:
              else "")  # CPU devices: no roofline, nothing timed
     return (f"plan: {levers} (peak {human_bytes(c.measured)} of {human_bytes(self.target.usable)} "
             f"usable per device; {how}{speed}; {n} compiled, {len(self.rows) - n} not"
-            + (f"; search stopped by plan.budget_s={self.budget_s:g} after {self.stopped:.0f} s"
+            + (f"; search stopped by plan.budget_s={self.cfg.plan.budget_s:g} after {self.stopped:.0f} s"
                if self.stopped is not None else "") + ")"
             + (f"; {self.moments}" if self.moments else ""))
 
 
-def _fits(cfg, target, row, need, measured, share, rows) -> float:
-  """Record `measured` (plan.measure's dict) in `row`; the calibrated share of the activations after it (`share`
-  and `rows`: those of the row's remat policy)."""
+def _fits(cfg, target, row, need, measured, share: float | None) -> float | None:
+  """Record `measured` (plan.measure's dict) in `row`; the calibrated share of the activations of the row's remat
+  policy after it (`share`: before it, None while no candidate of that policy has been measured)."""
   if "oom" in measured:
     row.status, row.note = "too big", f"XLA ran out of memory compiling: {measured['oom']}"
     return share
   row.measured, row.how, row.stats = measured["device"], measured.get("how", "measured"), measured
   if need["activations"] > 0:  # calibrated: the least share seen, at most 1
     seen = max(0, row.measured - need["certain"]) / need["activations"]
-    share = min(share if any(r.measured for r in rows[:-1]) else 1.0, seen)
+    share = min(1.0 if share is None else share, seen)
   row.status = "fits" if row.measured <= target.usable else "too big"
-  return share
+  return START_SHARE if share is None else share
 
 
 def _fastest(cfg: Config, fits: list[Row], timer, report, clock, over) -> Row | None:
@@ -225,22 +225,21 @@ def _fastest(cfg: Config, fits: list[Row], timer, report, clock, over) -> Row | 
 
 
 def search(cfg: Config, target: Target, measure, backend: str, everything: bool = False,
-           known: dict | None = None, timer=None, timed: int = 1, report=None, budget_s: float = 0.0,
-           clock=time.monotonic) -> Plan:
+           known: dict | None = None, timer=None, timed: int = 1, report=None, clock=time.monotonic) -> Plan:
   """Walk the candidates in order; `measure(cfg) -> plan.measure's dict`; `known`: measurements made
   already, by lever values (never pruned, never compiled again). With `timer(cfg) -> seconds per step` (the
   devices at hand: maxlm/plan/timing.py), the first `timed` candidates that fit are timed and the fastest
   measured is chosen; without, the first that fits (by the roofline's order). everything=True measures every
   plausible candidate (for the table) but still chooses among the first that fit. `report(line)` is told of
-  each compile and each timing as it ends (the run's progress lines). budget_s > 0: once that many seconds
-  (by `clock`) have gone and one candidate fits, no further candidate is compiled, and once one is timed no
+  each compile and each timing as it ends (the run's progress lines). cfg.plan.budget_s > 0: once that many
+  seconds (by `clock`) have gone and one candidate fits, no further candidate is compiled, and once one is timed no
   further one is timed (the line says so)."""
   rows, fits = [], []
   report = report or (lambda line: None)
   want = max(1, timed) if timer is not None else 1
-  # of the rough activations taken as plausible, per remat policy: 1/2, then the least share XLA showed (module doc)
+  # of the rough activations taken as plausible, per remat policy measured: the least share XLA showed (module doc)
   shares: dict[str, float] = {}
-  start, stopped = clock(), None
+  start, stopped, budget_s = clock(), None, cfg.plan.budget_s
 
   def over() -> bool:
     return budget_s > 0 and clock() - start > budget_s
@@ -260,7 +259,7 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
       continue
     measured = (known or {}).get(tuple(o.items()))
     remat = o["model.remat"]
-    share = shares.get(remat, 0.5)
+    share = shares.get(remat, START_SHARE)
     plausible = need["certain"] + int(share * need["activations"])
     if measured is None and plausible > target.usable:
       row.status, row.plausible = "pruned", plausible
@@ -268,8 +267,9 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
                   f"certain + {share:.2f} x activations = {human_bytes(plausible)}")
       continue
     began = clock()
-    shares[remat] = _fits(cfg, target, row, need, measure(c) if measured is None else measured, share,
-                          [r for r in rows if r.overrides["model.remat"] == remat])
+    calibrated = _fits(cfg, target, row, need, measure(c) if measured is None else measured, shares.get(remat))
+    if calibrated is not None:
+      shares[remat] = calibrated
     if measured is None:
       report(f"plan: compiled {_label(o)}: " + (row.note if row.measured is None else
              f"peak {human_bytes(row.measured)} of {human_bytes(target.usable)}, {row.status}")
@@ -281,7 +281,7 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
     stopped = stopped or clock() - start  # the budget ended the timing
   return Plan(target, rows, chosen, apply(cfg, chosen.overrides) if chosen else cfg,
               moments.note(cfg, chosen.overrides, parse_levers(cfg.plan.levers)) if chosen else "",
-              stopped=stopped, budget_s=budget_s)
+              stopped=stopped)
 
 
 def _label(o: dict) -> str:
@@ -300,7 +300,7 @@ def run_search(cfg: Config, target: Target, everything: bool = False, report=Non
   """`search` on the target's devices (at hand or simulated)."""
   parse_levers(cfg.plan.levers)
   return search(cfg, target, target.measure, resolve_backend(cfg.model.backend), everything,
-                timer=timer(cfg, target), timed=cfg.plan.timed, report=report, budget_s=cfg.plan.budget_s)
+                timer=timer(cfg, target), timed=cfg.plan.timed, report=report)
 
 
 def most_saving(cfg: Config, target: Target) -> dict | None:

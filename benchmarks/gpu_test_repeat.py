@@ -110,8 +110,9 @@ def main() -> None:
             f"({row['seconds']} s)", flush=True)
 
   with ThreadPoolExecutor(a.parallel) as ex:
-    for n, (rep, tid) in enumerate(jobs, 1):
-      ex.submit(one, n, rep, tid)
+    futures = [ex.submit(one, n, rep, tid) for n, (rep, tid) in enumerate(jobs, 1)]
+  for f in futures:
+    f.result()  # a fault in this script shows its traceback
   shutil.rmtree(scratch, ignore_errors=True)
   for tid in ids:
     mine = sorted((r for r in rows if r["test"] == tid), key=lambda r: r["repetition"])

@@ -3,12 +3,13 @@ GPU tests pass 10 times in a row").
 
 On the H200, from the project root, after `source .whl/device-setup.sh`:
 
-  python3 benchmarks/gpu_test_repeat.py [--repeat 10] [--parallel 8] [--budget 560] \
+  python3 benchmarks/gpu_test_repeat.py [--repeat 10] [--parallel 8] [--budget 560] [--disk-gb 16] \
       [-k test_deterministic_resume_is_bit_identical] [--out DIR]
 
 Each repetition of each test id that `-k` selects in tests/test_gpu.py runs in a pytest process of its own
 (`MAXLM_TEST_GPU=1 python3 -m pytest -m gpu <id> -p no:cacheprovider`, its own --basetemp, removed after it), and
-`--parallel` of them run at a time, each with XLA_CLIENT_MEM_FRACTION=0.9/parallel so that they share the GPU.
+`--parallel` of them run at a time (fewer where the scratch disk holds fewer jobs of `--disk-gb`), each with
+XLA_CLIENT_MEM_FRACTION=0.9/parallel so that they share the GPU.
 Sharing changes the timings XLA's autotuner sees, which makes a start that compiles again more likely to choose
 another kernel than in a process alone: the condition the flaky failure depended on, made harsher, not milder.
 A job is started only while its expected time (the slowest finished so far, else --est) fits in what is left of
@@ -62,6 +63,9 @@ def main() -> None:
   ap.add_argument("--parallel", type=int, default=8)
   ap.add_argument("--budget", type=float, default=560.0)
   ap.add_argument("--est", type=float, default=150.0, help="seconds a job is expected to take before one finished")
+  ap.add_argument("--disk-gb", type=float, default=16.0,
+                  help="disk a job may fill at its peak: the deterministic-resume test's three starts of a 2-layer "
+                       "llama3.2-1b keep three checkpoints of ~4.6 GB (fp32 weights and moments) plus a cache")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/maxlm-gpu-test-repeat"))
   a = ap.parse_args()
   t0 = time.time()
@@ -70,17 +74,22 @@ def main() -> None:
   ids = collect(a.k)
   commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                                       capture_output=True, text=True).stdout.strip() or None
+  scratch = Path(tempfile.mkdtemp(prefix="gpu-test-repeat-"))
+  # As many at once as the disk holds: eight deterministic-resume jobs (~110 GB) would fill the H200 machine's 64 GB.
+  free_gb = shutil.disk_usage(scratch).free / 1e9
+  parallel = max(1, min(a.parallel, int(free_gb // a.disk_gb)))
+  print(f"gpu_test_repeat: {parallel} at a time ({free_gb:.0f} GB free, --disk-gb {a.disk_gb:g}, "
+        f"--parallel {a.parallel})", flush=True)
   jobs = [(rep, tid) for rep in range(1, a.repeat + 1) for tid in ids]  # repetition-major: each id's order kept
-  env = {**os.environ, "MAXLM_TEST_GPU": "1", "XLA_CLIENT_MEM_FRACTION": f"{0.9 / a.parallel:.3f}"}
+  env = {**os.environ, "MAXLM_TEST_GPU": "1", "XLA_CLIENT_MEM_FRACTION": f"{0.9 / parallel:.3f}"}
   env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
   lock = threading.Lock()
   seen = {"slowest": 0.0}  # the slowest job finished so far
   rows: list[dict] = []
-  scratch = Path(tempfile.mkdtemp(prefix="gpu-test-repeat-"))
 
   def one(n: int, rep: int, tid: str) -> None:
     left = a.budget - (time.time() - t0)
-    row = {"job": n, "test": tid, "repetition": rep, "parallel": a.parallel, "commit": commit,
+    row = {"job": n, "test": tid, "repetition": rep, "parallel": parallel, "commit": commit,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if left < (seen["slowest"] or a.est) * 1.1:
       row.update(status="not_started", seconds=0, left_s=round(left))
@@ -109,7 +118,7 @@ def main() -> None:
       print(f"[{time.time() - t0:6.0f}s] job {n} rep {rep} {tid.split('::')[-1]}: {row['status']} "
             f"({row['seconds']} s)", flush=True)
 
-  with ThreadPoolExecutor(a.parallel) as ex:
+  with ThreadPoolExecutor(parallel) as ex:
     futures = [ex.submit(one, n, rep, tid) for n, (rep, tid) in enumerate(jobs, 1)]
   for f in futures:
     f.result()  # a fault in this script shows its traceback

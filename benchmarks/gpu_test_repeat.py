@@ -56,6 +56,11 @@ def streak(statuses: list[str]) -> int:
   return best
 
 
+def at_once(parallel: int, free_gb: float, disk_gb: float) -> int:
+  """Jobs to run at a time: at most `parallel`, no more than the free disk holds at `disk_gb` each, at least one."""
+  return max(1, min(parallel, int(free_gb // disk_gb)))
+
+
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("-k", default="test_deterministic_resume_is_bit_identical")
@@ -77,7 +82,7 @@ def main() -> None:
   scratch = Path(tempfile.mkdtemp(prefix="gpu-test-repeat-"))
   # As many at once as the disk holds: eight deterministic-resume jobs (~110 GB) would fill the H200 machine's 64 GB.
   free_gb = shutil.disk_usage(scratch).free / 1e9
-  parallel = max(1, min(a.parallel, int(free_gb // a.disk_gb)))
+  parallel = at_once(a.parallel, free_gb, a.disk_gb)
   print(f"gpu_test_repeat: {parallel} at a time ({free_gb:.0f} GB free, --disk-gb {a.disk_gb:g}, "
         f"--parallel {a.parallel})", flush=True)
   jobs = [(rep, tid) for rep in range(1, a.repeat + 1) for tid in ids]  # repetition-major: each id's order kept

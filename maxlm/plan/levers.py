@@ -22,7 +22,9 @@ so, or that nothing fits and what would.
   a float32 nu, remat=none at 8 micro-batches took 1.9 (178.5 GiB, the figure XLA's rematerialization pass
   logged, 2026-12-06). One share for all (as before) then pruned save_attn at one micro-batch, which should fit
   (110.1 GiB with bf16 moments, + 15 GiB for a float32 nu).
-  Where every candidate was pruned the message says so: nothing was compiled.
+  Where every candidate was pruned the message says so: nothing was compiled. On the GPUs at hand, a deep
+  unrolled candidate is then first compiled at 4 and 8 layers (maxlm/plan/probe.py) and pruned when the line
+  through those peaks, extended to its depth, is over the usable memory by more than probe.SLACK.
 * Host memory (optim.offload): a candidate whose pinned host memory per device (sizing's host: the moments, and
   with host_params the parameters; twice on jax < 0.11, whose XLA:GPU keeps a copy of the donated state under the
   step's cond) exceeds HOST_SHARE of the host RAM per device (the node's RAM, or its cgroup's limit, over the devices
@@ -43,7 +45,7 @@ import jax
 
 from maxlm.config import Config, ConfigError, load_config
 from maxlm.layers import resolve_backend
-from maxlm.plan import moments, sizing, timing
+from maxlm.plan import moments, probe, sizing, timing
 from maxlm.plan.cost import TIE, degrees, step_time
 from maxlm.plan.measure import Target
 from maxlm.plan.target import COND_COPY, cond_copies
@@ -181,14 +183,16 @@ class Plan:
       return "no plan fits"
     c = self.chosen
     levers = ", ".join(f"{k}={v}" for k, v in c.overrides.items())
-    n = sum(r.measured is not None or r.note.startswith("XLA ran out") for r in self.rows)
+    n = sum(r.measured is not None or r.note.startswith("XLA ran out") and r.how != "probed" for r in self.rows)
+    p = sum(r.how == "probed" for r in self.rows)  # pruned by two shallow compiles (probe.py)
     how = f"measured by {self.target.measured_by}" if c.how == "measured" else f"{c.how}, by {self.target.measured_by}"
     timed = [r for r in self.rows if r.seconds is not None]
     speed = (f"; step {c.seconds:.3g} s measured, the fastest of {len(timed)} timed" if c.seconds is not None
              else f"; step {c.time['total_s']:.3g} s estimated (roofline), not measured" if self.target.gpu
              else "")  # CPU devices: no roofline, nothing timed
     return (f"plan: {levers} (peak {human_bytes(c.measured)} of {human_bytes(self.target.usable)} "
-            f"usable per device; {how}{speed}; {n} compiled, {len(self.rows) - n} not"
+            f"usable per device; {how}{speed}; {n} compiled, " + (f"{p} pruned by shallow compiles, " if p else "")
+            + f"{len(self.rows) - n - p} not"
             + (f"; search stopped by plan.budget_s={self.cfg.plan.budget_s:g} after {self.stopped:.0f} s"
                if self.stopped is not None else "") + ")"
             + (f"; {self.moments}" if self.moments else ""))
@@ -201,11 +205,27 @@ def _fits(cfg, target, row, need, measured, share: float | None) -> float | None
     row.status, row.note = "too big", f"XLA ran out of memory compiling: {measured['oom']}"
     return share
   row.measured, row.how, row.stats = measured["device"], measured.get("how", "measured"), measured
-  if need["activations"] > 0:  # calibrated: the least share seen, at most 1
-    seen = max(0, row.measured - need["certain"]) / need["activations"]
-    share = min(1.0 if share is None else share, seen)
   row.status = "fits" if row.measured <= target.usable else "too big"
+  return _share(need, row.measured, share)
+
+
+def _share(need: dict, peak: int, share: float | None) -> float:
+  """The calibrated share of a remat policy's rough activations after a peak of `peak` bytes: the least seen, at
+  most 1 (`share`: before it, None while none was seen)."""
+  if need["activations"] > 0:
+    seen = max(0, peak - need["certain"]) / need["activations"]
+    share = min(1.0 if share is None else share, seen)
   return START_SHARE if share is None else share
+
+
+def _probed(row: Row, shallow: dict, n_layers: int) -> None:
+  """Record in `row` a prune by probe.predict's result `shallow`."""
+  row.status, row.plausible, row.how = "pruned", shallow.get("bytes"), "probed"
+  a, b = shallow["depths"]
+  row.note = (f"XLA ran out of memory compiling {shallow['at']} layers: {shallow['oom']}"
+              if "oom" in shallow else
+              f"{a} and {b} layers compiled ({human_bytes(shallow['peaks'][0])}, {human_bytes(shallow['peaks'][1])}): "
+              f"{human_bytes(shallow['bytes'])} at {n_layers}")
 
 
 def _fastest(cfg: Config, fits: list[Row], timer, report, clock, over) -> Row | None:
@@ -243,6 +263,7 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
 
   def over() -> bool:
     return budget_s > 0 and clock() - start > budget_s
+  stages = None if target.simulated else degrees(cfg, target)["pipeline"]  # probe.py: the devices at hand only
   for o in candidates(cfg, target, backend):
     c = apply(cfg, o)
     need = certain_bytes(c, target)
@@ -267,6 +288,13 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
                   f"certain + {share:.2f} x activations = {human_bytes(plausible)}")
       continue
     began = clock()
+    shallow = probe.predict(c, stages, measure) if measured is None and stages else None
+    if shallow is not None and ("oom" in shallow or probe.too_big(shallow["bytes"], target.usable)):
+      _probed(row, shallow, c.model.n_layers)
+      if "oom" not in shallow:  # the line taken as the measurement (probe.py: high only past XLA's own remat)
+        shares[remat] = _share(need, shallow["bytes"], shares.get(remat))
+      report(f"plan: probed {_label(o)}: {row.note}, pruned ({clock() - began:.0f} s)")
+      continue
     calibrated = _fits(cfg, target, row, need, measure(c) if measured is None else measured, shares.get(remat))
     if calibrated is not None:
       shares[remat] = calibrated
@@ -339,10 +367,10 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
   t = p.target
   tried = [r for r in p.rows if r.measured is not None]
   least = min(tried, key=lambda r: r.measured) if tried else None
-  compiled = any(r.measured is not None or r.note.startswith("XLA ran out") for r in p.rows)
+  compiled = any(r.measured is not None or r.note.startswith("XLA ran out") or r.how == "probed" for r in p.rows)
   msg = f"no setting of plan.levers ({','.join(parse_levers(cfg.plan.levers))}) fits {t.describe(compiled)}"
   msg += f"; {note}" if note else ""
-  pruned = [r for r in p.rows if r.status == "pruned"]
+  pruned = [r for r in p.rows if r.status == "pruned" and r.plausible is not None]  # not: a probe out of memory
   host = [r for r in p.rows if r.note.startswith("pinned host memory")]
   if least is not None:
     c = apply(cfg, least.overrides)
@@ -355,6 +383,9 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
     r = min(pruned, key=lambda r: r.plausible)
     msg += (f"; the least of the {len(pruned)} candidates pruned is {_label(r.overrides)} at "
             f"{human_bytes(r.plausible)} ({r.note})")
+  elif any(r.how == "probed" for r in p.rows):
+    r = next(r for r in p.rows if r.how == "probed")
+    msg += f"; the fastest, {_label(r.overrides)}, was pruned: {r.note}"
   elif not host:
     msg += "; no candidate: the global batch does not split over the data-parallel devices"
   if host:

@@ -24,6 +24,7 @@ from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding
+from maxlm.plan import probe
 from maxlm.plan.measure import measure
 from maxlm.plan.sizing import estimate
 from maxlm.step import make_train_step
@@ -324,6 +325,22 @@ def test_lower_bound_is_below_xla_gpus_peak(extra):
   cfg = load_config(["config=llama8b.yml", "model.n_layers=4", *extra])
   got = measure(cfg)["device"]
   assert estimate(cfg, jax.device_count())["lower_bound"] <= got
+
+
+@pytest.mark.parametrize("extra", [
+    ["model.remat=save_attn", "train.grad_accum=1", "optim.offload=none"],
+    ["model.remat=save_dots", "train.grad_accum=4", "optim.offload=host"],
+], ids=["save_attn", "save_dots-accum4-host"])
+def test_probe_line_meets_the_deep_peak_on_the_gpu(extra):
+  """maxlm/plan/probe.py on XLA:GPU at hand: the line through the 8B's peaks at 4 and 8 unrolled layers, extended
+  to 16, is within probe.SLACK of the 16-layer step's own peak (equal precision: bf16 mu, fp32 nu). The figures
+  behind SLACK came from compile-only XLA:GPU on jax 0.10.2; this is the check on the GPU's own jax."""
+  cfg = load_config(["config=llama8b.yml", "model.n_layers=16", "optim.mu_dtype=bfloat16",
+                     "optim.nu_dtype=float32", *extra])
+  peaks = {n: measure(probe.shallow(cfg, n))["device"] for n in (4, 8, 16)}
+  line = probe.extend((4, peaks[4]), (8, peaks[8]), 16)
+  print(f"probe {extra}: peaks {peaks}, line {line}, error {(line - peaks[16]) / peaks[16]:+.3%}")
+  assert abs(line - peaks[16]) <= probe.SLACK * peaks[16]
 
 
 def test_planner_times_the_candidates_that_fit_and_takes_the_fastest(tmp_path):

@@ -7,10 +7,12 @@ of unrolled layers, checked on XLA:CPU here (XLA:GPU's figures: benchmarks/resul
 import pytest
 
 from maxlm import plan
+from maxlm.cli.plan import render
 from maxlm.config import load_config
 from maxlm.plan import measure as plan_measure
 from maxlm.plan import probe
 from maxlm.plan.measure import Target
+from maxlm.tables import human_bytes
 
 MIB = 2**20
 DEEP = ["model.backend=flax", "model.scan_layers=false", "model.n_layers=16", "data.type=synthetic",
@@ -89,6 +91,11 @@ def test_the_search_prunes_by_the_probes_and_compiles_whole_only_what_fits():
                   ("save_attn", 4), ("save_attn", 8), ("save_attn", 16)]
   line = p.line()
   assert "; 2 compiled, 3 pruned by shallow compiles, 1 not" in line, line
+  # `maxlm plan`'s table shows the probed rows with their line (~), and does not count them as pruned unseen
+  table = render(p, cfg).splitlines()
+  probed = [t for t in table if "4 and 8 layers compiled" in t]
+  assert len(probed) == 3 and all(f"~{human_bytes(rows[k].plausible)}" in t for k, t in zip(pruned, probed))
+  assert any(t.strip().startswith("not shown: 0 pruned by the analytic model") for t in table), table
 
 
 def test_an_out_of_memory_probe_prunes_and_simulated_or_scanned_steps_are_not_probed():

@@ -129,3 +129,31 @@ def test_xla_cpu_peaks_grow_linearly_with_unrolled_depth(remat):
   peaks = {n: plan_measure.measure(probe.shallow(cfg, n))["device"] for n in (4, 8, 16)}
   assert peaks[8] > peaks[4]
   assert abs(probe.extend((4, peaks[4]), (8, peaks[8]), 16) - peaks[16]) <= probe.SLACK * peaks[16]
+
+
+def test_a_probe_calibrates_its_policys_share_like_a_measurement():
+  """After the probes of none / offload=none put its line at certain + 1.5 x the rough activations, the share of
+  none is 1 (the least seen, at most 1), so none / offload=host, whose certain + 1.0 x activations is over the
+  usable memory, is pruned by the analytic model without probes; with the starting share (1/2) it would be probed."""
+  cfg = load_config([*DEEP[:-2], "plan.levers=model.remat,optim.offload", "plan.timed=0"])
+  roomy = at_hand(2**40)
+
+  def peak(c, target):
+    need = plan.certain_bytes(c, target)
+    return need["certain"] + int(1.5 * need["activations"])
+  on_device = plan.certain_bytes(plan.apply(cfg, {"model.remat": "none"}), roomy)
+  host = plan.certain_bytes(plan.apply(cfg, {"model.remat": "none", "optim.offload": "host"}), roomy)
+  usable = on_device["certain"] + on_device["activations"] // 2 + MIB  # none / none passes the analytic model
+  target = at_hand(usable)
+  assert host["certain"] + host["activations"] // 2 < target.usable < host["certain"] + host["activations"]
+  seen = []
+
+  def measure(c):
+    seen.append((c.model.remat, c.optim.offload, c.model.n_layers))
+    return {"device": peak(c, target), "how": "measured"}
+  p = plan.search(cfg, target, measure, "flax", everything=True)  # on past the choice, to none / host
+  rows = {(r.overrides["model.remat"], r.overrides["optim.offload"]): r for r in p.rows}
+  assert rows["none", "none"].how == "probed" and ("none", "none", 8) in seen
+  r = rows["none", "host"]
+  assert r.status == "pruned" and r.how != "probed" and r.note.startswith("certain + 1.00 x activations"), r
+  assert not any(s[:2] == ("none", "host") for s in seen)

@@ -149,7 +149,7 @@ def test_each_compile_and_timing_is_reported_as_it_ends_and_the_budget_stops_the
 
   p = levers.search(cfg, target, measure, "flax", timer=timer, timed=4, report=lines.append,
                     clock=lambda: now[0])
-  names = [levers._label(o) for o in order]
+  names = [levers.label(o) for o in order]
   assert compiled == [o["model.remat"] for o in order[:3]]
   assert [r.status for r in p.rows[3:]] == ["not tried"] * (len(order) - 3)
   usable = levers.human_bytes(target.usable)

@@ -49,7 +49,7 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
            f"{'certain':>11}{'measured':>12}{'step':>12}{'tok/s':>12}  status"]
   written = plan.current(cfg)
   shown = [(i, r) for i, r in enumerate(p.rows, 1)
-           if everything or r.measured is not None or r.how == "probed" or r is p.chosen]
+           if everything or r.measured is not None or r.probed or r is p.chosen]
   for i, r in shown:
     o, s = r.overrides, (r.seconds if r.seconds is not None else r.time["total_s"])
     how = "m" if r.seconds is not None else "e"  # measured here, or the roofline's estimate
@@ -57,11 +57,11 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
     status = r.status + (f": {r.note}" if r.note else "") + ("" if r.how in ("", "measured") else f" ({r.how})")
     status += "; the config as written" if r.overrides == written else ""
     peak = (human_bytes(r.measured) if r.measured is not None else
-            f"~{human_bytes(r.plausible)}" if r.how == "probed" and r.plausible is not None else "-")  # ~: the line
+            f"~{human_bytes(r.plausible)}" if r.probed and r.plausible is not None else "-")  # ~: the line
     lines.append(f"{'*' if r is p.chosen else '':2}{i:>4}  {o['model.remat']:<19}{o['train.grad_accum']:>10}  "
                  f"{o['optim.offload']:<12}{o['optim.mu_dtype']:<9}{o['optim.nu_dtype']:<9}{human_bytes(r.certain):>11}"
                  f"{peak:>12}{timing}  {status}")
-  counts = {k: sum(r.status == k and r.how != "probed" for r in p.rows) for k in ("pruned", "not tried")}
+  counts = {k: sum(r.status == k and not r.probed for r in p.rows) for k in ("pruned", "not tried")}
   if not everything:
     lines.append(f"      not shown: {counts['pruned']} pruned by the analytic model (certain bytes + a share of the "
                  f"rough activations over the usable memory), {counts['not tried']} after the choice; --all lists "

@@ -10,9 +10,9 @@ first whose measured peak fits the usable memory wins, so the choice is determin
 default) = on the GPUs at hand, the config as written when XLA measures it to fit, else the search's choice
 (each said in one line).
 
-The search itself (the order, the choice, the pruning, the no-fit line) is maxlm/plan/levers.py; this module is what
-a run asks of it: `choose`, `resolve` by plan.mode, the decision kept across starts (`resolve_kept`) and the one
-decision every process of a run applies (`for_run`).
+The search itself (the order, the choice, the pruning) is maxlm/plan/levers.py, the no-fit line
+maxlm/plan/no_fit.py; this module is what a run asks of it: `choose`, `resolve` by plan.mode, the decision kept
+across starts (`resolve_kept`) and the one decision every process of a run applies (`for_run`).
 
 * Usable memory: device memory x `xla.mem_fraction` (0.95 on a GPU by default; XLA's own default is 0.75),
   less a margin of 2%: XLA's estimate equalled the allocator's measured peak on the H200 (41.8 and 38.7 GB,
@@ -31,8 +31,8 @@ from maxlm.metrics import echo
 from maxlm.plan import sizing
 from maxlm.plan.measure import make_target
 from maxlm.plan.levers import (LEVERS, Plan, Row, apply, candidates, certain_bytes, current, host_short,
-                               lever_values, most_saving, no_fit_message, parse_levers, run_search, search,
-                               smallest_devices, timer)
+                               lever_values, most_saving, parse_levers, run_search, search, timer)
+from maxlm.plan.no_fit import no_fit_message, smallest_devices
 from maxlm.runtime import agree, warm_start, watchdog
 from maxlm.runtime.devices import device_kind, device_memory_bytes, is_gpu, local_device
 from maxlm.tables import human_bytes

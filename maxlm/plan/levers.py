@@ -30,8 +30,7 @@ so, or that nothing fits and what would.
   step's cond) exceeds HOST_SHARE of the host RAM per device (the node's RAM, or its cgroup's limit, over the devices
   of the node's processes; a DGX node's on a compile-only target, said so) is not compiled: pinned memory cannot be
   paged out, and past the RAM the kernel ends the process without a word.
-* Nothing fits. `no_fit_message`: the least measured (or pruned) candidate, and the fewest devices on which the
-  most saving levers fit, measured on simulated devices (`smallest_devices`).
+* Nothing fits: maxlm/plan/no_fit.py says so in one line.
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ LEVERS = ("model.remat", "train.grad_accum", "optim.offload", *moments.KEYS)
 # Of the host RAM per device, what the pinned state may take: a choice, not a measurement; the rest is for the
 # system, this process (its data pipeline's buffers, its compiled programs) and what a checkpoint save stages
 HOST_SHARE = 0.9
+PROBED = "probed"  # Row.how of a candidate pruned by its shallow compiles
 START_SHARE = 0.5  # of the rough activations taken as plausible for a remat policy not yet measured
 
 
@@ -167,6 +167,11 @@ class Row:
   plausible: int | None = None  # what the analytic model took as plausible, where it pruned
   seconds: float | None = None  # the step time measured on the devices at hand (maxlm/plan/timing.py)
 
+  @property
+  def probed(self) -> bool:
+    """Pruned by two shallow compiles (maxlm/plan/probe.py), not compiled whole."""
+    return self.how == PROBED
+
 
 @dataclasses.dataclass
 class Plan:
@@ -183,8 +188,8 @@ class Plan:
       return "no plan fits"
     c = self.chosen
     levers = ", ".join(f"{k}={v}" for k, v in c.overrides.items())
-    n = sum(r.measured is not None or r.note.startswith("XLA ran out") and r.how != "probed" for r in self.rows)
-    p = sum(r.how == "probed" for r in self.rows)  # pruned by two shallow compiles (probe.py)
+    n = sum(r.measured is not None or r.note.startswith("XLA ran out") and not r.probed for r in self.rows)
+    p = sum(r.probed for r in self.rows)  # pruned by two shallow compiles (probe.py)
     how = f"measured by {self.target.measured_by}" if c.how == "measured" else f"{c.how}, by {self.target.measured_by}"
     timed = [r for r in self.rows if r.seconds is not None]
     speed = (f"; step {c.seconds:.3g} s measured, the fastest of {len(timed)} timed" if c.seconds is not None
@@ -220,7 +225,7 @@ def _share(need: dict, peak: int, share: float | None) -> float:
 
 def _probed(row: Row, shallow: dict, n_layers: int) -> None:
   """Record in `row` a prune by probe.predict's result `shallow`."""
-  row.status, row.plausible, row.how = "pruned", shallow.get("bytes"), "probed"
+  row.status, row.plausible, row.how = "pruned", shallow.get("bytes"), PROBED
   a, b = shallow["depths"]
   row.note = (f"XLA ran out of memory compiling {shallow['at']} layers: {shallow['oom']}"
               if "oom" in shallow else
@@ -238,7 +243,7 @@ def _fastest(cfg: Config, fits: list[Row], timer, report, clock, over) -> Row | 
     r.seconds = timer(apply(cfg, r.overrides))
     if r.seconds is None:
       r.status, r.note = "too big", "ran out of device memory running the step"
-    report(f"plan: timed {_label(r.overrides)}: "
+    report(f"plan: timed {label(r.overrides)}: "
            + (r.note if r.seconds is None else f"step {r.seconds:.3g} s") + f" ({clock() - start:.0f} s)")
   timed = [r for r in fits if r.seconds is not None]
   return min(timed, key=lambda r: r.seconds) if timed else None
@@ -293,13 +298,13 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
       _probed(row, shallow, c.model.n_layers)
       if "oom" not in shallow:  # the line taken as the measurement (probe.py: high only past XLA's own remat)
         shares[remat] = _share(need, shallow["bytes"], shares.get(remat))
-      report(f"plan: probed {_label(o)}: {row.note}, pruned ({clock() - began:.0f} s)")
+      report(f"plan: probed {label(o)}: {row.note}, pruned ({clock() - began:.0f} s)")
       continue
     calibrated = _fits(cfg, target, row, need, measure(c) if measured is None else measured, shares.get(remat))
     if calibrated is not None:
       shares[remat] = calibrated
     if measured is None:
-      report(f"plan: compiled {_label(o)}: " + (row.note if row.measured is None else
+      report(f"plan: compiled {label(o)}: " + (row.note if row.measured is None else
              f"peak {human_bytes(row.measured)} of {human_bytes(target.usable)}, {row.status}")
              + f" ({clock() - began:.0f} s)")
     if row.status == "fits" and len(fits) < want:
@@ -312,7 +317,7 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
               stopped=stopped)
 
 
-def _label(o: dict) -> str:
+def label(o: dict) -> str:
   return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in o.items())
 
 
@@ -338,67 +343,3 @@ def most_saving(cfg: Config, target: Target) -> dict | None:
   except ConfigError:  # the mesh does not fit this device count
     return None
   return {k: vs[-1] for k, vs in values.items()} if all(values.values()) else None
-
-
-def smallest_devices(cfg: Config, target: Target, limit: int = 4096) -> tuple[int, dict, int] | None:
-  """(n, levers, measured bytes): the fewest devices (doubling) on which every lever at its most saving value fits
-  (its pinned host memory too), measured on n simulated devices (the target's: XLA:GPU's compile-only, else
-  XLA:CPU's); None to `limit`."""
-  n = target.n_devices * 2
-  while n <= limit:
-    t = dataclasses.replace(target, n_devices=n, n_nodes=1, simulated=True, devices=None, _sim=None)
-    o = most_saving(cfg, t)
-    if o is None and n > cfg.data.global_batch_size:
-      return None  # the batch cannot split over more devices either
-    fits = o is not None and certain_bytes(apply(cfg, o), t)["certain"] <= t.usable
-    if fits and host_short(apply(cfg, o), t) is None:
-      try:
-        m = t.measure(apply(cfg, o))
-      finally:
-        t.close()
-      if "oom" not in m and m["device"] <= t.usable:
-        return n, o, m["device"]
-    n *= 2
-  return None
-
-
-def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
-  """One line: nothing fits here, the least that was needed, and the device count that fits."""
-  t = p.target
-  tried = [r for r in p.rows if r.measured is not None]
-  least = min(tried, key=lambda r: r.measured) if tried else None
-  compiled = any(r.measured is not None or r.note.startswith("XLA ran out") or r.how == "probed" for r in p.rows)
-  msg = f"no setting of plan.levers ({','.join(parse_levers(cfg.plan.levers))}) fits {t.describe(compiled)}"
-  msg += f"; {note}" if note else ""
-  pruned = [r for r in p.rows if r.status == "pruned" and r.plausible is not None]  # not: a probe out of memory
-  host = [r for r in p.rows if r.note.startswith("pinned host memory")]
-  if least is not None:
-    c = apply(cfg, least.overrides)
-    est = sizing.estimate(c, t.n_devices, t.n_nodes)
-    both = est["params"] + est["copy"] + est["gradients"]  # host_params: the parameters' compute copy
-    msg += (f"; the least measured, {_label(least.overrides)}, needs {human_bytes(least.measured)}, of which "
-            f"the parameters and their gradients take {human_bytes(both)}: no lever in plan.levers shrinks "
-            "those further (the missing lever: gradients kept in host memory)")
-  elif pruned:
-    r = min(pruned, key=lambda r: r.plausible)
-    msg += (f"; the least of the {len(pruned)} candidates pruned is {_label(r.overrides)} at "
-            f"{human_bytes(r.plausible)} ({r.note})")
-  elif any(r.how == "probed" for r in p.rows):
-    r = next(r for r in p.rows if r.how == "probed")
-    msg += f"; the fastest, {_label(r.overrides)}, was pruned: {r.note}"
-  elif not host:
-    msg += "; no candidate: the global batch does not split over the data-parallel devices"
-  if host:
-    msg += f"; {_label(host[0].overrides)}, the fastest held in host memory, was not compiled: {host[0].note}"
-  found = smallest_devices(cfg, t) if t.gpu else None
-  if found:
-    n, o, need = found
-    where = f"by XLA:GPU on {n} compile-only GPUs" if t.gpu_target else f"on {n} simulated CPU devices"
-    msg += (f"; the smallest device count that fits is {n} ({_label(o)}: {human_bytes(need)} per device, "
-            f"measured {where}; `maxlm plan ... --devices {n}` shows the plan)")
-  elif t.gpu and most_saving(cfg, dataclasses.replace(t, n_devices=2 * t.n_devices)) is None:
-    msg += (f"; data.global_batch_size={cfg.data.global_batch_size} does not split over {2 * t.n_devices} "
-            "devices, so more devices do not help unless it grows")
-  elif t.gpu:
-    msg += "; no device count up to 4096 fits either"
-  return msg

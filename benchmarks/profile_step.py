@@ -47,6 +47,54 @@ def kernel_table(events: list[dict], steps: int, top: int = 30) -> str:
   return "\n".join(lines)
 
 
+# Kernel families by name: cuBLAS/nvjet and CUTLASS matmuls, cuDNN's fused attention, Transformer Engine's own
+# kernels (gated activations, norms, FP8 casts and transposes), XLA's fusions, copies.
+FAMILIES = (("matmul", re.compile(r"nvjet|gemm|cutlass|xmma|cublas|s\d+_\d+x\d+", re.I)),
+            ("attention", re.compile(r"sdpa|fmha|flash|cudnn", re.I)),
+            ("transformer_engine", re.compile(r"transformer_engine", re.I)),
+            ("copy", re.compile(r"memcpy|memset|copy", re.I)))
+
+
+def family(name: str) -> str:
+  return next((f for f, pat in FAMILIES if pat.search(name)), "xla_fusion_or_other")
+
+
+def busy_us(events: list[dict]) -> float:
+  """Microseconds in which at least one kernel ran (the union of the kernels' intervals, streams overlapped)."""
+  spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+  total, end = 0.0, float("-inf")
+  for a, b in spans:
+    if b > end:
+      total += b - max(a, end)
+      end = b
+  return total
+
+
+def family_table(events: list[dict], steps: int, step_s: float, flops: float | None) -> str:
+  """Where a step's wall time goes: each kernel family's GPU time, the time no kernel ran, and the rate of the
+  matmuls and attention against XLA's own flop count of the step (cost analysis, all flops counted there)."""
+  by = collections.Counter()
+  for e in events:
+    by[family(e["name"])] += e["dur"]
+  busy = busy_us(events) / steps / 1e3
+  lines = [f"step {step_s * 1e3:.1f} ms wall (untraced), {busy:.1f} ms with a kernel running, "
+           f"{max(step_s * 1e3 - busy, 0):.1f} ms with none"]
+  for fam, us in by.most_common():
+    lines.append(f"{us / steps / 1e3:9.1f} ms  {100 * us / steps / 1e3 / (step_s * 1e3):5.1f}% of the step  {fam}")
+  dense = (by["matmul"] + by["attention"]) / steps / 1e6
+  if flops and dense > 0:
+    lines.append(f"XLA's flops per step {flops / 1e12:.1f} T: {flops / 1e12 / step_s:.0f} TFLOP/s over the step, "
+                 f"{flops / 1e12 / dense:.0f} TFLOP/s over the matmul and attention kernels' time")
+  return "\n".join(lines)
+
+
+def step_flops(compiled) -> float | None:
+  """XLA's flop count of the compiled step (jax returns a dict, older versions a one-element list)."""
+  ca = compiled.cost_analysis()
+  ca = ca[0] if isinstance(ca, (list, tuple)) and ca else ca
+  return float(ca["flops"]) if isinstance(ca, dict) and ca.get("flops") else None
+
+
 def kernel_sources(events: list[dict], hlo_text: str, steps: int, top: int = 40) -> str:
   """The top kernels again, each with the `op_name` of its HLO instruction in the optimized HLO text. XLA
   names a fusion's kernel after the fusion (`loop_add_fusion_1` for `loop_add_fusion.1`); the trace's
@@ -113,14 +161,18 @@ def main(argv):
     return 1
   events = gpu_events(traces[-1])
   print(kernel_table(events, steps))
-  hlo = trainer.jitted_train_step.executable.as_text()  # the program that ran (jit reused this compile)
+  compiled = trainer.jitted_train_step.executable  # the program that ran (jit reused this compile)
+  families = family_table(events, steps, step_s, step_flops(compiled))
+  print(families)
+  hlo = compiled.as_text()
   if ours.get("hlo"):  # the optimized HLO, gzipped, to trace kernels to their source later
     with gzip.open(ours["hlo"], "wt") as f:
       f.write(hlo)
   report = kernel_sources(events, hlo, steps)
   print(report)
   if ours.get("report"):
-    Path(ours["report"]).write_text(kernel_table(events, steps, top=80) + "\n\n" + report + "\n")
+    Path(ours["report"]).write_text(f"{' '.join(args)}\n\n{families}\n\n{kernel_table(events, steps, top=80)}"
+                                    f"\n\n{report}\n")
   return 0
 
 

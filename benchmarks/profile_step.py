@@ -128,15 +128,15 @@ def main(argv):
   from maxlm import plan
   from maxlm.config import load_config
   from maxlm.runtime import distributed
-  from maxlm.runtime import env as runtime
+  from maxlm.runtime import startup
   from maxlm.trainer import Trainer
 
   args, ours = _split(argv)
   steps = int(ours.get("steps", 3))
   out = Path(ours.get("dir", "/tmp/maxlm-prof"))
   cfg = load_config(args)
-  for line in runtime.configure(deterministic=cfg.train.deterministic):
-    print(f"maxlm: train.deterministic=true: {line}")
+  for line in startup.begin(cfg):  # as the train command: XLA preset, memory share, compilation cache
+    print(f"maxlm: {line}")
   distributed.initialize(cfg, on_timeout=_timeout)
   cfg, _ = plan.for_run(cfg, print)  # plan.mode's levers, as the train command decides them
   trainer = Trainer(cfg)

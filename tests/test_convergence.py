@@ -125,12 +125,13 @@ def test_shipped_suites_load():
   assert {(r.case, r.reference, r.max_rel) for r in gpu.rules} == {(c, "bf16", 0.01) for c in others}
   assert [(c.name, c.margin) for c in cpu.cases if c.margin is not None] == [("default", 0.3)]
   assert all(c.golden for c in cpu.cases)
-  for case in cpu.cases:  # every cpu case has its golden, for this definition
-    g = golden.load_golden(cpu, case)
-    assert g["seeds"] == list(range(cpu.seeds))
+  # every case of both suites has its golden (the gpu ones recorded on the H200), for this definition
+  for suite, case in [(cpu, c) for c in cpu.cases] + [(gpu, c) for c in gpu.cases]:
+    g = golden.load_golden(suite, case)
+    assert g["seeds"] == list(range(suite.seeds)), case.name
     # and resolves as recorded (data.type=auto as the trainer records it: no spurious 'resolves differently')
-    cfg = load_config(case.args(cpu.run_seed, ()))
-    assert golden.config_changes(g, golden.flat_config(cfg)) == []
+    cfg = load_config(case.args(suite.run_seed, ()))
+    assert golden.config_changes(g, golden.flat_config(cfg)) == [], case.name
 
 
 @pytest.mark.parametrize("edit,message", [

@@ -1,7 +1,7 @@
 """Profile the trainer's step on a GPU: where do the milliseconds go?
 
   python benchmarks/profile_step.py config=llama8b.yml model.n_layers=4 data.seq_len=4096 \
-      data.global_batch_size=4 model.remat=none [--steps=3] [--dir=/tmp/maxlm-prof] \
+      data.global_batch_size=4 model.remat=none [--steps=3] [--warm=3] [--timed=5] [--dir=/tmp/maxlm-prof] \
       [--hlo=FILE.txt.gz] [--report=FILE.txt]
 
 Builds the same Trainer as `python -m maxlm.train` (same runtime flags, same distributed start), warms up, traces a few steps with
@@ -142,14 +142,15 @@ def main(argv):
   trainer = Trainer(cfg)
   trainer.build()
   batch = trainer.to_device(next(trainer.train_data))
-  for _ in range(3):
+  warm, timed = int(ours.get("warm", 3)), int(ours.get("timed", 5))
+  for _ in range(warm):
     trainer.state, m = trainer.train_step(trainer.state, batch)
   jax.block_until_ready(m)
   t0 = time.perf_counter()
-  for _ in range(5):
+  for _ in range(timed):
     trainer.state, m = trainer.train_step(trainer.state, batch)
   jax.block_until_ready(m)
-  step_s = (time.perf_counter() - t0) / 5
+  step_s = (time.perf_counter() - t0) / timed
   print(f"step {step_s * 1e3:.1f} ms, {cfg.data.global_batch_size * cfg.data.seq_len / step_s / 1e3:.1f}k tok/s")
   with jax.profiler.trace(str(out), create_perfetto_trace=True):
     for _ in range(steps):

@@ -109,3 +109,27 @@ def test_mem_fraction_before_the_backend(monkeypatch, env, value, gpu, expect, l
   got = runtime.apply_mem_fraction(value, gpu)
   assert os.environ.get("XLA_CLIENT_MEM_FRACTION") == expect
   assert (got is None) == (line is None) and (line is None or line in got)
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("env, host, processes, gpu, expect", [
+    ({}, 128 * GIB, 1, True, "115"),  # 0.9 x 128 = 115.2 GiB: the H200 machine's RAM, one process
+    ({}, 2048 * GIB, 8, True, "230"),  # a DGX node's 2 TiB over 8 processes: 0.9 x 256 = 230.4
+    ({}, 64 * GIB, 1, True, None),  # 57.6 GiB is below XLA's own 64: XLA's default stays
+    ({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "32"}, 128 * GIB, 1, True, "32"),  # yours wins
+    ({}, 128 * GIB, 1, False, None),  # no GPU: no pinned pool
+    ({}, None, 1, True, None),  # RAM unknown
+])
+def test_host_pool_before_the_backend(monkeypatch, env, host, processes, gpu, expect):
+  """XLA:GPU caps its pinned host pool (optim.offload's state) at 64 GiB by default: the 8B's float32 host state
+  (89.7 GiB) failed under it on the H200. The cap becomes 90% of the node's RAM over its processes."""
+  monkeypatch.delenv(runtime.HOST_POOL_VAR, raising=False)
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  line = runtime.apply_host_pool(host, processes, gpu)
+  assert os.environ.get(runtime.HOST_POOL_VAR) == expect
+  assert (line is None) == (expect is None or bool(env))
+  if line:
+    assert f"{runtime.HOST_POOL_VAR}={expect}" in line and f"over {processes} process" in line

@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from maxlm.runtime import startup
+from maxlm.config import load_config
+from maxlm.runtime import env as runtime_env
+from maxlm.runtime import startup, xla_presets
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",
@@ -81,3 +83,16 @@ def test_the_process_start_is_read_from_adjacent_clocks(monkeypatch):
   t0 = startup.process_start()
   after = time.perf_counter()
   assert before + 0.2 - 5.0 <= t0 <= after - 5.0
+
+
+def test_begin_on_a_gpu_raises_xlas_pinned_host_pool(monkeypatch):
+  """startup.begin (the train command's start, before the backend) sets the pinned host pool's cap on a GPU from
+  this node's RAM and the processes on it (SLURM's tasks here): 0.9 x 512 GiB / 4 = 115.2 -> 115 GiB."""
+  for var in (runtime_env.HOST_POOL_VAR, *runtime_env.FRACTION_VARS, "XLA_FLAGS"):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setattr(xla_presets, "detect_gpu", lambda: ("NVIDIA H200", "9.0"))
+  monkeypatch.setattr(startup, "host_memory_bytes", lambda: 512 * 2**30)
+  monkeypatch.setattr(startup, "processes_on_node", lambda environ: 4)
+  lines = startup.begin(load_config(["config=default.yml"]), compile_cache=False)
+  assert os.environ[runtime_env.HOST_POOL_VAR] == "115"
+  assert any(f"{runtime_env.HOST_POOL_VAR}=115" in line for line in lines)

@@ -34,7 +34,7 @@ from maxlm.data.readers import META_NAME, file_format, resolve_files, split_list
 from maxlm.data.shards import read_meta
 from maxlm.data.sources import resolve_type
 from maxlm.plan import sizing
-from maxlm.plan.levers import HOST_SHARE, host_need
+from maxlm.plan.levers import host_need
 from maxlm.plan.target import cond_copies
 from maxlm.runtime import xla_presets
 from maxlm.layers import context
@@ -44,7 +44,7 @@ from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
 from maxlm.optim import warmup_warning
 from maxlm.runtime.devices import device_memory_bytes
-from maxlm.runtime.env import apply_mem_fraction
+from maxlm.runtime.env import HOST_SHARE, apply_mem_fraction
 from maxlm.pipeline import bubble_fraction, check as check_pipeline
 from maxlm.tables import PRECISIONS, human_bytes
 from maxlm.trainer import check_batch_split

@@ -48,12 +48,10 @@ from maxlm.plan import moments, probe, sizing, timing
 from maxlm.plan.cost import TIE, degrees, step_time
 from maxlm.plan.measure import Target
 from maxlm.plan.target import COND_COPY, cond_copies
+from maxlm.runtime.env import HOST_SHARE
 from maxlm.tables import REMATS, human_bytes
 
 LEVERS = ("model.remat", "train.grad_accum", "optim.offload", *moments.KEYS)
-# Of the host RAM per device, what the pinned state may take: a choice, not a measurement; the rest is for the
-# system, this process (its data pipeline's buffers, its compiled programs) and what a checkpoint save stages
-HOST_SHARE = 0.9
 PROBED = "probed"  # Row.how of a candidate pruned by its shallow compiles
 START_SHARE = 0.5  # of the rough activations taken as plausible for a remat policy not yet measured
 

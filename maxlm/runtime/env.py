@@ -139,3 +139,30 @@ def apply_mem_fraction(value: float, gpu: bool) -> str | None:
   value = value or GPU_FRACTION
   os.environ[FRACTION_VARS[0]] = f"{value:g}"
   return f"xla.mem_fraction={value:g} ({why}): {FRACTION_VARS[0]}={value:g}"
+
+
+# XLA's pinned host memory pool, where optim.offload keeps the optimizer state (host_params: and the parameters).
+# XLA:GPU caps it at 64 GiB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says otherwise (xla/pjrt/gpu/gpu_helpers.cc,
+# GetGpuHostAllocator). The pool grows on demand, so a higher cap pins nothing by itself. Under the default, the
+# 8B's float32 host state (89.7 GiB with host_params) failed at the first step on the H200 ("Allocator
+# (xla_gpu_host_bfc) ran out of memory", benchmarks/results/2026-12-06-h200_golden_emulation/).
+HOST_POOL_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+XLA_HOST_POOL_GIB = 64
+# Of the host RAM per device, what the pinned state may take: a choice, not a measurement; the rest is for the
+# system, this process (its data pipeline's buffers, its compiled programs) and what a checkpoint save stages
+HOST_SHARE = 0.9
+
+
+def apply_host_pool(host_bytes: int | None, processes: int, gpu: bool) -> str | None:
+  """XLA's pinned host pool cap, before the backend starts: HOST_SHARE of this node's RAM (`host_bytes`) over the
+  run's `processes` on it, in whole GiB, where that is above XLA's 64 GiB default. A cap in the environment wins;
+  nothing is set off a GPU or where the RAM is unknown. A line for the log, or None."""
+  if not gpu or os.environ.get(HOST_POOL_VAR) or not host_bytes:
+    return None
+  gib = int(host_bytes * HOST_SHARE / max(processes, 1)) >> 30
+  if gib <= XLA_HOST_POOL_GIB:
+    return None
+  os.environ[HOST_POOL_VAR] = str(gib)
+  return (f"XLA's pinned host pool (optim.offload's state) up to {gib} GiB, {HOST_SHARE:.0%} of this node's "
+          f"{host_bytes / 2**30:.0f} GiB RAM over {processes} process(es) (XLA's default: {XLA_HOST_POOL_GIB} "
+          f"GiB): {HOST_POOL_VAR}={gib}")

@@ -26,7 +26,9 @@ from maxlm.config import Config
 from maxlm.runtime import compile_cache as cache_lib
 from maxlm.runtime import env as runtime
 from maxlm.runtime import xla_presets
-from maxlm.runtime.env import apply_mem_fraction
+from maxlm.runtime.devices import host_memory_bytes
+from maxlm.runtime.distributed import processes_on_node
+from maxlm.runtime.env import apply_host_pool, apply_mem_fraction
 
 # Why train.deterministic keeps every compiled program (compile.min_compile_s=0): XLA's compiles of one program
 # are not bit-identical across processes: the autotuner times its candidate kernels and can pick another one in
@@ -53,9 +55,11 @@ def begin(cfg: Config, compile_cache: bool = True) -> list[str]:
     lines.append(preset)
   det = cfg.train.deterministic
   lines += [f"train.deterministic=true: {line}" for line in runtime.configure(deterministic=det)]
-  memory = apply_mem_fraction(cfg.xla.mem_fraction, xla_presets.detect_gpu() is not None)
-  if memory:
-    lines.append(memory)
+  gpu = xla_presets.detect_gpu() is not None
+  for line in (apply_mem_fraction(cfg.xla.mem_fraction, gpu),
+               apply_host_pool(host_memory_bytes(), processes_on_node(os.environ), gpu)):
+    if line:
+      lines.append(line)
   if compile_cache:
     c = cfg.compile
     if det and c.cache and c.min_compile_s < 0:  # unset: keep every program (a value you set wins)

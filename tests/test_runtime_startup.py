@@ -87,7 +87,8 @@ def test_the_process_start_is_read_from_adjacent_clocks(monkeypatch):
 
 def test_begin_on_a_gpu_raises_xlas_pinned_host_pool(monkeypatch):
   """startup.begin (the train command's start, before the backend) sets the pinned host pool's cap on a GPU from
-  this node's RAM and the processes on it (SLURM's tasks here): 0.9 x 512 GiB / 4 = 115.2 -> 115 GiB."""
+  this node's RAM and the processes on it (both stand-ins here: 512 GiB, 4 processes): 0.9 x 512 / 4 = 115.2 ->
+  115 GiB."""
   for var in (runtime_env.HOST_POOL_VAR, *runtime_env.FRACTION_VARS, "XLA_FLAGS"):
     monkeypatch.delenv(var, raising=False)
   monkeypatch.setattr(xla_presets, "detect_gpu", lambda: ("NVIDIA H200", "9.0"))

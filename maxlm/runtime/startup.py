@@ -57,7 +57,7 @@ def begin(cfg: Config, compile_cache: bool = True) -> list[str]:
   lines += [f"train.deterministic=true: {line}" for line in runtime.configure(deterministic=det)]
   gpu = xla_presets.detect_gpu() is not None
   for line in (apply_mem_fraction(cfg.xla.mem_fraction, gpu),
-               apply_host_pool(host_memory_bytes(), processes_on_node(os.environ), gpu)):
+               apply_host_pool(host_memory_bytes() if gpu else None, processes_on_node(os.environ), gpu)):
     if line:
       lines.append(line)
   if compile_cache:

@@ -20,8 +20,23 @@
 # the run (pyproject.toml keeps only a failed test's tmp_path anyway), and its line records the free disk before
 # it (disk_free_gb): on 2026-12-04 a second run on the same machine found its 64 GB disk full of the first's
 # pytest-of-root directories and five tests failed on "No space left on device".
+# PART=i/n runs only the i-th of n consecutive slices of the suite's test ids, in collection order (the split is
+# made from `pytest --collect-only`): a whole run that outlasts one device command (10 minutes) is then made of n
+# commands on the same warm machine, part i+1 finding the compilation cache that part i left, and its line says
+# "part". A whole run counts only when its n parts ran one after the other on one machine, at one commit, and all
+# passed.
 set -uo pipefail
 OUT=${OUT:-/tmp/maxlm-gpu-suite}
+PART=${PART:-}
+SELECT=()
+if [ -n "$PART" ]; then
+  pi=${PART%/*} pn=${PART#*/}
+  mapfile -t ALL < <(MAXLM_TEST_GPU=1 python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider 2>/dev/null | grep '::')
+  [ "${#ALL[@]}" -gt 0 ] && [ "$pi" -ge 1 ] && [ "$pi" -le "$pn" ] || { echo "PART=$PART: no tests, or not i/n with 1 <= i <= n"; exit 2; }
+  lo=$(( (pi - 1) * ${#ALL[@]} / pn )) hi=$(( pi * ${#ALL[@]} / pn ))
+  SELECT=("${ALL[@]:lo:hi-lo}")
+  echo "PART=$PART: tests $((lo + 1))-$hi of ${#ALL[@]}, ${SELECT[0]} .. ${SELECT[-1]}"
+fi
 WORK=${WORK:-/tmp/maxlm-gpu-suite-work}
 RUNS=${RUNS:-1}
 BUDGET_S=${BUDGET_S:-560}
@@ -36,7 +51,7 @@ for i in $(seq 1 "$RUNS"); do
   free_gb=$(df -P -k "$WORK" | awk 'NR == 2 {printf "%.1f", $4 / 1048576}')
   start=$(date +%s)
   MAXLM_TEST_GPU=1 timeout -k 10 "$(( left - 5 ))" python3 -m pytest -m gpu -q -rfEs --durations=10 \
-    -p no:cacheprovider --basetemp="$base" --junitxml="$xml" > "$log" 2>&1
+    -p no:cacheprovider --basetemp="$base" --junitxml="$xml" "${SELECT[@]}" > "$log" 2>&1
   rc=$? secs=$(( $(date +%s) - start ))
   rm -rf "$base"
   est=$secs
@@ -46,7 +61,7 @@ import xml.etree.ElementTree as ET
 xml, log, rc, secs, i, free_gb = sys.argv[1:]
 commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                     text=True).stdout.strip()
-row = {"run": int(i), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": commit or None,
+row = {"run": int(i), **({"part": os.environ["PART"]} if os.environ.get("PART") else {}), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": commit or None,
        "disk_free_gb": float(free_gb), "exit": int(rc), "seconds": int(secs),
        "status": "timeout" if rc in ("124", "137") else ("passed" if rc == "0" else "failed")}
 try:

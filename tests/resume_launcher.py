@@ -22,20 +22,24 @@ Environment:
                              and every checkpoint's, takes its bytes / BPS more: `Trainer.slow_storage`); its
                              N-th write (the probe at the start is the first when the watchdog is on) never
                              ends, after "STORAGE-STUCK <N>"
-  MAXLM_TEST_STOP_IN=WHERE,P  process P stops itself (SIGSTOP, as a frozen node) where start-up reaches WHERE:
+  MAXLM_TEST_STOP_IN=WHERE,P,DIR  process P stops itself (SIGSTOP, as a frozen node) where start-up reaches WHERE:
                              `plan` (the planner's decision begins) or `data` (the trainer opens its data), every
-                             process having met at a barrier first (see `stop_at`), after printing "STOPPING <WHERE>"
+                             process having met at a barrier first and every other process having left it (a
+                             file of its own in DIR, see `stop_at`), after printing "STOPPING <WHERE>"
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -162,27 +166,40 @@ class SlowStorage:
     time.sleep(nbytes / self.bps)
 
 
-def stop_at(where: str, process: str) -> None:
+def stop_at(where: str, process: str, handshake: str) -> None:
   """MAXLM_TEST_STOP_IN: wrap the start-up call named by `where` so that process `process` SIGSTOPs itself there.
   Every process first meets the others at a barrier placed outside the watchdog phase the test is about: a
   barrier inside that phase would spend its limit waiting for the slower process, and the waiting process could
   run out there (two CI failures) instead of in its wait for process 0's answer. For `plan`, the barrier comes just
   before the start-up watchdog starts (its first phase is "start-up: plan"); for `data`, as the planner ends, just
   before the "data and state" phase is armed, the plan itself unwatched (under a phase of its own, of 120 s).
-  Process 0 then stops as the planner begins, or as its trainer opens its data."""
-  import signal
+  Process 0 then stops as the planner begins, or as its trainer opens its data.
 
+  The barrier's answers come from the coordination service, which runs inside process 0: process 0 can have its
+  own answer and freeze before the service has sent the other processes theirs, and they then wait in the
+  barrier, where no watchdog phase is armed yet (one CI failure: process 1 still running 45 s after process 0
+  stopped, no watchdog line). So each process, once out of the barrier, writes a file of its own in `handshake`,
+  a directory outside the coordination service, and the stopping process waits for every other process's file
+  before it stops."""
   import jax
 
   from maxlm import plan, trainer
   from maxlm.runtime import watchdog
 
+  def left(i: int) -> Path:
+    return Path(handshake) / f"left-barrier-{where}-{i}"
+
   def meet():
     from jax._src import distributed as jax_distributed
     jax_distributed.global_state.client.wait_at_barrier(f"maxlm-test-stop-{where}", 120_000)
+    left(jax.process_index()).touch()
 
   def stop():
     if jax.process_index() == int(process):
+      end = time.monotonic() + 120
+      while not all(left(i).exists() for i in range(jax.process_count())):
+        assert time.monotonic() < end, f"the other processes never left the barrier (files in {handshake})"
+        time.sleep(0.05)
       print(f"STOPPING {where}", flush=True)
       os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -292,7 +309,7 @@ def install_hooks(argv: list[str]) -> None:
     checkpoint.Checkpointer.save = save_then_readonly
   stop_in = os.environ.get("MAXLM_TEST_STOP_IN")
   if stop_in:
-    stop_at(*stop_in.split(","))
+    stop_at(*stop_in.split(",", 2))
   nan_steps = os.environ.get("MAXLM_TEST_NAN_STEPS")
   if nan_steps:
     from maxlm import step as step_lib
@@ -301,6 +318,7 @@ def install_hooks(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that gives up on this process asks for its stacks
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   args = sys.argv[1:]
   if os.environ.get("MAXLM_TEST_DISTRIBUTED"):

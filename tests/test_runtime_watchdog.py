@@ -6,6 +6,7 @@ peer, a stuck read in one process) with the SLURM template's requeue are in test
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -360,7 +361,7 @@ def test_a_process_stopped_during_start_up_ends_the_others_in_one_line(tmp_path,
   limit = 15
   procs = processes.start(2, ["run_name=r", "train.steps=3", "data.global_batch_size=8", "mesh.dcn_fsdp=2",
                               f"train.watchdog_first_step_s={limit}"], tmp_path,
-                          [{"MAXLM_TEST_STOP_IN": f"{where},0"}] * 2, launcher=True)
+                          [{"MAXLM_TEST_STOP_IN": f"{where},0,{tmp_path}"}] * 2, launcher=True)
   try:
     end = time.monotonic() + 180
     while f"STOPPING {where}" not in processes.output(tmp_path, 0)[0]:
@@ -369,7 +370,13 @@ def test_a_process_stopped_during_start_up_ends_the_others_in_one_line(tmp_path,
     stopped = time.monotonic()
     # the wait began at most a few seconds after process 0 stopped; then the limit, the watchdog's 1 s poll and
     # the stacks written (at most 10 s, STACKS_WRITE_S): 30 s of slack for a loaded 2-core machine
-    code = procs[1].wait(timeout=limit + 30)
+    try:
+      code = procs[1].wait(timeout=limit + 30)
+    except subprocess.TimeoutExpired:
+      procs[1].send_signal(signal.SIGUSR1)  # its stacks to p1.err (tests/resume_launcher.py), for the message
+      time.sleep(3)
+      raise AssertionError(f"process 1 still runs {limit + 30} s after process 0 stopped; its stacks and output: "
+                           f"{processes.output(tmp_path, 1)[1][-6000:]}") from None
     took = time.monotonic() - stopped
   finally:
     for p in procs:

@@ -178,9 +178,9 @@ def stop_at(where: str, process: str, handshake: str) -> None:
   The barrier's answers come from the coordination service, which runs inside process 0: process 0 can have its
   own answer and freeze before the service has sent the other processes theirs, and they then wait in the
   barrier, where no watchdog phase is armed yet (one `make test` run, 2026-12-07: process 1 still running 45 s
-  after process 0 stopped, no watchdog line). So each process, once out of the barrier, writes a file of its own in `handshake`,
-  a directory outside the coordination service, and the stopping process waits for every other process's file
-  before it stops."""
+  after process 0 stopped, no watchdog line). So each process, once out of the barrier, writes a file of its own
+  in `handshake`, a directory outside the coordination service, and the stopping process waits for every other
+  process's file before it stops."""
   import jax
 
   from maxlm import plan, trainer

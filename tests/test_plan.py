@@ -102,9 +102,8 @@ def test_trainer_and_dry_run_apply_the_plan(reference, tmp_path, monkeypatch, ca
       f": peak {human_bytes(reference[1])} of " in out[0] and ", too big (" in out[0]
   assert out[1].startswith("maxlm: plan: compiled remat=none, grad_accum=2, ") and ", fits (" in out[1]
   assert out[2].startswith(
-      "maxlm: plan: model.remat=none, train.grad_accum=2, optim.offload=none, optim.mu_dtype=float32, "
-      f"optim.nu_dtype=float32 (peak "
-      f"{human_bytes(reference[2])} of ")
+      "maxlm: plan: set train.grad_accum=2; kept as written: model.remat=none, optim.offload=none, "
+      f"optim.mu_dtype=float32, optim.nu_dtype=float32 (peak {human_bytes(reference[2])} of ")
   assert out[2].endswith("usable per device; measured by XLA on the devices at hand; 2 compiled, 0 not)")
   code = train_main(["--dry-run", "--json", *auto])
   p = json.loads(capsys.readouterr().out)
@@ -135,7 +134,7 @@ def test_fit_keeps_a_config_that_fits_and_plans_one_that_does_not(reference, whe
     assert decided.train.grad_accum == 2 and [c["train.grad_accum"] for c in compiled] == [1, 2]
     # a line as each compile ends (the as-written one is not compiled again), then the plan's
     assert len(out) == 3 and out[1].startswith("maxlm: plan: compiled remat=none, grad_accum=2, ")
-    assert out[2].startswith("maxlm: plan: model.remat=none, train.grad_accum=2, ")
+    assert out[2].startswith("maxlm: plan: set train.grad_accum=2; kept as written: model.remat=none, ")
     assert out[2].endswith(f"2 compiled, 0 not); as written the config peaks at {h(reference[1])} per device")
   assert out[0].startswith(f"maxlm: plan: compiled the config as written: peak {h(reference[1])} of {h(usable)} (")
   monkeypatch.setattr(plan, "gpu_here", lambda: False)  # on a CPU fit does nothing: no compile
@@ -211,7 +210,7 @@ def fake_target(usable: int) -> Target:
 
 
 def test_search_is_deterministic_and_compiles_only_what_it_must():
-  cfg = load_config(BASE)
+  cfg = load_config([*BASE, "plan.levers=all"])  # BASE writes model.remat: handed to the planner here
   probe = fake_target(2**30)
   first = plan.candidates(cfg, probe, "flax")[0]  # the first tried
   base = plan.certain_bytes(plan.apply(cfg, first), probe)["certain"]
@@ -410,7 +409,10 @@ def test_bad_input_is_one_line_exit_2(capsys):
   # nothing fits: the table, then one line (a CPU target names no device count)
   assert cli_main(["plan", *BASE, "plan.levers=train.grad_accum", "--device-memory-gb", "0.001"]) == 2
   out, err = capsys.readouterr()
-  assert err.count("\n") == 1 and err.startswith("maxlm: error: no setting of plan.levers (train.grad_accum) fits")
+  # plan.levers keeps four levers: tried with every lever free too (a progress line says so), nothing fits either
+  assert err.count("maxlm: error:") == 1 and err.splitlines()[-1].startswith("maxlm: error: no setting of plan.levers (model.remat,train.grad_accum,"
+                                                 "optim.offload,optim.mu_dtype,optim.nu_dtype) fits 8 x cpu")
+  assert "; every lever tried, the ones plan.levers keeps (model.remat=none, optim.offload=none, " in err
 
 
 def test_the_choice_follows_measured_step_times():
@@ -487,7 +489,7 @@ def test_process_1s_planner_reads_its_own_device_and_runs_process_0s_plan(tmp_pa
   assert codes == [0, 0], outs
   assert not any(processes.errors(o + e) for o, e in outs), outs
   # the plan's line once, from process 0; both processes trained the 3 steps of one program
-  assert sum("maxlm: plan: model.remat=full, train.grad_accum=1" in o for o, _ in outs) == 1
+  assert sum("maxlm: plan: set train.grad_accum=1; kept as written: model.remat=full" in o for o, _ in outs) == 1
   assert "maxlm: plan:" in outs[0][0] and "step 3/3" in outs[0][0]
 
 
@@ -532,3 +534,90 @@ def test_less_exact_moments_come_first_only_when_the_estimate_gains_more_than_it
   first = plan.candidates(offloaded, target, "flax")[0]
   assert (first["optim.mu_dtype"], first["optim.nu_dtype"]) == ("bfloat16", "bfloat16")
   assert times[0] * (1 + TIE) < times[-1]  # more than the resolution faster than float32 moments
+
+
+# Keys the user wrote are constraints (issue 55): a tiny model whose made-up XLA says what fits, so that the
+# levers decide; plan.timed=0 and no faked GPU kind, so nothing is timed.
+MINE = ["model.backend=flax", "data.type=synthetic", "data.seq_len=64", "data.global_batch_size=32",
+        "train.steps=2", "checkpoint.enabled=false", "plan.timed=0"]
+
+
+def made_up_xla(fits):
+  """Target.measure for a made-up XLA: half the usable memory where `fits(levers)`, else one byte over it."""
+  def measure(self, c):
+    return {"device": self.usable // 2 if fits(plan.current(c)) else self.usable + 1, "how": "measured"}
+  return measure
+
+
+def on_faked_gpu(monkeypatch, fits):
+  monkeypatch.setattr(plan_measure, "_local_memory", lambda dev: 2**30)
+  monkeypatch.setattr(plan, "gpu_here", lambda: True)
+  monkeypatch.setattr(Target, "measure", made_up_xla(fits))
+
+
+def one_micro_batch_needs_a_bf16_nu(o):
+  return o["train.grad_accum"] > 1 or o["optim.nu_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("mode", ["fit", "auto"])
+@pytest.mark.parametrize("where", ["command line", "own config file"])
+def test_lever_keys_the_user_wrote_are_kept(mode, where, tmp_path, monkeypatch, capsys):
+  """MaxText's precision asked for (bfloat16 mu, float32 nu) where one micro-batch fits only with a bfloat16 nu:
+  the planner accumulates instead and keeps both moments as written; handed every lever (plan.levers=all) it takes
+  the bfloat16 nu, as it did for every config before: the made-up XLA makes the moment levers matter."""
+  on_faked_gpu(monkeypatch, one_micro_batch_needs_a_bf16_nu)
+  mine = ["optim.mu_dtype=bfloat16", "optim.nu_dtype=float32"]
+  if where == "own config file":
+    (tmp_path / "mine.yml").write_text("base: tiny.yml\noptim:\n  mu_dtype: bfloat16\n  nu_dtype: float32\n")
+    mine = [f"config={tmp_path / 'mine.yml'}"]
+  cfg = load_config([*mine, *MINE, f"plan.mode={mode}", f"output_dir={tmp_path}"])
+  assert cfg.plan.levers == "model.remat,train.grad_accum,optim.offload"
+  decided, _ = plan.for_run(cfg, print)
+  line = capsys.readouterr().out.splitlines()[-1]
+  assert (decided.optim.mu_dtype, decided.optim.nu_dtype) == ("bfloat16", "float32")
+  assert decided.train.grad_accum > 1
+  assert "; kept as written: optim.mu_dtype=bfloat16, optim.nu_dtype=float32 (peak " in line
+  assert line.startswith(f"maxlm: plan: set model.remat={decided.model.remat}, train.grad_accum="
+                         f"{decided.train.grad_accum}, optim.offload=none; kept")
+  handed, _ = plan.for_run(plan.apply(cfg, {"plan.levers": "all"}), print)
+  assert (handed.train.grad_accum, handed.optim.nu_dtype) == (1, "bfloat16")
+
+
+def test_a_shipped_configs_lever_values_are_the_planners_to_move(tmp_path, monkeypatch, capsys):
+  """config=tiny.yml (shipped) writes model.remat: its values count as defaults; a file of one's own that builds on
+  it and writes the key makes it the user's."""
+  on_faked_gpu(monkeypatch, lambda o: o["model.remat"] != "full")
+  cfg = load_config(["config=tiny.yml", "model.remat=full", *MINE, f"output_dir={tmp_path}"])
+  with pytest.raises(ConfigError, match="change model.remat=full to "):
+    plan.for_run(cfg)
+  shipped = load_config(["config=tiny.yml", *MINE, f"output_dir={tmp_path}"])
+  assert shipped.plan.levers == "auto" and plan.for_run(shipped)[0].model.remat != "full"
+
+
+@pytest.mark.parametrize("mode", ["fit", "auto"])
+def test_nothing_fits_with_the_users_keys_one_line_names_them_and_what_fits(mode, tmp_path, monkeypatch, capsys):
+  """A float32 nu written where only a bfloat16 one fits: no silent change; the run stops at start in one line that
+  names the key to change, to what, and the fastest setting that fits; nothing written."""
+  on_faked_gpu(monkeypatch, lambda o: o["optim.nu_dtype"] == "bfloat16")
+  code = train_main(["optim.mu_dtype=bfloat16", "optim.nu_dtype=float32", *MINE, f"plan.mode={mode}",
+                     f"output_dir={tmp_path}"])
+  err = capsys.readouterr().err
+  assert code == 2 and err.count("\n") == 1 and not any(tmp_path.iterdir())
+  assert err.startswith("maxlm: error: with the lever keys kept as written (optim.mu_dtype=bfloat16, "
+                        "optim.nu_dtype=float32; plan.levers=model.remat,train.grad_accum,optim.offload) nothing "
+                        "fits 8 x cpu: ")
+  assert "; change optim.nu_dtype=float32 to bfloat16: the fastest setting that fits is model.remat=" in err
+  assert ", optim.mu_dtype=bfloat16, optim.nu_dtype=bfloat16 (peak " in err
+  assert err.endswith("; set those keys so, or leave them out of your config to let the planner choose them\n")
+
+
+def test_simulated_devices_keep_the_users_keys_too(monkeypatch):
+  """`maxlm plan --devices 16` (simulated GPUs): the same constraint, and the same line when nothing fits."""
+  monkeypatch.setattr(Target, "measure", made_up_xla(one_micro_batch_needs_a_bf16_nu))
+  cfg = load_config(["optim.mu_dtype=bfloat16", "optim.nu_dtype=float32", *MINE])
+  p = plan.choose(cfg, n_devices=16)
+  assert p.target.simulated and (p.cfg.optim.mu_dtype, p.cfg.optim.nu_dtype) == ("bfloat16", "float32")
+  assert p.cfg.train.grad_accum > 1
+  monkeypatch.setattr(Target, "measure", made_up_xla(lambda o: o["optim.nu_dtype"] == "bfloat16"))
+  with pytest.raises(ConfigError, match="; change optim.nu_dtype=float32 to bfloat16: the fastest setting"):
+    plan.choose(cfg, n_devices=16)

@@ -41,9 +41,13 @@ def test_levers_left_out_keep_the_config_and_a_config_of_its_own_is_kept():
   assert settings("plan.levers=model.remat", "optim.mu_dtype=bfloat16") == (("bfloat16", "float32"),)
   # only nu a lever: a bfloat16 nu needs a bfloat16 mu, which the config does not have
   assert settings("plan.levers=optim.nu_dtype") == (("float32", "float32"),)
-  # the config's own lossy setting is not the planner's pick: kept where it is written, not added elsewhere
-  assert settings("optim.moment_rounding=nearest", "optim.mu_dtype=bfloat16") == (("float32", "float32"),
-                                                                                 ("bfloat16", "float32"))
+  # a moment key the user wrote is theirs: with plan.levers=auto (the default) it is kept as written
+  assert settings("optim.moment_rounding=nearest", "optim.mu_dtype=bfloat16") == (("bfloat16", "float32"),)
+  assert settings("optim.nu_dtype=float32") == (("float32", "float32"), ("bfloat16", "float32"))
+  # handed to the planner (plan.levers=all), the config's own lossy setting is not the planner's pick: kept where
+  # it is written, not added elsewhere
+  assert settings("optim.moment_rounding=nearest", "optim.mu_dtype=bfloat16", "plan.levers=all") == (
+      ("float32", "float32"), ("bfloat16", "float32"))
 
 
 def test_candidates_follow_the_settings():

@@ -110,14 +110,15 @@ def run(argv: list[str]) -> int:
     if mp.chosen is None:
       raise ConfigError(f"no mesh of {target.n_devices} devices over {target.n_nodes} node(s) fits: see the table")
     return 0
+  def progress(line: str) -> None:  # on stderr: the table (or JSON) alone on stdout
+    print(f"maxlm: {line}", file=sys.stderr, flush=True)
   try:
-    p = plan.run_search(cfg, target, everything,  # progress on stderr: the table (or JSON) alone on stdout
-                        report=lambda line: print(f"maxlm: {line}", file=sys.stderr, flush=True))
+    p = plan.run_search(cfg, target, everything, report=progress)
+    print(as_json(p) if want_json else render(p, cfg, everything), flush=True)
+    if p.chosen is None:
+      raise plan.no_fit_error(cfg, p, target, report=progress)
   finally:
     target.close()
-  print(as_json(p) if want_json else render(p, cfg, everything), flush=True)
-  if p.chosen is None:
-    raise ConfigError(plan.no_fit_message(cfg, p))
   return 0
 
 

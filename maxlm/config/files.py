@@ -24,6 +24,14 @@ def _is_file(path: Path) -> bool:
     return False
 
 
+def is_shipped(path: Path) -> bool:
+  """`path` is one of the shipped configs (maxlm/configs/, or the checkout's configs/ link to it)."""
+  try:
+    return path.resolve().is_relative_to(CONFIG_DIR.resolve())
+  except (OSError, ValueError):
+    return False
+
+
 def resolve_config_path(name: str) -> Path:
   p = Path(name)
   for cand in (p, CONFIG_DIR / name, CONFIG_DIR / f"{name}.yml"):

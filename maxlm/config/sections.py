@@ -7,6 +7,9 @@ import dataclasses
 
 from maxlm.config.schema import option
 
+# The planner's memory levers (maxlm/plan/levers.py): the config keys plan.levers may hand it, in search order.
+LEVERS = ("model.remat", "train.grad_accum", "optim.offload", "optim.mu_dtype", "optim.nu_dtype")
+
 
 @dataclasses.dataclass(frozen=True)
 class ProfileConfig:
@@ -38,9 +41,10 @@ class PlanConfig:
                      "auto; auto = before building, choose the fastest setting of plan.levers whose measured "
                      "peak fits the device (printed in one line); off = the config as given",
                      choices=("fit", "auto", "off"))
-  levers: str = option("all", "the config keys plan.mode=auto may set, comma-separated (the others keep their "
-                       "value); all = model.remat,train.grad_accum,optim.offload,optim.mu_dtype,"
-                       "optim.nu_dtype")
+  levers: str = option("auto", "the config keys the planner may set, comma-separated; auto = the levers you did "
+                       "not write (on the command line or in your own config file; the shipped configs' values "
+                       "count as defaults), so a lever key you set is kept as written; all = every lever ("
+                       + ",".join(LEVERS) + "); none = no lever")
   budget_s: float = option(300.0, "seconds the search may spend once a candidate fits: past them it compiles no "
                            "further candidate, and times none once one is timed; the choice is among those "
                            "(the line says so); 0 = no limit", within="[0, 86400]")

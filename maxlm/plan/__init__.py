@@ -21,6 +21,7 @@ across starts (`resolve_kept`) and the one decision every process of a run appli
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -30,14 +31,14 @@ from maxlm.layers import resolve_backend
 from maxlm.metrics import echo
 from maxlm.plan import sizing
 from maxlm.plan.measure import make_target
-from maxlm.plan.levers import (LEVERS, Plan, Row, apply, candidates, certain_bytes, current, host_short,
-                               lever_values, most_saving, parse_levers, run_search, search, timer)
-from maxlm.plan.no_fit import no_fit_message, smallest_devices
+from maxlm.plan.levers import (LEVERS, Plan, Row, apply, candidates, certain_bytes, current, host_short, kept,
+                               kept_line, lever_values, most_saving, parse_levers, run_search, search, timer)
+from maxlm.plan.no_fit import kept_message, no_fit_message, smallest_devices
 from maxlm.runtime import agree, warm_start, watchdog
 from maxlm.runtime.devices import device_kind, device_memory_bytes, is_gpu, local_device
 from maxlm.tables import human_bytes
 
-__all__ = ["LEVERS", "Plan", "Row", "apply", "candidates", "certain_bytes", "choose", "current", "decide",
+__all__ = ["LEVERS", "Plan", "Row", "apply", "candidates", "certain_bytes", "choose", "current", "decide", "no_fit_error",
            "for_run", "gpu_here", "host_short", "lever_values", "make_target", "most_saving",
            "no_fit_message", "parse_levers", "resolve", "resolve_kept", "run_search", "search",
            "smallest_devices", "timer", "view"]
@@ -51,11 +52,30 @@ def choose(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None
   target.on_measure = on_measure
   try:
     p = run_search(cfg, target, report=report)
+    if p.chosen is None:
+      raise no_fit_error(cfg, p, target, report=report)
   finally:
     target.close()
-  if p.chosen is None:
-    raise ConfigError(no_fit_message(cfg, p))
   return p
+
+
+def no_fit_error(cfg: Config, p: Plan, target, note: str = "", known: dict | None = None, report=None) -> ConfigError:
+  """The one line when the search `p` found nothing that fits. Where plan.levers keeps lever keys as written (the
+  user's own), the search runs again with every lever free (by the roofline's order, untimed; what `p` measured
+  is reused), and the line names the kept keys to change and the fastest setting that fits (no_fit.kept_message);
+  when nothing fits with every lever either, or nothing was kept, the no-fit line of that search."""
+  if not kept(cfg):
+    return ConfigError(no_fit_message(cfg, p, note))
+  wide = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, levers="all"))
+  known = {**(known or {}), **{tuple(r.overrides.items()): r.stats for r in p.rows if r.stats is not None}}
+  if report is not None:
+    report(f"plan: nothing fits with the lever keys kept as written ({kept_line(cfg)}); searching with every lever "
+           "free to say what would")
+  q = search(wide, target, target.measure, resolve_backend(cfg.model.backend), known=known, report=report)
+  if q.chosen is None:
+    return ConfigError(no_fit_message(wide, q, "; ".join(filter(None, (
+        note, f"every lever tried, the ones plan.levers keeps ({kept_line(cfg)}) too")))))
+  return ConfigError(kept_message(cfg, p, q, note))
 
 
 def gpu_here() -> bool:
@@ -98,7 +118,7 @@ def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = Non
     p = search(cfg, target, target.measure, resolve_backend(cfg.model.backend), known=known,
                timer=timer(cfg, target), timed=cfg.plan.timed, report=report)
     if p.chosen is None:
-      raise ConfigError(no_fit_message(cfg, p, f"as written the config {why} per device"))
+      raise no_fit_error(cfg, p, target, f"as written the config {why} per device", known, report)
   finally:
     target.close()
   return p.cfg, f"{p.line()}; as written the config {why} per device"

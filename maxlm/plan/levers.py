@@ -42,7 +42,7 @@ import time
 
 import jax
 
-from maxlm.config import Config, ConfigError, load_config
+from maxlm.config import LEVERS, Config, ConfigError, load_config
 from maxlm.layers import resolve_backend
 from maxlm.plan import moments, probe, sizing, timing
 from maxlm.plan.cost import TIE, degrees, step_time
@@ -51,15 +51,19 @@ from maxlm.plan.target import COND_COPY, cond_copies
 from maxlm.runtime.env import HOST_SHARE
 from maxlm.tables import REMATS, human_bytes
 
-LEVERS = ("model.remat", "train.grad_accum", "optim.offload", *moments.KEYS)
+assert LEVERS[-2:] == moments.KEYS
 PROBED = "probed"  # Row.how of a candidate pruned by its shallow compiles
 START_SHARE = 0.5  # of the rough activations taken as plausible for a remat policy not yet measured
 
 
 def parse_levers(text: str) -> tuple[str, ...]:
-  """plan.levers as keys; ConfigError (one line) for an unknown one."""
-  if text.strip() == "all":
+  """plan.levers as keys; ConfigError (one line) for an unknown one. `auto` is made concrete when the config is
+  loaded from the user's words (maxlm/config `free_levers`); left as auto (a Config made in Python, where nothing
+  tells which keys were written) it is every lever, as all is."""
+  if text.strip() in ("all", "auto"):
     return LEVERS
+  if text.strip() == "none":
+    return ()
   keys = tuple(k.strip() for k in text.split(",") if k.strip())
   bad = [k for k in keys if k not in LEVERS]
   if bad:
@@ -185,7 +189,10 @@ class Plan:
     if self.chosen is None:
       return "no plan fits"
     c = self.chosen
-    levers = ", ".join(f"{k}={v}" for k, v in c.overrides.items())
+    free = parse_levers(self.cfg.plan.levers)
+    levers = ", ".join(f"{k}={v}" for k, v in c.overrides.items() if k in free)
+    kept = kept_line(self.cfg)
+    levers = (f"set {levers}" if levers else "set nothing") + (f"; kept as written: {kept}" if kept else "")
     n = sum(r.measured is not None or r.note.startswith("XLA ran out") and not r.probed for r in self.rows)
     p = sum(r.probed for r in self.rows)  # pruned by two shallow compiles (probe.py)
     how = f"measured by {self.target.measured_by}" if c.how == "measured" else f"{c.how}, by {self.target.measured_by}"
@@ -313,6 +320,16 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
   return Plan(target, rows, chosen, apply(cfg, chosen.overrides) if chosen else cfg,
               moments.note(cfg, chosen.overrides, parse_levers(cfg.plan.levers)) if chosen else "",
               stopped=stopped)
+
+
+def kept(cfg: Config) -> dict:
+  """The lever keys plan.levers leaves as written (the user's own, with plan.levers=auto), with their values."""
+  free = parse_levers(cfg.plan.levers)
+  return {k: v for k, v in current(cfg).items() if k not in free}
+
+
+def kept_line(cfg: Config) -> str:
+  return ", ".join(f"{k}={v}" for k, v in kept(cfg).items())
 
 
 def label(o: dict) -> str:

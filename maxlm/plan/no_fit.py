@@ -1,6 +1,7 @@
 """The one line when no setting of the levers fits (maxlm/plan/levers.py's search found none): the least measured (or
 pruned) candidate, what no lever shrinks, and the fewest devices on which the most saving levers fit, measured on
-simulated devices (`smallest_devices`)."""
+simulated devices (`smallest_devices`); or, where the user's own lever keys are what keeps every setting out
+(`kept_message`), which of them to change and the fastest setting that fits."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 
 from maxlm.config import Config
 from maxlm.plan import sizing
-from maxlm.plan.levers import Plan, label, apply, certain_bytes, host_short, most_saving, parse_levers
+from maxlm.plan.levers import Plan, label, apply, certain_bytes, host_short, kept, kept_line, most_saving, parse_levers
 from maxlm.plan.measure import Target
 from maxlm.tables import human_bytes
 
@@ -75,3 +76,26 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
   elif t.gpu:
     msg += "; no device count up to 4096 fits either"
   return msg
+
+
+def kept_message(cfg: Config, p: Plan, wide: Plan, note: str = "") -> str:
+  """One line: nothing fits with the lever keys kept as written (`p`, the search over the other levers), and the
+  fastest setting that does fit with every lever free (`wide`, whose chosen row is that setting): which kept keys
+  it changes, and to what. The user's keys are never changed silently: they change them, or leave them unset."""
+  t, c = p.target, wide.chosen
+  mine = kept(cfg)
+  changed = {k: c.overrides[k] for k, v in mine.items() if c.overrides[k] != v}
+  compiled = any(r.measured is not None or r.note.startswith("XLA ran out") or r.probed for r in p.rows)
+  free = ",".join(parse_levers(cfg.plan.levers)) or "none"
+  msg = f"with the lever keys kept as written ({kept_line(cfg)}; plan.levers={free}) nothing fits {t.describe(compiled)}"
+  msg += f"; {note}" if note else ""
+  how = f"measured by {t.measured_by}" if c.how == "measured" else f"{c.how}, by {t.measured_by}"
+  setting = ", ".join(f"{k}={v}" for k, v in c.overrides.items())
+  if changed:
+    msg += (f"; change {', '.join(f'{k}={mine[k]} to {v}' for k, v in changed.items())}: the fastest setting that "
+            f"fits is {setting}")
+  else:
+    msg += f"; the fastest setting that fits is {setting}"
+  return (msg + f" (peak {human_bytes(c.measured)} of {human_bytes(t.usable)} usable per device, {how}); set "
+          + ("those keys so, or leave them out of your config to let the planner choose them" if changed else
+             "those keys so"))

@@ -161,3 +161,20 @@ def test_readme_commands_run_as_printed(workspace, capsys):
     assert code == 0, f"README command {command!r} ran as {words} and failed ({code}):\n{err[-3000:]}"
     ran += 1
   assert ran >= 10
+
+
+DOCS = [README, ROOT / "benchmarks" / "README.md", ROOT / "benchmarks" / "results" / "LOG.md",
+        *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc):
+  """Every relative link of the README, the benchmark tables and their log, and docs/ names a file that exists
+  (code blocks aside): a table row's raw file, a moved section's new home."""
+  text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+  missing = []
+  for target in re.findall(r"\]\(([^)\s]+)\)", text):
+    path = target.split("#", 1)[0]
+    if path and not re.match(r"[a-z]+:", path) and not (doc.parent / path).exists():
+      missing.append(target)
+  assert not missing, f"{doc.relative_to(ROOT)}: links to nothing: {missing}"

@@ -18,8 +18,12 @@ unsplit. The step's losses and token counts are sums over tokens, so they need n
 inverts the order for per-token outputs.
 
 The attention here builds its mask from segment ids and positions (same document, key position <= query
-position, within the window), which holds in any order: it equals the unsplit index-based mask because
-positions count up by one within each document (maxlm/data/packing.py; TE's THD masks rely on the same).
+position, within the window): it equals the unsplit index-based mask because positions count up by one within
+each document (maxlm/data/packing.py; TE's THD masks rely on the same). Which work it skips follows from the
+layout: each device's share is cut into tiles (`tile_count`), and only the (query tile, key tile) pairs whose
+original row indices the causal mask (and window) may leave visible are computed (`gather_schedule`,
+`ring_schedule`), in float32 with one softmax stabilizer per query row; so the tokens must be in the layout's
+order. A dual-chunk device's diagonal chunks cost about half, the rest of a causal row's masked half nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from flax import linen as nn
 RING_FROM = 32768  # tokens per device from which `auto` passes K/V around a ring instead of gathering them
 NEG = -1e30  # a masked score: exp(NEG - any kept score) is 0, with no inf arithmetic
 MAX_STRIPE = 128  # TE's recommended stripe for the all-gather over striped (THD) rows
+TILES = 32  # tiles per device's share of a row, where it divides: masked work is skipped tile by tile
+MIN_TILE = 16  # the fewest tokens per tile wanted, where the share allows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,53 +146,169 @@ def keep_mask(seg_q, pos_q, seg_k, pos_k, window: int):
   return keep[:, None]  # [B, 1, Tq, Tk]
 
 
-def _gathered(q, k, v, seg, pos, *, name: str, window: int):
-  """One device's queries against every key: K/V, segment ids and positions gathered over the axis."""
-  kg, vg, sg, pg = (jax.lax.all_gather(a, name, axis=1, tiled=True) for a in (k, v, seg, pos))  # [B, T, ...]
-  return jax.nn.dot_product_attention(q, kg, vg, mask=keep_mask(seg, pos, sg, pg, window))  # [B, Tq, H, Dh]
+def tile_count(lay: Layout, seq_len: int) -> int:
+  """Tiles per device's T / cp positions, the granularity at which masked work is skipped: up to TILES, of at
+  least MIN_TILE tokens where the share allows (a tile costs a few elementwise ops per query beyond its
+  matmuls), and never across the two chunks of the dual-chunk order (so each tile's positions count up)."""
+  loc = seq_len // lay.cp
+  n = math.gcd(loc, TILES)
+  while n > 2 and loc // n < MIN_TILE:
+    n //= 2
+  return n
 
 
-def _ring(q, k, v, seg, pos, *, name: str, cp: int, window: int):
-  """One device's queries against every key block in turn, each block passed on to the next device after
-  use (cp - 1 passes), the softmax accumulated online in fp32: a running max (a stabilizer only, so no
-  gradient flows through it), denominator and output."""
+def _bounds(lay: Layout, seq_len: int, n: int):
+  """[cp, n] first and last original position of each device's tiles (positions count up within a tile)."""
+  orig = order(seq_len, lay).reshape(lay.cp, n, -1)  # [cp, n, tile]
+  return orig[..., 0], orig[..., -1]
+
+
+def _visible(lo, hi, r: int, j: int, window: int) -> np.ndarray:
+  """[n, n] whether device r's query tile a may see some key of device j's tile b: the first key not after the
+  last query and, with a window, the last key within the window of the first query (a superset of the mask)."""
+  vis = lo[j][None, :] <= hi[r][:, None]
+  if window:
+    vis &= hi[j][None, :] > lo[r][:, None] - window
+  return vis
+
+
+def _table(pairs: list[list[tuple[int, int]]]):
+  """Per device r its (query tile, key tile) pairs, padded to the longest list with masked (0, 0) pairs ->
+  int32 [cp, P, 2] and bool [cp, P]."""
+  width = max(len(p) for p in pairs)
+  idx = np.zeros((len(pairs), width, 2), np.int32)
+  valid = np.zeros((len(pairs), width), bool)
+  for r, p in enumerate(pairs):
+    idx[r, :len(p)] = p
+    valid[r, :len(p)] = True
+  return idx, valid
+
+
+def gather_schedule(lay: Layout, seq_len: int, window: int):
+  """The all-gather's pairs: device r's query tile a against tile j * n + b of the gathered K/V, for every
+  (j, b) the causal (and window) mask may leave visible."""
+  n = tile_count(lay, seq_len)
+  lo, hi = _bounds(lay, seq_len, n)
+  return _table([[(a, j * n + b) for j in range(lay.cp) for a, b in zip(*np.nonzero(_visible(lo, hi, r, j, window)))]
+                 for r in range(lay.cp)])
+
+
+def ring_schedule(lay: Layout, seq_len: int, window: int):
+  """The ring's pairs, one table per step s (device r then holds device (r - s) mod cp's K/V block)."""
+  n = tile_count(lay, seq_len)
+  lo, hi = _bounds(lay, seq_len, n)
+  return [_table([list(zip(*np.nonzero(_visible(lo, hi, r, (r - s) % lay.cp, window)))) for r in range(lay.cp)])
+          for s in range(lay.cp)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_kv(x, name: str):
+  """all_gather of x [B, T / cp, ...] over `name` along the length (in x's dtype), as float32. Its transpose
+  reduce-scatters the float32 cotangent and rounds the sum once: XLA:CPU aborts on a bfloat16 reduce-scatter
+  or all-reduce (`Invalid binary instruction opcode copy`, a check failure), and summed in float32 the cp
+  devices' partial gradients of a key lose nothing to intermediate roundings."""
+  return jax.lax.all_gather(x, name, axis=1, tiled=True).astype(jnp.float32)
+
+
+def _gather_kv_fwd(x, name):
+  return _gather_kv(x, name), jnp.zeros((), x.dtype)
+
+
+def _gather_kv_bwd(name, like, ct):
+  return (jax.lax.psum_scatter(ct, name, scatter_dimension=1, tiled=True).astype(like.dtype),)
+
+
+_gather_kv.defvjp(_gather_kv_fwd, _gather_kv_bwd)
+
+
+def _tiles(x, n: int):
+  """[B, n * tile, ...] -> [n, B, tile, ...]."""
+  return jnp.moveaxis(x.reshape(x.shape[0], n, -1, *x.shape[2:]), 1, 0)
+
+
+def _tile_pairs(qt, kt, vt, sq, pq, sk, pk, idx, valid, window: int):
+  """Softmax partials of the given (query tile, key tile) pairs, merged per query tile.
+
+  qt [n, B, tq, KV, G, Dh] (scaled), kt/vt [nk, B, tk, KV, Dh], float32; sq/pq [n, B, tq], sk/pk [nk, B, tk]
+  segment ids and positions; idx [P, 2] (dynamic) and valid [P]. Returns, per query tile, the unnormalized
+  output [n, B, KV, G, tq, Dh], the stabilizing max and the denominator [n, B, KV, G, tq]."""
+  a, b = idx[:, 0], idx[:, 1]  # [P]
+  n, tq, tk = qt.shape[0], qt.shape[2], kt.shape[2]
+  keep = keep_mask(sq[a].reshape(-1, tq), pq[a].reshape(-1, tq), sk[b].reshape(-1, tk), pk[b].reshape(-1, tk),
+                   window).reshape(-1, qt.shape[1], 1, 1, tq, tk) & valid[:, None, None, None, None, None]
+  s = jnp.where(keep, jnp.einsum("pbqkgd,pbskd->pbkgqs", qt[a], kt[b]), NEG)  # [P, B, KV, G, tq, tk]
+  # one stabilizer per query row over all its pairs, so the pairs' sums add with no rescaling
+  top = jax.lax.stop_gradient(jnp.maximum(jax.ops.segment_max(jnp.max(s, axis=-1), a, n), NEG))  # [n, B, KV, G, tq]
+  p = jnp.where(keep, jnp.exp(s - top[a][..., None]), 0.0)  # [P, B, KV, G, tq, tk]
+  o = jnp.einsum("pbkgqs,pbskd->pbkgqd", p, vt[b])  # [P, B, KV, G, tq, Dh]
+  return jax.ops.segment_sum(o, a, n), top, jax.ops.segment_sum(jnp.sum(p, axis=-1), a, n)
+
+
+def _merge(x, y):
+  """Two softmax partials (output, max, denominator) of the same queries over disjoint keys, as one."""
+  m = jnp.maximum(x[1], y[1])
+  wx, wy = jnp.exp(x[1] - m), jnp.exp(y[1] - m)
+  return x[0] * wx[..., None] + y[0] * wy[..., None], m, x[2] * wx + y[2] * wy
+
+
+def _finish(acc, shape, dtype):
+  """Normalized output [B, T, H, Dh] from merged partials [n, B, KV, G, tq, Dh]."""
+  out = acc[0] / jnp.where(acc[2] > 0, acc[2], 1.0)[..., None]  # rows that kept no key (padding) stay 0
+  return jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(shape).astype(dtype)  # [B, n, tq, KV, G, Dh] -> [B, T, H, Dh]
+
+
+def _gathered(q, k, v, seg, pos, *, name: str, lay: Layout, seq_len: int, window: int):
+  """One device's query tiles against the visible tiles of the gathered K/V (with segment ids and positions)."""
   b, t, h, dh = q.shape
-  kv, g = k.shape[2], h // k.shape[2]
-  qg = q.reshape(b, t, kv, g, dh).astype(jnp.float32) / math.sqrt(dh)  # [B, Tq, KV, G, Dh]
-  m = jnp.full((b, kv, g, t), NEG, jnp.float32)  # [B, KV, G, Tq] running max
-  den = jnp.zeros_like(m)  # [B, KV, G, Tq] running denominator
-  out = jnp.zeros((b, kv, g, t, dh), jnp.float32)  # [B, KV, G, Tq, Dh]
+  kv, n = k.shape[2], tile_count(lay, seq_len)
+  qt = _tiles(q.reshape(b, t, kv, h // kv, dh).astype(jnp.float32) / math.sqrt(dh), n)
+  kg, vg = (_gather_kv(a, name) for a in (k, v))  # [B, T_all, KV, Dh]
+  sg, pg = (jax.lax.all_gather(a, name, axis=1, tiled=True) for a in (seg, pos))  # [B, T_all]
+  idx, valid = gather_schedule(lay, seq_len, window)
+  r = jax.lax.axis_index(name)
+  acc = _tile_pairs(qt, *(_tiles(a, n * lay.cp) for a in (kg, vg)), _tiles(seg, n), _tiles(pos, n),
+                    *(_tiles(a, n * lay.cp) for a in (sg, pg)), jnp.asarray(idx)[r], jnp.asarray(valid)[r], window)
+  return _finish(acc, q.shape, q.dtype)
+
+
+def _ring(q, k, v, seg, pos, *, name: str, lay: Layout, seq_len: int, window: int):
+  """One device's query tiles against the visible tiles of each K/V block in turn, each block passed on to the
+  next device after use (cp - 1 passes), the softmax merged online in float32 (the running max a stabilizer
+  only, so no gradient flows through it)."""
+  b, t, h, dh = q.shape
+  kv, n, cp = k.shape[2], tile_count(lay, seq_len), lay.cp
+  qt = _tiles(q.reshape(b, t, kv, h // kv, dh).astype(jnp.float32) / math.sqrt(dh), n)
+  sq, pq = _tiles(seg, n), _tiles(pos, n)
+  tq = t // n
+  acc = (jnp.zeros((n, b, kv, h // kv, tq, dh), jnp.float32), jnp.full((n, b, kv, h // kv, tq), NEG, jnp.float32),
+         jnp.zeros((n, b, kv, h // kv, tq), jnp.float32))
   ring = [(i, (i + 1) % cp) for i in range(cp)]
+  r = jax.lax.axis_index(name)
   seg_k, pos_k = seg, pos
-  for step in range(cp):
-    keep = keep_mask(seg, pos, seg_k, pos_k, window)[:, :, None]  # [B, 1, 1, Tq, Tk]
-    s = jnp.where(keep, jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32)), NEG)  # [B, KV, G, Tq, Tk]
-    m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1)))  # [B, KV, G, Tq]
-    p = jnp.where(keep, jnp.exp(s - m_new[..., None]), 0.0)  # [B, KV, G, Tq, Tk]
-    scale = jnp.exp(m - m_new)  # [B, KV, G, Tq]; 0 once a kept key outranks the NEG start
-    den = den * scale + jnp.sum(p, axis=-1)
-    out = out * scale[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v,
-                                              preferred_element_type=jnp.float32)  # [B, KV, G, Tq, Dh]
-    m = m_new
+  for step, (idx, valid) in enumerate(ring_schedule(lay, seq_len, window)):
+    kt, vt = (_tiles(a.astype(jnp.float32), n) for a in (k, v))  # passed on in their own dtype
+    part = _tile_pairs(qt, kt, vt, sq, pq, _tiles(seg_k, n), _tiles(pos_k, n), jnp.asarray(idx)[r],
+                       jnp.asarray(valid)[r], window)
+    acc = _merge(acc, part)
     if step + 1 < cp:
       k, v, seg_k, pos_k = (jax.lax.ppermute(a, name, ring) for a in (k, v, seg_k, pos_k))
-  out = out / jnp.where(den > 0, den, 1.0)[..., None]  # rows that kept no key (padding) stay 0
-  return jnp.moveaxis(out, 3, 1).reshape(b, t, h, dh).astype(q.dtype)  # [B, Tq, H, Dh]
+  return _finish(acc, q.shape, q.dtype)
 
 
 def attention(q, k, v, segment_ids, positions, *, window: int, strategy: str, name: str, cp: int):
   """Causal GQA attention with the length of q [B, T, H, Dh], k/v [B, T, KV, Dh], segment ids and positions
-  [B, T] split over mesh axis `name` (cp devices), in any token order -> [B, T, H, Dh], split the same way.
-  Only `name` is manual in the shard_map: batch and heads stay sharded as the rules put them."""
+  [B, T] split over mesh axis `name` (cp devices), the tokens in `layout`'s order for the strategy (as
+  `apply_balanced` gives them) -> [B, T, H, Dh], split the same way. Only the tiles of (query, key) pairs that
+  the causal mask (and window) may leave visible are computed: which those are follows from the layout;
+  within them the mask comes from segment ids and positions. Only `name` is manual in the shard_map: batch
+  and heads stay sharded as the rules put them."""
   b, t = q.shape[:2]
+  lay = layout(strategy, cp, t, segment_ids is not None or bool(window))
   if segment_ids is None:
     segment_ids = jnp.ones((b, t), jnp.int32)  # [B, T]
   if positions is None:
     raise ValueError("context-parallel attention needs the positions of the (reordered) tokens")
-  if strategy == "ring":
-    fn = functools.partial(_ring, name=name, cp=cp, window=window)
-  else:
-    fn = functools.partial(_gathered, name=name, window=window)
+  fn = functools.partial(_ring if strategy == "ring" else _gathered, name=name, lay=lay, seq_len=t, window=window)
   seq4, seq2 = jax.sharding.PartitionSpec(None, name, None, None), jax.sharding.PartitionSpec(None, name)
   return jax.shard_map(fn, in_specs=(seq4, seq4, seq4, seq2, seq2), out_specs=seq4, axis_names={name},
                        check_vma=False)(q, k, v, segment_ids, positions)

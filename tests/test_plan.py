@@ -410,8 +410,9 @@ def test_bad_input_is_one_line_exit_2(capsys):
   assert cli_main(["plan", *BASE, "plan.levers=train.grad_accum", "--device-memory-gb", "0.001"]) == 2
   out, err = capsys.readouterr()
   # plan.levers keeps four levers: tried with every lever free too (a progress line says so), nothing fits either
-  assert err.count("maxlm: error:") == 1 and err.splitlines()[-1].startswith("maxlm: error: no setting of plan.levers (model.remat,train.grad_accum,"
-                                                 "optim.offload,optim.mu_dtype,optim.nu_dtype) fits 8 x cpu")
+  assert err.count("maxlm: error:") == 1 and err.splitlines()[-1].startswith(
+      "maxlm: error: no setting of plan.levers (model.remat,train.grad_accum,optim.offload,optim.mu_dtype,"
+      "optim.nu_dtype) fits 8 x cpu")
   assert "; every lever tried, the ones plan.levers keeps (model.remat=none, optim.offload=none, " in err
 
 

@@ -59,7 +59,7 @@ def test_four_processes_share_one_cache_and_one_run_directory(tmp_path):
   assert "jit_step" not in _missed(outs[0][1]) and "the train step came from the cache (hit" in outs[0][0]
   assert sorted(p.name for p in cache.iterdir() if p.name.endswith("-cache")) == entries
   # the planner's decision, kept by process 0 at the first run (warm start), taken by every process
-  assert "maxlm: plan: the config fits as written" in outs[0][0] and "(kept from an earlier start)" in outs[0][0]
+  assert "maxlm: plan: the config fits as written" in outs[0][0] and "(kept from an earlier start of this shape" in outs[0][0]
   assert not any("maxlm: plan:" in o or "warning" in o for o, _ in outs[1:])
   # one run directory per run, as process 0 made it
   runs = first / "runs"

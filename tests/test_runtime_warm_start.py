@@ -175,14 +175,22 @@ def test_the_planners_decision_is_kept_and_reused(tmp_path, monkeypatch):
     monkeypatch.delenv("NVTE_SET_BY_AN_IMPORT")  # a restart starts without it again
     again, line2 = plan.resolve_kept(dataclasses.replace(cfg, run_name="restart"))
     assert len(calls) == 1 and again.model.remat == "full"
-    assert line2 == "plan: chose model.remat=full (kept from an earlier start)"
+    assert line2 == "plan: chose model.remat=full (kept from an earlier start of this shape on these GPUs)"
+    # another user's run of the same shape (another directory, learning rate, length, seeds, data files): no planning
+    other = load_config(TINY + ["plan.mode=auto", "run_name=theirs", f"output_dir={tmp_path / 'o'}", "train.steps=7",
+                                "optim.learning_rate=1e-4", "optim.warmup_steps=1", "data.seed=3", "train.seed=5"])
+    assert plan.resolve_kept(other)[0].model.remat == "full" and len(calls) == 1
+    # what shapes the step is in the key: another micro-batch count, moment dtype or decay plans again
+    for word in ("train.grad_accum=2", "optim.mu_dtype=bfloat16", "optim.b2=0.999"):
+      plan.resolve_kept(load_config(TINY + ["plan.mode=auto", word]))
+    assert len(calls) == 4
     plan.resolve_kept(load_config(TINY + ["plan.mode=auto", "data.seq_len=32"]))
-    assert len(calls) == 2
+    assert len(calls) == 5
     # the memory the planner counts as usable is in the key too (another xla.mem_fraction, another GPU)
     from maxlm.plan import measure as plan_measure
     monkeypatch.setattr(plan_measure, "_local_memory", lambda dev: 2 ** 30)
     plan.resolve_kept(cfg)
-    assert len(calls) == 3
+    assert len(calls) == 6
   finally:
     warm_start.configure(None, False)
 

@@ -124,18 +124,35 @@ def resolve(cfg: Config, n_devices: int | None = None, n_nodes: int | None = Non
   return p.cfg, f"{p.line()}; as written the config {why} per device"
 
 
+# Config keys that cannot change the planner's decision, beyond those no program reads (warm_start.KEEP_OUT): what
+# only the host reads (where the data comes from and how it is read, seeds, the step count) and the optimizer's
+# scalars, constants in the step that change neither its buffers nor its work. Left out of the decision's key, so
+# that a run of the same shape on the same GPUs (another user's, another learning rate) takes the decision without
+# planning, from the shared compilation cache directory (compile.cache_dir; on a cluster, the launch templates'
+# <output_dir>/.xla-cache). Everything else stays in the key: the model, the batch's shape, the data's type (packed
+# rows choose the context exchange), the moments' dtypes, rounding and decays, the mesh, plan.*, xla.*.
+SHAPE_ONLY = warm_start.KEEP_OUT + (
+    "train.steps", "train.seed", "optim.learning_rate", "optim.schedule", "optim.warmup_steps", "optim.decay_steps",
+    "optim.min_lr_ratio", "optim.wsd_decay_fraction", "optim.eps", "optim.weight_decay", "data.seed", "data.paths",
+    "data.weights", "data.eval_paths", "data.eval_fraction", "data.tokenizer", "data.tokenizer_type", "data.add_bos",
+    "data.add_eos", "data.bos_id", "data.eos_id", "data.text_split", "data.field", "data.shuffle", "data.num_epochs",
+    "data.read_threads", "data.worker_count", "data.prefetch", "data.skip_bad_records", "data.packing_bins")
+
+
 def resolve_kept(cfg: Config, on_measure=None, report=None) -> tuple[Config, str | None]:
-  """`resolve(cfg)` on the devices at hand, or the decision an earlier start of this run took on this machine
-  (compile.warm_start, maxlm/runtime/warm_start.py: the key holds the config, the code, the devices and the memory
-  the planner counts as usable), which a decision taken now is kept as."""
+  """`resolve(cfg)` on the devices at hand, or the decision an earlier start took for a run of the same shape on
+  the same GPUs (compile.warm_start, maxlm/runtime/warm_start.py: the key holds the config less `SHAPE_ONLY`, the
+  code, the devices and the memory the planner counts as usable), which a decision taken now is kept as."""
   if cfg.plan.mode == "off" or (cfg.plan.mode != "auto" and not gpu_here()):
     return resolve(cfg)  # nothing measured: nothing to keep
   target = make_target(cfg)  # the planner's own view of the devices (no measurement yet)
-  entry = warm_start.Entry("plan", [warm_start.run_signature(cfg), target.n_devices, target.kind, target.usable])
+  entry = warm_start.Entry("plan", [warm_start.run_signature(cfg, SHAPE_ONLY), target.n_devices, target.kind,
+                                    target.usable])
   kept = entry.load()
   if kept is not None:
     levers, line = kept
-    return (cfg if levers == current(cfg) else apply(cfg, levers)), f"{line} (kept from an earlier start)"
+    return ((cfg if levers == current(cfg) else apply(cfg, levers)),
+            f"{line} (kept from an earlier start of this shape on these GPUs)")
   out, line = resolve(cfg, on_measure=on_measure, report=report)
   if line is not None:
     entry.save((current(out), line))

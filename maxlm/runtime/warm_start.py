@@ -97,14 +97,14 @@ def active(kind: str = "") -> bool:
   return jax.process_count() == 1 or (kind in DECISIONS and jax.process_index() == 0)
 
 
-def run_signature(cfg: Config) -> dict:
-  """The config less what no program reads (`KEEP_OUT`)."""
+def run_signature(cfg: Config, keep_out: tuple[str, ...] = KEEP_OUT) -> dict:
+  """The config less what no program reads (`KEEP_OUT`, or the caller's wider list)."""
   flat = {}
 
   def walk(prefix: str, node: Any) -> None:
     for k, v in node.items():
       name = f"{prefix}{k}"
-      if name in KEEP_OUT:
+      if name in keep_out:
         continue
       if isinstance(v, dict):
         walk(f"{name}.", v)

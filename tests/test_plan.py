@@ -237,19 +237,8 @@ def test_search_is_deterministic_and_compiles_only_what_it_must():
   moments = ("optim.mu_dtype", "optim.nu_dtype")
   assert {tuple(o[k] for k in moments) for o in order} == {("float32", "float32"), ("bfloat16", "float32"),
                                                           ("bfloat16", "bfloat16")}  # no bf16 nu with fp32 mu
-  # fastest estimate first; on a tie the fewer bfloat16 moments first (they are rounded): fp32, bf16 mu, both;
-  # a setting within TIE of its float32-moments twin (the same other levers) counts the twin's time
-  raw = [step_time(plan.apply(cfg, o), target)["total_s"] for o in order]
-
-  def twin_time(o):
-    twin = {**o, "optim.mu_dtype": "float32", "optim.nu_dtype": "float32"}
-    return step_time(plan.apply(cfg, twin), target)["total_s"]
-  times = [tt if t * (1 + TIE) >= tt else t for t, tt in zip(raw, map(twin_time, order))]
-  assert all(round(a, 9) <= round(b, 9) for a, b in zip(times, times[1:]))
-  for a, b, ta, tb in zip(order, order[1:], times, times[1:]):
-    if round(ta, 9) == round(tb, 9) and {k: v for k, v in a.items() if k not in moments} == {
-        k: v for k, v in b.items() if k not in moments}:
-      assert sum(a[k] == "bfloat16" for k in moments) < sum(b[k] == "bfloat16" for k in moments)
+  # the order itself (estimate, then exact moments, then lever order) is checked against hand-made times in
+  # tests/test_plan_levers.py: computing it here with cost.step_time would check the estimate against itself
   i = order.index(p1.chosen.overrides)
   assert p1.chosen.status == "fits" and p1.chosen.measured <= target.usable
   assert all(r.status in ("too big", "pruned") for r in p1.rows[:i])

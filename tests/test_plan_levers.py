@@ -174,3 +174,26 @@ def test_each_compile_and_timing_is_reported_as_it_ends_and_the_budget_stops_the
 
   p = levers.search(levers.apply(cfg, {"plan.budget_s": 50}), target, fourth_fits, "flax", clock=lambda: now[0])
   assert len(compiled) == 4 and p.chosen is p.rows[3]
+
+
+def test_candidates_are_ordered_by_the_estimate_then_exact_moments_then_lever_order(monkeypatch):
+  """The search order against a hand-made roofline (levers.step_time replaced by a table written here, so the order
+  is checked against hand numbers, not against the estimate that makes it): fastest first; a setting with bfloat16
+  moments within cost.TIE (2%) of its float32-moments twin counts the twin's time, so the twin comes first; on equal
+  times the fewer bfloat16 moments first, then lever order (accumulation 1 before 2)."""
+  hand = {  # (grad_accum, mu, nu): seconds per step
+      (1, "float32", "float32"): 1.00,
+      (1, "bfloat16", "float32"): 0.995,  # within 2% of its twin: counts 1.00, after it
+      (1, "bfloat16", "bfloat16"): 0.90,  # 10% faster than its twin: earns its place, first of all
+      (2, "float32", "float32"): 0.95,
+      (2, "bfloat16", "float32"): 0.94,  # within 2%: counts 0.95
+      (2, "bfloat16", "bfloat16"): 0.95,
+  }
+  monkeypatch.setattr(levers, "step_time", lambda c, t: {
+      "total_s": hand[(c.train.grad_accum, c.optim.mu_dtype, c.optim.nu_dtype)]})
+  cfg = load_config([*DIMS, "data.global_batch_size=2", "plan.levers=train.grad_accum,optim.mu_dtype,optim.nu_dtype"])
+  order = [(o["train.grad_accum"], o["optim.mu_dtype"], o["optim.nu_dtype"])
+           for o in plan.candidates(cfg, gpu_target(None), "flax")]
+  assert order == [(1, "bfloat16", "bfloat16"),
+                   (2, "float32", "float32"), (2, "bfloat16", "float32"), (2, "bfloat16", "bfloat16"),
+                   (1, "float32", "float32"), (1, "bfloat16", "float32")]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from maxlm.checkpoint import Checkpointer, complete_steps
-from maxlm.checkpoint.disk import peak_bytes, save_steps
+from maxlm.checkpoint.disk import check_start, free_bytes, human, peak_bytes, save_steps
 from maxlm.config import load_config, to_dict
 from maxlm.trainer import Trainer
 
@@ -49,6 +49,23 @@ def test_the_peak_of_a_runs_saves_by_hand():
   # removes 1: 0 more after; the save at 6 adds 10 during, removes 2
   assert peak_bytes([1, 2], [4, 6], 10, keep=2, keep_period=0, free=9) == (10, 4)
   assert peak_bytes([1, 2], [4, 6], 10, keep=2, keep_period=0, free=10) == (10, None)
+
+
+def test_the_start_check_counts_every_planned_save_past_checkpoint_keep(tmp_path):
+  """check_start with more planned saves than checkpoint.keep: 6 saves of 0.4 x the free space each, the last 2 kept
+  (keep=2): the first two fit (0.4, 0.8 of the free space), the third is written beside the two kept (1.2): the
+  warning names step 3 and 3 x the size, by hand. A check that passed only the first `keep` saves, or keep_period
+  for keep, would say nothing; one that ignored keep altogether would name the same step but a larger peak."""
+  cfg = load_config([*RUN, "train.steps=6", "checkpoint.every=1", "checkpoint.keep=2"])
+  size = int(0.4 * free_bytes(tmp_path))  # the free space moves a little while the test runs: 0.4 leaves room
+  line = check_start(cfg.checkpoint, cfg.train, str(tmp_path), tmp_path / "checkpoints", size, [])
+  assert line == (f"output_dir={tmp_path}: this run's checkpoints take up to {human(3 * size)} more ({human(size)} "
+                  f"each, checkpoint.keep=2 kept and one being written) and {tmp_path} has "
+                  f"{line.split(' has ')[1].split(' free')[0]} free: the save of step 3 will fail; a smaller "
+                  "checkpoint.keep, a larger checkpoint.every or another output_dir avoids that")
+  # keep=1 leaves at most two at once (0.8): no warning
+  one = load_config([*RUN, "train.steps=6", "checkpoint.every=1", "checkpoint.keep=1"])
+  assert check_start(one.checkpoint, one.train, str(tmp_path), tmp_path / "checkpoints", size, []) == ""
 
 
 def _tmpfs_reason(tmp_path) -> str | None:

@@ -2,7 +2,11 @@
 start-up decides that way with 4 processes: the plan (kept by process 0's warm start), one run directory, created
 by process 0, and one compilation cache, which process 0 alone writes."""
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import processes
 import pytest
@@ -77,3 +81,39 @@ def test_four_processes_share_one_cache_and_one_run_directory(tmp_path):
     assert len(ls) == 1 and re.fullmatch(
         rf"\[process {i}/4 \S+\] maxlm: error: run directory \S+/a already holds another run .*", ls[0]), ls
   assert (runs / "a" / "metrics.jsonl").read_text() == before  # untouched
+
+
+# Two processes of jax.distributed on this machine, each deciding something of its own (its own index, as two
+# processes whose devices report different memories plan differently): every process must end with process 0's.
+CHILD = """
+import json, sys
+import jax
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), initialization_timeout=60)
+from maxlm.config import ConfigError
+from maxlm.errors import MaxlmError
+from maxlm.runtime import agree, watchdog
+limit = watchdog.Limit(60.0, "")
+mine = jax.process_index()
+got = agree.decide("own", lambda: {"decided_by": mine}, watchdog.OFF, "start-up: test", limit)
+try:
+  agree.decide("bad", lambda: (_ for _ in ()).throw(ConfigError(f"bad input seen by process {mine}")),
+               watchdog.OFF, "start-up: test", limit)
+  err = None
+except MaxlmError as e:  # process 0: the ConfigError itself; the others: agree.Decided with its message and code
+  err = [str(e), e.exit_code]
+print(json.dumps({"got": got, "err": err}), flush=True)
+"""
+
+
+def test_every_process_takes_process_0s_decision_not_its_own(tmp_path):
+  port = processes.free_port()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": processes.FAST_CPU}
+  procs = [subprocess.Popen([sys.executable, "-c", CHILD, f"127.0.0.1:{port}", str(i)], cwd=processes.ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outs = []
+  for p in procs:
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    outs.append(json.loads(out.strip().splitlines()[-1]))
+  assert [o["got"] for o in outs] == [{"decided_by": 0}] * 2
+  assert [o["err"] for o in outs] == [["bad input seen by process 0", 2]] * 2

@@ -22,6 +22,10 @@ Environment:
                              and every checkpoint's, takes its bytes / BPS more: `Trainer.slow_storage`); its
                              N-th write (the probe at the start is the first when the watchdog is on) never
                              ends, after "STORAGE-STUCK <N>"
+  MAXLM_TEST_PLAN_COMPILES=S1,S2,...  the planner's i-th measurement (Target.measure: a compile of the step) takes Si
+                             seconds instead ("hang": forever), after printing "PLAN-COMPILE <i>", and reports a
+                             made-up peak: the first over the usable memory (the config as written does not fit),
+                             the others at half of it
   MAXLM_TEST_STOP_IN=WHERE,P,DIR  process P stops itself (SIGSTOP, as a frozen node) where start-up reaches WHERE:
                              `plan` (the planner's decision begins) or `data` (the trainer opens its data), every
                              process having met at a barrier first and every other process having left it (a
@@ -231,6 +235,29 @@ def stop_at(where: str, process: str, handshake: str) -> None:
     trainer.data_lib.make_train_iterator = stop_then_open
 
 
+def plan_compiles(seconds: list) -> None:
+  """MAXLM_TEST_PLAN_COMPILES: the planner's measurements take the given times (None: forever) and report made-up
+  peaks, the first too big, the others fitting; the clock and the start-up watchdog's phase around them are the
+  planner's own (Target.measure's hook and timing)."""
+  from maxlm.plan import measure as plan_measure
+  made: list[int] = []
+
+  def slow_measure(self, cfg):
+    i = len(made) + 1
+    made.append(i)
+    if self.on_measure is not None:
+      self.on_measure(self.clock.expect(cfg))
+    print(f"PLAN-COMPILE {i}", flush=True)
+    began = time.monotonic()
+    wait = seconds[min(i, len(seconds)) - 1]
+    while wait is None:
+      time.sleep(1)
+    time.sleep(wait)
+    self.clock.add(cfg, time.monotonic() - began)
+    return {"device": self.usable + 1 if i == 1 else self.usable // 2, "how": "measured"}
+  plan_measure.Target.measure = slow_measure
+
+
 def install_hooks(argv: list[str]) -> None:
   import jax
 
@@ -307,6 +334,9 @@ def install_hooks(argv: list[str]) -> None:
         self._test_readonly = True
       return save(self, step, *a, **kw)
     checkpoint.Checkpointer.save = save_then_readonly
+  compiles = os.environ.get("MAXLM_TEST_PLAN_COMPILES")
+  if compiles:
+    plan_compiles([None if v == "hang" else float(v) for v in compiles.split(",")])
   stop_in = os.environ.get("MAXLM_TEST_STOP_IN")
   if stop_in:
     stop_at(*stop_in.split(",", 2))

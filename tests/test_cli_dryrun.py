@@ -9,10 +9,12 @@ import sys
 import jax
 import pytest
 
+from maxlm import plan as planner
 from maxlm.cli.dryrun import FLAGS, plan
 from maxlm.cli.grammar import SIZING, parse_options
 from maxlm.cli.train import main
 from maxlm.config import load_config
+from maxlm.plan import measure as plan_measure
 from maxlm.layers import RECIPES
 from maxlm.model import count_params
 from maxlm.tables import PRECISIONS
@@ -259,3 +261,21 @@ def test_mistral_window_counts_only_attended_pairs(capsys):
   p = json.loads(out)
   assert code == 0 and p["params"]["total"] == total == 7_241_732_096  # the published 7.24B
   assert p["flops"]["per_step"] == flops
+
+
+def test_the_dry_run_prints_the_start_up_limits_the_planners_compiles_give(monkeypatch, capsys):
+  """On a (faked) GPU the dry run plans as the run does; made-up compiles of 5 s and 7 s (the first too big, the
+  second fitting): the first compile's limit is train.watchdog_first_step_s, the second's 10 x the 5 s before it
+  (floor 1 s), by hand; the first step's limit at least train.watchdog_first_step_s."""
+  def made_up(self, c):
+    self.on_measure(self.clock.expect(c))
+    self.clock.add(c, 5.0 if not self.clock.seen else 7.0)
+    return {"device": self.usable + 1 if len(self.clock.seen) == 1 else self.usable // 2, "how": "measured"}
+  monkeypatch.setattr(plan_measure, "_local_memory", lambda dev: 2**30)
+  monkeypatch.setattr(planner, "gpu_here", lambda: True)
+  monkeypatch.setattr(plan_measure.Target, "measure", made_up)
+  code = main(["--dry-run", "--json", "model.backend=flax", "data.type=synthetic", "data.global_batch_size=16",
+                     "plan.levers=train.grad_accum", "plan.timed=0", "train.watchdog_factor=10",
+                     "train.watchdog_floor_s=1", "train.watchdog_first_step_s=1800"])
+  p = json.loads(capsys.readouterr().out)
+  assert code == 0 and p["watchdog"]["plan_compiles_s"] == [1800, 50] and p["watchdog"]["first_step_s"] == 1800

@@ -392,3 +392,47 @@ def test_a_process_stopped_during_start_up_ends_the_others_in_one_line(tmp_path,
                    lines[0])
   assert m, (lines[0], processes.output(tmp_path, 0)[0][-2000:])
   assert took < limit + 30 and "wait" in Path(m[2]).read_text()
+
+
+# The planner on the GPU path (the test switch, tests/resume_launcher.py's made-up compiles): the config as written
+# compiles in 2 s and does not fit; the next compile's limit is 3 x those 2 s (floor 1 s), not the flat
+# train.watchdog_first_step_s (30 s here, 1800 s by default).
+PLANNED = [*TINY, "train.steps=1", "checkpoint.enabled=false", "train.watchdog=always", "train.watchdog_factor=3",
+           "train.watchdog_floor_s=1", "train.watchdog_first_step_s=30", "plan.timed=0", "plan.levers=train.grad_accum",
+           "compile.warm_start=false"]  # each test plans: no decision kept from another in the suite's shared cache
+
+
+def _planned(tmp_path, compiles: str):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "MAXLM_TEST_GPU_PATHS": "1", "MAXLM_TEST_DEVICE_BYTES": str(2**30),
+         "MAXLM_TEST_PLAN_COMPILES": compiles,
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+  began = time.monotonic()
+  r = subprocess.run([sys.executable, str(ROOT / "tests" / "resume_launcher.py"), f"output_dir={tmp_path}", *PLANNED],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  return r, time.monotonic() - began
+
+
+def test_a_planner_compile_slower_than_the_floor_but_within_its_expected_time_runs_on(tmp_path):
+  r, _ = _planned(tmp_path, "2,4")  # 4 s: over the 1 s floor, under 3 x 2 s
+  assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+  assert "PLAN-COMPILE 2" in r.stdout and "step 1/1" in r.stdout
+
+
+def test_a_stuck_planner_compile_ends_within_its_derived_limit(tmp_path):
+  r, took = _planned(tmp_path, "2,hang")
+  assert r.returncode == 76, (r.returncode, r.stderr[-3000:])
+  last = r.stderr.splitlines()[-1]
+  m = re.fullmatch(r"maxlm: error: watchdog: start-up: plan \(a compile\) at step 0 has taken (6\.\d) s \(limit "
+                   r"(6\.\d+) s: 3 x the compile expected from the planner's compiles before it (2(?:\.\d+)?) s, floor 1 s\); "
+                   r"stacks of every thread in \S+; exiting with code 76", last)
+  assert m and float(m[2]) == pytest.approx(3 * float(m[3]), abs=0.1), last  # both printed rounded
+  assert "PLAN-COMPILE 2" in r.stdout and "step 1" not in r.stdout
+  assert took < 30  # the whole run, imports and the first compile included: under the old flat limit alone
+
+
+def test_the_planners_compile_limit_by_hand():
+  t = load_config(["train.watchdog_factor=10", "train.watchdog_floor_s=300", "train.watchdog_first_step_s=1800"]).train
+  assert watchdog.planned_compile_limit(t, None).seconds == 1800  # the first compile: the slow floor
+  assert watchdog.planned_compile_limit(t, 81.0).seconds == 810  # 10 x 81 s
+  assert watchdog.planned_compile_limit(t, 12.0).seconds == 300  # 10 x 12 s = 120 s, under the floor
+  assert watchdog.planned_compile_limit(t, 240.0).seconds == 2400  # a slow compile: past the old flat 1800 s

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -36,7 +37,7 @@ from maxlm.data.sources import resolve_type
 from maxlm.plan import sizing
 from maxlm.plan.levers import host_need
 from maxlm.plan.target import cond_copies
-from maxlm.runtime import xla_presets
+from maxlm.runtime import watchdog, xla_presets
 from maxlm.layers import context
 from maxlm.layers import check_remat, resolve_backend, supported_precisions
 from maxlm.mesh import AXES, check_context_split, mesh_shape
@@ -185,6 +186,20 @@ def _verdicts(mem: dict) -> list[str]:
   return lines
 
 
+def start_up_limits(cfg: Config, limits: list, planned_s: float | None) -> dict:
+  """The start-up watchdog's limits as a run with this config derives them (maxlm/runtime/watchdog.py; they apply
+  where the watchdog is on, train.watchdog): each planner compile's (from the compiles before it, the first from
+  the slow floor) and the first step's compile (from the longest compile known at start: here the planning, which
+  a run's first start counts too)."""
+  t = cfg.train
+  first = watchdog.scaled(t.watchdog_factor, t.watchdog_first_step_s, "train.watchdog_first_step_s", planned_s,
+                          "the planner's compiles" if planned_s is not None else "no compile known at start")
+  return {"plan_compiles_s": [round(x.seconds, 1) for x in limits], "first_step_s": round(first.seconds, 1),
+          "first_step_how": first.how, "plan_compile_rule": f"the first {t.watchdog_first_step_s:g} s "
+          f"(train.watchdog_first_step_s), each later one max({t.watchdog_floor_s:g} s, {t.watchdog_factor:g} x E), E "
+          "its time expected from the compiles before it (maxlm/plan/clock.py)"}
+
+
 def render(p: dict) -> str:
   """The plan as text, one topic per block."""
   c, m, ms, pa, fl, mem, da = (p["config"], p["config"]["model"], p["mesh"], p["params"], p["flops"], p["memory"],
@@ -253,6 +268,12 @@ def render(p: dict) -> str:
     lines.append(f"        the run reads {da['epochs']:.3g} x the corpus ({da['corpus_tokens']:,} tokens)")
   if "tokenizer" in da:
     lines.append(f"        tokenizer {da['tokenizer']}; eval: {da['eval']}")
+  wd = p.get("watchdog")
+  if wd:
+    made = (f"the {len(wd['plan_compiles_s'])} compiles here {', '.join(f'{x:g}' for x in wd['plan_compiles_s'])} s; "
+            if wd["plan_compiles_s"] else "")
+    lines.append(f"watchdog start-up limits (where train.watchdog is on): planner compiles: {made}"
+                 f"{wd['plan_compile_rule']}; the first step {wd['first_step_s']:g} s ({wd['first_step_how']})")
   ph = p["precision_here"]
   if not ph["ok"]:
     lines.append(f"note    model.precision={m['precision']} does not run on this machine (supported here: "
@@ -268,8 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(words)
     apply_mem_fraction(cfg.xla.mem_fraction, xla_presets.detect_gpu() is not None)  # as the trainer does
     # the trainer's plan.mode, measured the same way (maxlm/plan/__init__.py): fit acts on the GPUs at hand only
+    limits: list[watchdog.Limit] = []  # the start-up watchdog's limit of each planner compile, as a run derives it
+    began = time.monotonic()
     cfg, chosen = planner.resolve(cfg, opts.get("devices"), opts.get("nodes"),
-                                  int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None)
+                                  int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None,
+                                  on_measure=lambda e: limits.append(watchdog.planned_compile_limit(cfg.train, e)))
+    planned_s = time.monotonic() - began if limits else None
     local = "devices" not in opts and "nodes" not in opts
     n_nodes = opts.get("nodes", 1 if not local else jax.process_count())
     n_devices = opts.get("devices", jax.device_count() if local else n_nodes * jax.local_device_count())
@@ -286,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     return report(e)
   if chosen is not None:
     p["plan"] = chosen
+  p["watchdog"] = start_up_limits(cfg, limits, planned_s)
   p["warnings"] = [w for w in (warmup_warning(cfg.optim, cfg.train.steps),) if w]
   note = "".join(f"\nwarning {w}" for w in p["warnings"])
   if local and kind is None and not p["memory"].get("fits", True):  # sized against this machine's CPU memory

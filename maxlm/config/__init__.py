@@ -220,11 +220,12 @@ class TrainConfig:
   watchdog_factor: float = option(10.0, "watchdog: a phase may take this x its expected time, measured by the run "
                                   "(the median step time x the steps in flight; a save's, an eval batch's, a "
                                   "compile's; a disk probe's bandwidth)", within="[1, inf)")
-  watchdog_floor_s: float = option(300.0, "watchdog: the least limit of a step phase or an eval batch once its "
-                                   "time is measured", within="(0, inf)")
+  watchdog_floor_s: float = option(300.0, "watchdog: the least limit of a step phase, an eval batch or a planner "
+                                   "compile once its time is measured (a compile's: from those before it)",
+                                   within="(0, inf)")
   watchdog_first_step_s: float = option(1800.0, "watchdog: the least limit of the slow phases (restore, compile, "
-                                        "checkpoint saves), of each phase of start-up (a planner compile, a wait "
-                                        "for process 0, data and state) and of any phase whose time is not "
+                                        "checkpoint saves), of each phase of start-up (the planner's first compile, "
+                                        "a wait for process 0, data and state) and of any phase whose time is not "
                                         "measured yet; the run's measurements raise it (maxlm/runtime/watchdog.py)",
                                         within="(0, inf)")
 

@@ -199,13 +199,14 @@ def for_run(cfg: Config, say=None, watch=None) -> tuple[Config, str]:
   by process 0, whose decision every process applies (maxlm/runtime/agree.py), so that all run one program. A
   process whose own view of its devices differs from process 0's says so in one warning line. `say` prints the
   plan's line (process 0's), and as it plans a line for each compile and timing; `watch` is the start-up
-  watchdog: each of the planner's compiles is a phase of train.watchdog_first_step_s (maxlm/runtime/watchdog.py `start_up_limit`)."""
+  watchdog: each of the planner's compiles is a phase whose limit comes from the compiles before it (maxlm/plan/clock.py,
+  maxlm/runtime/watchdog.py `planned_compile_limit`; the first: train.watchdog_first_step_s)."""
   watch = watch or watchdog.OFF
   limit = watchdog.start_up_limit(cfg.train)
 
-  def measuring() -> None:  # process 0, before each compile: a new phase, and a sign of life for the others
+  def measuring(expected: float | None) -> None:  # process 0, before each compile: a new phase, a sign of life
     agree.progress("plan")
-    watch.arm("start-up: plan (a compile)", limit=limit)
+    watch.arm("start-up: plan (a compile)", limit=watchdog.planned_compile_limit(cfg.train, expected))
   progress = (lambda line: say(f"maxlm: {line}")) if say is not None else None  # each compile and timing, as it ends
   got = agree.decide("plan", lambda: decide(cfg, measuring, progress), watch, "start-up: plan", limit)
   out = cfg if got["levers"] == current(cfg) else apply(cfg, got["levers"])

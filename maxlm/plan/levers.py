@@ -341,7 +341,12 @@ def timer(cfg: Config, target: Target):
   None (the roofline orders) on simulated devices, CPUs, several processes, or with plan.timed=0."""
   if target.simulated or not target.gpu or jax.process_count() > 1 or cfg.plan.timed == 0:
     return None
-  return lambda c: timing.time_step(c, target.devices)
+
+  def timed(c: Config) -> float | None:
+    if target.on_measure is not None:  # a new start-up phase: the step's compile (or its load), then a few steps
+      target.on_measure(target.clock.expect(c))
+    return timing.time_step(c, target.devices)
+  return timed
 
 
 def run_search(cfg: Config, target: Target, everything: bool = False, report=None) -> Plan:

@@ -34,6 +34,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import jax
@@ -44,6 +45,7 @@ from maxlm.mesh import make_mesh
 from maxlm.optim import LAG
 from maxlm.pipeline import check as check_pipeline
 from maxlm.plan import collectives
+from maxlm.plan.clock import CompileClock
 from maxlm.plan.standins import GPU_DTYPE_OPTIONS, for_gpu_step
 from maxlm.runtime.devices import (bytes_limit, device_kind, host_memory_bytes, is_gpu, local_device,
                                    physical_memory_bytes)
@@ -246,7 +248,10 @@ class Target:
   host_bytes: int | None = None  # the node's RAM over its devices (GPUs only: a CPU has one memory), None: unknown
   host_assumed: str = ""  # what was assumed about the host (a compile-only target: no node to ask)
   _sim: Simulator | None = None
-  on_measure: Callable[[], None] | None = None  # told before each measurement (the start-up watchdog's progress)
+  # told before each measurement, with the seconds its compile is expected to take (None: nothing compiled yet),
+  # by the start-up watchdog, which derives the compile's limit from it
+  on_measure: Callable[[float | None], None] | None = None
+  clock: CompileClock = dataclasses.field(default_factory=CompileClock)  # the compiles made, for the expectation
 
   @property
   def usable(self) -> int:
@@ -267,13 +272,17 @@ class Target:
 
   def measure(self, cfg: Config) -> dict:
     if self.on_measure is not None:
-      self.on_measure()
-    if not self.simulated:
-      return measure(cfg, self.devices)
-    if self._sim is None and self.gpu_target:
-      self._sim = gpu_compiler(self.gpu_target, self.n_devices, self.n_nodes, cfg.xla.preset)
-    self._sim = self._sim or Simulator(self.n_devices)
-    return self._sim.measure(cfg)
+      self.on_measure(self.clock.expect(cfg))
+    began = time.monotonic()
+    try:
+      if not self.simulated:
+        return measure(cfg, self.devices)
+      if self._sim is None and self.gpu_target:
+        self._sim = gpu_compiler(self.gpu_target, self.n_devices, self.n_nodes, cfg.xla.preset)
+      self._sim = self._sim or Simulator(self.n_devices)
+      return self._sim.measure(cfg)
+    finally:
+      self.clock.add(cfg, time.monotonic() - began)
 
   def close(self) -> None:
     if self._sim is not None:

@@ -55,8 +55,10 @@ since JAX's heartbeat is raised to a day while the watchdog is on (HEARTBEAT_S).
 `start_up_limit` derives from what the phase is expected to take:
 
 * "start-up: plan": process 0 measures the plan.mode candidates (maxlm/plan/__init__.py `for_run`), each
-  measurement one compile of the train step on abstract shapes, and re-arms the phase before each; the other
-  processes wait for its decision (maxlm/runtime/agree.py) and re-arm theirs at each compile process 0 begins;
+  measurement one compile of the train step on abstract shapes, and re-arms the phase before each, with the limit
+  `planned_compile_limit` derives from the compiles before it (maxlm/plan/clock.py; the first: the slow floor);
+  the other processes wait for its decision (maxlm/runtime/agree.py) and re-arm theirs at each compile process 0
+  begins;
 * "start-up: data and state": the data inputs opened and checked, the run directory claimed (process 0) and
   the state built, which is one compile (its init) and one run;
 * then the trainer's own phases from "restore" on (the first step's compile and run under the slow limit).
@@ -336,6 +338,16 @@ def start_up_limit(t: TrainConfig) -> Limit:
   return Limit(t.watchdog_first_step_s,
                f"train.watchdog_first_step_s={t.watchdog_first_step_s:g} s: a start-up phase is at most one compile "
                "and its set-up")
+
+
+def planned_compile_limit(t: TrainConfig, expected: float | None) -> Limit:
+  """The limit of one of the planner's compiles (a start-up phase): train.watchdog_factor x the seconds it is expected
+  to take (maxlm/plan/clock.py: from the planner's compiles before it), at least train.watchdog_floor_s, as a step
+  phase once its time is measured; the first, with nothing measured yet, the slow floor (`start_up_limit`)."""
+  if expected is None:
+    return start_up_limit(t)
+  return scaled(t.watchdog_factor, t.watchdog_floor_s, "train.watchdog_floor_s", expected,
+                "the compile expected from the planner's compiles before it")
 
 
 def start(t: TrainConfig, run_dir: Path, process_index: int, process_count: int,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import processes
 from maxlm.checkpoint import run_lock
 from maxlm.config import ConfigError
 
@@ -218,6 +219,27 @@ def test_a_long_record_of_a_dead_holder_is_replaced_whole_and_read_back(tmp_path
                             f"{HOST} since {record['since']}{TAIL}")
   finally:
     lock.release()
+
+
+def test_both_processes_of_a_duplicate_run_end_with_the_one_line(tmp_path, monkeypatch):
+  """Process 0 of a two-process run finds the directory held and refuses; the other process gets its answer (the
+  coordination service's key-value store, no device collective) and ends with the same line and exit 2."""
+  monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+  run = tmp_path / "runs" / "r"
+  run.mkdir(parents=True)
+  holder = _holder(run)
+  try:
+    codes = processes.finish(processes.start(2, ["run_name=r", "train.steps=2", "data.global_batch_size=2"],
+                                             tmp_path), 300)
+    since = json.loads((run / run_lock.LOCK).read_text())["since"]
+  finally:
+    holder.kill()
+    holder.wait()
+  lines = [processes.output(tmp_path, i)[1].splitlines() for i in range(2)]
+  assert codes == [2, 2], lines
+  for i, err in enumerate(lines):
+    assert err == [f"[process {i}/2 {HOST.split('.')[0]}] maxlm: error: run directory {run} is in use by another run: process "
+                   f"{holder.pid} on host {HOST} since {since}{TAIL}"], err
 
 
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",

@@ -169,8 +169,8 @@ class RunLock:
   def _renew(self) -> None:
     warned = False
     while not self._stop.wait(self.beat_s):
-      held = _read(self.lease)
-      if held.get("token") != self.record["token"]:
+      held = _read(self.lease)  # ({} when unreadable for a moment: renewed all the same)
+      if held.get("token") not in (None, self.record["token"]):
         if self.lease.parent.exists():  # (a bad start removing its own directory is not a takeover)
           echo(f"maxlm: warning: the lease of run directory {self.lease.parent} was taken over by process "
                f"{held.get('pid', '?')} on host {held.get('host', '?')}: two runs now write into it")

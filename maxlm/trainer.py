@@ -1,16 +1,16 @@
 """The training run: `Trainer` owns the mesh, model, state, data and jitted steps; `train()` drives it.
 
-Order of a run, so that bad input stops before anything is written: check everything that can be
-checked (backend and precision, mesh and batch split, a memory lower bound, every data input, the
-output directory), then create the run directory and lock it (one run at a time: maxlm/checkpoint/run_lock.py),
-build the state, resume from checkpoints, train.
+Order of a run, so that bad input stops before anything is written: the train command creates the run directory
+and locks it first (one run at a time: maxlm/checkpoint/run_lock.py; a duplicate stops before the planner), then
+check everything that can be checked (backend and precision, mesh and batch split, a memory lower bound, every data
+input), build the state, resume from checkpoints, train. A start that fails on bad input before the directory
+holds a run removes the directory it created.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import shutil
 import time
 
 import jax
@@ -141,27 +141,28 @@ def train(cfg: Config, preemption: Preemption, t_start: float | None = None) -> 
     wd.stop()
 
 
-def run(trainer: Trainer, preemption: Preemption, startup: Startup, wd) -> RunEnd:
-  """Train the built trainer's run under the watchdog `wd` (started at start-up). The run directory is created by
-  process 0 alone, the others receiving its answer (maxlm/runtime/agree.py), then locked (one run at a time) and
-  claimed. A directory this call created is removed again when the run fails on bad input or a checkpoint before
-  it logged a step or saved a checkpoint, so such a failure leaves nothing behind."""
+def run(trainer: Trainer, preemption: Preemption, startup: Startup, wd, held: run_lock.Held | None = None) -> RunEnd:
+  """Train the built trainer's run under the watchdog `wd` (started at start-up), in its run directory as `held`
+  (created and locked by the train command: maxlm/checkpoint/run_lock.py `take`; taken here when None, and then
+  released here). Process 0 claims the directory, the others receiving its answer (maxlm/runtime/agree.py). A
+  directory this start created is removed again when the run fails on bad input or a checkpoint before it logged a
+  step or saved a checkpoint, so such a failure leaves nothing behind."""
   cfg, run_dir = trainer.cfg, trainer.cfg.run_dir
   limit = watchdog.start_up_limit(cfg.train)
-  created = agree.decide("run directory", lambda: run_dirs.create(cfg), wd, "start-up: run directory", limit)
-  lock = run_lock.hold(run_dir)  # one run at a time (a second one stops here, the first untouched)
+  own = held is None
+  if own:  # one run at a time (a second one stops here, the first untouched)
+    held = run_lock.take(cfg, jax.process_index(), wd, limit)
   try:
     # process 0 looks at the directory (a run it holds is only resumed), every process gets its answer
     agree.decide("run directory claim", lambda: _claim(cfg), wd, "start-up: run directory", limit)
     wd.arm("start-up: data and state", limit=limit)  # the state's init: one compile and one run
     return _train(cfg, trainer, functools.partial(subscribe, preemption=preemption, startup=startup, wd=wd))
   except (ConfigError, CheckpointError, data_lib.DataError, PrecisionError):
-    if created and jax.process_index() == 0 and not run_dirs.previous(run_dir).holds_run:
-      shutil.rmtree(run_dir, ignore_errors=True)
+    held.discard = held.new is not None and held.main and not run_dirs.previous(run_dir).holds_run
     raise
   finally:
-    if lock is not None:
-      lock.release()
+    if own:
+      held.release()
 
 
 def _claim(cfg: Config) -> None:

@@ -1,8 +1,12 @@
 """One run per directory at a time (`maxlm.checkpoint.run_lock`), with real processes: a lock held by another
 process refuses in one line naming its host and pid; a holder killed with SIGKILL leaves a file but no lock, which
 the next run takes over; a requeued SLURM job whose previous allocation still holds it says so; a release removes
-the file. End to end: the same training command started twice on one directory, the second stops at start (exit
-2, one line) while the first trains on to its end untouched."""
+the file. The lease: with the flock made per process (as a node-local flock behaves) a live holder's lease refuses
+the second process; a lease of another host is live while renewed and taken over once stale, one of this host
+whose process has exited at once; a requeued job waits for its previous allocation's lease to die; the holder
+renews it and says when it was taken over. A record taken over from a dead holder is read back whole. End to end:
+the same training command started twice on one directory, the second stops at start (exit 2, one line) while the
+first trains on to its end untouched."""
 
 import json
 import os
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import processes
 from maxlm.checkpoint import run_lock
 from maxlm.config import ConfigError
 
@@ -24,15 +29,15 @@ HOLDER = """
 import sys, time
 from pathlib import Path
 from maxlm.checkpoint import run_lock
-lock = run_lock.acquire(Path(sys.argv[1]))
+lock = run_lock.acquire(Path(sys.argv[1]), flock=sys.argv[2] == "flock")
 print("HELD", flush=True)
 time.sleep(600)
 """
 
 
-def _holder(run_dir: Path, **env) -> subprocess.Popen:
-  p = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
+def _holder(run_dir: Path, flock: bool = True, **env) -> subprocess.Popen:
+  p = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), "flock" if flock else "none"], cwd=ROOT,
+                       stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
   assert p.stdout.readline().strip() == "HELD"
   return p
 
@@ -72,6 +77,169 @@ def test_a_requeued_job_whose_old_allocation_still_holds_the_lock_says_so(tmp_pa
   finally:
     holder.kill()
     holder.wait()
+
+
+HOST = socket.gethostname()
+TAIL = "; wait for it to end, or give this run its own run_name=..."
+
+
+def _lease(run_dir: Path, host: str, pid: int, age_s: float, **extra) -> dict:
+  """A lease as its holder writes it, renewed `age_s` ago."""
+  record = {"host": host, "pid": pid, "job": "", "restart": 0, "since": "2026-01-02 03:04:05", "token": "t" * 32,
+            "beat": time.time() - age_s, **extra}
+  (run_dir / run_lock.LEASE).write_text(json.dumps(record) + "\n")
+  return record
+
+
+def _dead_pid() -> int:
+  p = subprocess.Popen([sys.executable, "-c", "pass"])
+  p.wait()
+  return p.pid
+
+
+def test_with_a_per_process_flock_the_lease_refuses_a_second_process(tmp_path, monkeypatch):
+  """Both processes take the flock as if it were per node (Lustre's localflock, two nodes): the holder's lease
+  refuses the second, in the one line naming it, and leaves the holder's files as they were."""
+  monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+  holder = _holder(tmp_path, flock=False)
+  try:
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == [run_lock.LEASE, run_lock.LOCK]
+    with pytest.raises(ConfigError) as e:
+      run_lock.acquire(tmp_path, flock=False)
+    assert re.fullmatch(rf"run directory {re.escape(str(tmp_path))} is in use by another run: process {holder.pid} "
+                        rf"on host {re.escape(HOST)} since [\d-]+ [\d:]+, its lease renewed \d+ s ago \(it is taken "
+                        rf"over once not renewed for 60 s\){re.escape(TAIL)}", str(e.value)), str(e.value)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+  finally:
+    holder.kill()
+    holder.wait()
+
+
+def test_a_renewed_lease_of_another_host_refuses_and_a_stale_one_is_taken_over(tmp_path, capsys, monkeypatch):
+  monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+  lease = _lease(tmp_path, "node-b", 4321, age_s=run_lock.STALE_S - 20)  # 40 s: four beats missed, still live
+  with pytest.raises(ConfigError, match=r"in use by another run: process 4321 on host node-b since 2026-01-02 "
+                                        r"03:04:05, its lease renewed 40 s ago \(it is taken over once not renewed "
+                                        r"for 60 s\);"):
+    run_lock.acquire(tmp_path)
+  assert json.loads((tmp_path / run_lock.LEASE).read_text()) == lease  # untouched
+  assert not (tmp_path / run_lock.LOCK).read_text()  # the refused run wrote no record
+  _lease(tmp_path, "node-b", 4321, age_s=run_lock.STALE_S + 1.5)
+  capsys.readouterr()
+  lock = run_lock.acquire(tmp_path)
+  try:
+    assert capsys.readouterr().out.splitlines() == [
+        f"maxlm: warning: run directory {tmp_path}: taking over the lease of process 4321 on host node-b, not "
+        f"renewed for 62 s (over 60 s)"]
+    got = json.loads((tmp_path / run_lock.LEASE).read_text())
+    assert (got["host"], got["pid"]) == (HOST, os.getpid()) and abs(got["beat"] - time.time()) < 5
+  finally:
+    lock.release()
+  assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_lease_of_this_host_whose_process_exited_is_taken_over_at_once(tmp_path, capsys):
+  pid = _dead_pid()
+  _lease(tmp_path, HOST, pid, age_s=0)  # renewed just now, by a process that is gone (kill -9, then a requeue)
+  lock = run_lock.acquire(tmp_path)
+  try:
+    assert capsys.readouterr().out.splitlines() == [
+        f"maxlm: warning: run directory {tmp_path}: taking over the lease of process {pid} on host {HOST}, which "
+        f"has exited"]
+    assert json.loads((tmp_path / run_lock.LEASE).read_text())["pid"] == os.getpid()
+  finally:
+    lock.release()
+
+
+def test_a_requeued_job_waits_for_its_previous_allocations_lease_to_die(tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv("SLURM_JOB_ID", "77")
+  monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+  _lease(tmp_path, "node-b", 55, age_s=run_lock.STALE_S - 2, job="77", restart=0)  # dies in 2 s
+  t0 = time.monotonic()
+  lock = run_lock.acquire(tmp_path)
+  lock.release()
+  assert 1.5 < time.monotonic() - t0 < 30
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == (f"maxlm: run directory {tmp_path}: waiting up to 70 s for the lease of this job's previous "
+                    f"allocation (restart 0, process 55 on host node-b) to end")
+  assert re.fullmatch(rf"maxlm: warning: run directory {re.escape(str(tmp_path))}: taking over the lease of "
+                      rf"process 55 on host node-b, not renewed for 6\d s \(over 60 s\)", out[1]) and len(out) == 2
+  _lease(tmp_path, "node-b", 55, age_s=0, job="78")  # another job's live lease: refused at once, no wait
+  t0 = time.monotonic()
+  with pytest.raises(ConfigError, match="in use by another run: process 55 on host node-b .SLURM job 78"):
+    run_lock.acquire(tmp_path)
+  assert time.monotonic() - t0 < 1.5
+
+
+def test_the_holder_renews_its_lease_and_says_when_it_was_taken_over(tmp_path, capsys):
+  lock = run_lock.acquire(tmp_path, beat_s=0.05)
+  try:
+    first = json.loads((tmp_path / run_lock.LEASE).read_text())["beat"]
+    end = time.monotonic() + 30
+    while json.loads((tmp_path / run_lock.LEASE).read_text())["beat"] == first:
+      assert time.monotonic() < end
+      time.sleep(0.02)
+    _lease(tmp_path, "node-c", 99, age_s=0)  # taken over (as by a node that saw it stale)
+    end = time.monotonic() + 30
+    while not capsys.readouterr().out:
+      assert time.monotonic() < end
+      time.sleep(0.02)
+  finally:
+    lock.release()
+  assert json.loads((tmp_path / run_lock.LEASE).read_text())["host"] == "node-c"  # not ours: not removed
+  assert not (tmp_path / run_lock.LOCK).exists()
+
+
+def test_the_holder_says_it_lost_its_lease_in_one_line(tmp_path, capsys):
+  lock = run_lock.acquire(tmp_path, beat_s=0.05)
+  _lease(tmp_path, "node-c", 99, age_s=0)
+  time.sleep(0.5)  # ten beats: one line, then no more renewing
+  lock.release()
+  assert capsys.readouterr().out.splitlines() == [
+      f"maxlm: warning: the lease of run directory {tmp_path} was taken over by process 99 on host node-c: two runs "
+      f"now write into it"]
+  assert json.loads((tmp_path / run_lock.LEASE).read_text())["host"] == "node-c"
+
+
+def test_a_long_record_of_a_dead_holder_is_replaced_whole_and_read_back(tmp_path, monkeypatch):
+  """Item 58.4a: a lock taken over from a dead holder whose record was longer than the new one; a refused second
+  run reads back exactly the new holder, not a half-old JSON ("process ? on host ?")."""
+  monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+  old = {"host": "a-much-longer-host-name-" + "x" * 300, "pid": _dead_pid(), "job": "9" * 40, "restart": 7,
+         "since": "2026-01-02 03:04:05"}
+  (tmp_path / run_lock.LOCK).write_text(json.dumps(old) + "\n")  # no flock held: the kernel let it go
+  lock = run_lock.acquire(tmp_path)
+  try:
+    record = json.loads((tmp_path / run_lock.LOCK).read_text())  # one JSON document, nothing after it
+    assert (record["host"], record["pid"], record["job"]) == (HOST, os.getpid(), "")
+    with pytest.raises(ConfigError) as e:
+      run_lock.acquire(tmp_path)  # another open file: refused by the flock, which this process holds
+    assert str(e.value) == (f"run directory {tmp_path} is in use by another run: process {os.getpid()} on host "
+                            f"{HOST} since {record['since']}{TAIL}")
+  finally:
+    lock.release()
+
+
+def test_both_processes_of_a_duplicate_run_end_with_the_one_line(tmp_path, monkeypatch):
+  """Process 0 of a two-process run finds the directory held and refuses; the other process gets its answer (the
+  coordination service's key-value store, no device collective) and ends with the same line and exit 2."""
+  monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+  run = tmp_path / "runs" / "r"
+  run.mkdir(parents=True)
+  holder = _holder(run)
+  try:
+    codes = processes.finish(processes.start(2, ["run_name=r", "train.steps=2", "data.global_batch_size=2"],
+                                             tmp_path), 300)
+    since = json.loads((run / run_lock.LOCK).read_text())["since"]
+  finally:
+    holder.kill()
+    holder.wait()
+  lines = [processes.output(tmp_path, i)[1].splitlines() for i in range(2)]
+  assert codes == [2, 2], lines
+  for i, err in enumerate(lines):
+    assert err == [f"[process {i}/2 {HOST.split('.')[0]}] maxlm: error: run directory {run} is in use by another run: process "
+                   f"{holder.pid} on host {HOST} since {since}{TAIL}"], err
 
 
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.ffn_dim=64",

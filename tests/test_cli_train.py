@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -84,6 +85,61 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, message):
   lines = r.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("maxlm: error: ") and message in lines[0], r.stderr
   assert list(tmp_path.iterdir()) == []  # nothing created, not even the run directory
+
+
+def test_bad_input_found_after_the_lock_removes_the_directories_it_made(tmp_path):
+  """The lock is taken (the run directory made) before the planner and the trainer check the rest: a config they
+  refuse leaves nothing, not even an output_dir that did not exist."""
+  r = cli([*TINY, "run_name=bad", "data.global_batch_size=3"], tmp_path / "new" / "out")
+  assert r.returncode == 2 and "not divisible by the 2 data-parallel devices" in r.stderr, r.stderr[-2000:]
+  assert list(tmp_path.iterdir()) == []
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from maxlm.checkpoint import run_lock
+lock = run_lock.acquire(Path(sys.argv[1]))
+print("HELD", flush=True)
+time.sleep(600)
+"""
+# the train command, then whether JAX started a backend (on a GPU: a context and its memory) in this process
+TRAIN_THEN_BACKEND = """
+import sys
+from jax._src import xla_bridge
+from maxlm.cli.train import main
+rc = main(sys.argv[1:])
+print("backend started:", xla_bridge.backends_are_initialized(), flush=True)
+sys.exit(rc)
+"""
+
+
+def test_a_duplicate_run_is_refused_before_the_planner_and_the_backend(tmp_path):
+  """A run holds the directory's lock; the same command again stops in its one line (exit 2) before it plans, reads
+  data or starts JAX's backend (a duplicate on a GPU node would take the GPU of the first), and leaves the holder's
+  files as they were."""
+  run = tmp_path / "r"
+  run.mkdir()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2 " + FAST_CPU}
+  env.pop("SLURM_JOB_ID", None)
+  holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            text=True)
+  try:
+    assert holder.stdout.readline().strip() == "HELD"
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    r = subprocess.run([sys.executable, "-c", TRAIN_THEN_BACKEND, f"output_dir={tmp_path}", *TINY, "run_name=r",
+                        "model.backend=flax", "train.steps=2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    since = json.loads((run / "run.lock").read_text())["since"]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.splitlines() == [
+        f"maxlm: error: run directory {run} is in use by another run: process {holder.pid} on host "
+        f"{socket.gethostname()} since {since}; wait for it to end, or give this run its own run_name=..."]
+    assert r.stdout.splitlines()[-1] == "backend started: False", r.stdout
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+  finally:
+    holder.kill()
+    holder.wait()
 
 
 def test_first_step_line_elapsed_eta_and_na_flops_on_cpu(tmp_path):

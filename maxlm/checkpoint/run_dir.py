@@ -165,14 +165,27 @@ def _check_writable(run_dir: Path) -> None:
                       f"{probe}); set output_dir to a writable place") from None
 
 
-def create(cfg: Config) -> bool:
+def create(cfg: Config) -> Path | None:
   """Create this run's directory, after checking that checkpoint.load_params exists and output_dir is writable;
-  True when it was created here. Process 0's alone in a run of several (the trainer's `run`, which then takes the
-  run's lock and `claim`s the directory)."""
+  the topmost directory created here (the run directory, or output_dir or a parent of it when they were absent),
+  None when the run directory was there. Process 0's alone in a run of several (maxlm/checkpoint/run_lock.py
+  `take`, which then locks it; the trainer then `claim`s it)."""
   run_dir = cfg.run_dir
   if cfg.checkpoint.load_params and not Path(cfg.checkpoint.load_params).exists():
     raise CheckpointError(f"checkpoint.load_params={cfg.checkpoint.load_params}: no such file or directory")
-  created = not run_dir.exists()
+  absent = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
   _check_writable(run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
-  return created
+  return absent[-1] if absent else None
+
+
+def remove_new(run_dir: Path, top: Path) -> None:
+  """Remove the run directory and its parents up to `top` (what `create` made), each only while it is empty."""
+  for p in (run_dir, *run_dir.parents):
+    try:
+      p.rmdir()
+    except OSError:  # not empty (or already gone): what is above it stays
+      if p.exists():
+        return
+    if p == top:
+      return

@@ -36,7 +36,7 @@ from maxlm import data as data_lib
 from maxlm import plan
 from maxlm import trainer as trainer_lib
 from maxlm.build import memory_stats
-from maxlm.checkpoint import EXIT_PREEMPTED, Preemption
+from maxlm.checkpoint import EXIT_PREEMPTED, Preemption, run_lock
 from maxlm.cli import dryrun
 from maxlm.cli.grammar import parse_options
 from maxlm.config import Config, ConfigError, help_text, load_config
@@ -67,27 +67,36 @@ def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -
   their exit codes."""
   t_start = time.perf_counter() if t_start is None else t_start
   preemption = Preemption()  # first: a signal while the model is built or compiled exits at once
-  wd = watchdog.OFF
+  wd, held = watchdog.OFF, None
   try:
     try:
       for line in startup.begin(cfg):  # XLA flags, memory share, compilation cache: before the backend starts
         echo(f"maxlm: {line}")
       # Before anything asks JAX about devices. From here on (for the rest of the process: tracebacks
       # too) every output line of a multi-process run carries `[process i/N host]`.
-      distributed.initialize(cfg, on_timeout=_exit_distributed_timeout)
+      launch = distributed.initialize(cfg, on_timeout=_exit_distributed_timeout)
+      # the start-up is watched from here to the first step (maxlm/runtime/watchdog.py: its phases and limits);
+      # the launch's process index, not jax.process_index(): that would start the backend (and take a GPU)
+      pi, pc = (launch.process_id, launch.num_processes) if launch else (0, 1)
+      wd = watchdog.start(cfg.train, cfg.run_dir, pi, pc, "start-up: run directory")
+      if not compile_only:  # the lock first: a duplicate run stops here, before the planner, data or devices
+        held = run_lock.take(cfg, pi, wd, watchdog.start_up_limit(cfg.train))
     except MaxlmError as e:
       return report(e)
-    # the start-up is watched from here to the first step (maxlm/runtime/watchdog.py: its phases and limits)
-    wd = watchdog.start(cfg.train, cfg.run_dir, jax.process_index(), jax.process_count(), "start-up: plan")
-    return _planned(cfg, t_start, compile_only, preemption, wd)
+    wd.arm("start-up: plan", limit=watchdog.start_up_limit(cfg.train))
+    return _planned(cfg, t_start, compile_only, preemption, wd, held)
   finally:
+    if held is not None:
+      held.release()  # after a bad start, with the directory it created
     wd.stop()
     preemption.close()
 
 
-def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemption, wd) -> int:
+def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemption, wd,
+             held: run_lock.Held | None) -> int:
   """plan.mode decided once, before the trainer is built (maxlm/plan/__init__.py `for_run`: process 0 decides for
-  every process), then the run (or its compile) with the decided config."""
+  every process), then the run (or its compile) with the decided config, in the run directory `held` (None with
+  compile_only)."""
   marks = Startup(t_start)
   jax.devices()  # the backend starts here at the latest
   marks.mark("backend")
@@ -100,7 +109,7 @@ def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemp
     trainer = Trainer(cfg)
     if compile_only:
       return compile_step_only(trainer, t_start)
-    return EXIT_PREEMPTED if trainer_lib.run(trainer, preemption, marks, wd).preempted else 0
+    return EXIT_PREEMPTED if trainer_lib.run(trainer, preemption, marks, wd, held).preempted else 0
   except MaxlmError as e:  # every error a user can cause (maxlm/errors.py): one line, its exit code
     return report(e)
   except Exception as e:

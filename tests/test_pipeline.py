@@ -146,8 +146,9 @@ def _batch(step: int) -> dict:
   return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos}
 
 
-def _train(mesh_cfg: MeshConfig, n_devices: int, grad_accum: int, model_cfg: ModelConfig = MODEL):
-  """STEPS real (jitted, sharded, donating) train steps with SGD: (initial params, [(loss, grad_norm)],
+def _train(mesh_cfg: MeshConfig, n_devices: int, grad_accum: int, model_cfg: ModelConfig = MODEL,
+           steps: int = STEPS):
+  """`steps` real (jitted, sharded, donating) train steps with SGD: (initial params, [(loss, grad_norm)],
   [gradients], final params), all on the host."""
   mesh = make_mesh(mesh_cfg, jax.devices()[:n_devices])
   model = Transformer(model_cfg, max_segments=2, stages=mesh.shape["pipeline"], microbatches=grad_accum)
@@ -163,7 +164,7 @@ def _train(mesh_cfg: MeshConfig, n_devices: int, grad_accum: int, model_cfg: Mod
   step = CompiledStep(make_train_step(model, optimizer, schedule, grad_accum=grad_accum, packed=True), shardings,
                   {k: bs for k in BATCH_KEYS}, scope, metrics_sharding=replicated(mesh))
   metrics, grads = [], []
-  for i in range(STEPS):
+  for i in range(steps):
     state, m = step(state, {k: jax.device_put(v, bs) for k, v in _batch(i).items()})
     metrics.append((float(m["loss"]), float(m["grad_norm"])))
     grads.append(jax.tree_util.tree_map(np.asarray, state.opt_state[0]))
@@ -241,6 +242,57 @@ def test_pipelined_training_equals_one_device_on_te_layers():
   cfg = dataclasses.replace(MODEL, backend="te")
   ref = _train(MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1), 1, 1, cfg)
   _assert_same_training(ref, _train(MeshConfig(pipeline=2, fsdp=2, tensor=2), 8, 4, cfg), "te")
+
+
+# ---- bfloat16 -----------------------------------------------------------------------------------------------
+
+U16 = 2.0 ** -8  # bfloat16 unit roundoff (8 significant bits, round to nearest)
+# The bf16 error model of tests/test_sharding.py (its bfloat16 section says why): the reductions accumulate in
+# float32 (the d_model contraction 64, the 16 keys of an attention row, the 16 x 16 tokens of a weight
+# gradient; the pipeline's sum of a weight's gradient over the ticks is of float32 cotangents, the per-use
+# casts' transposes, as is the step's sum over micro-batches): sqrt(n) 2^-24 relative, negligible. What
+# differs from the fp32 step is the roundings to bf16 along a gradient's chain, each <= u of random sign, in
+# quadrature: forward 16 per layer and 4 outside (K_FWD = 4 x 16 + 4 = 68 for MODEL's 4 layers), backward
+# 14 per layer and 4 outside (4 x 14 + 4 = 60): K = 128. Per leaf, ||g_bf16 - g_fp32||_2 <= sqrt(K) u
+# ||g_fp32||_2 (~ 11.3 u) for each bf16 run, the pipelined one and one device's, so the two differ by at most
+# twice it; the gradient norm within the same relative bound (triangle inequality); the loss within
+# sqrt(2 K_FWD) u max_t ||z_t||_2 (z: one device's fp32 logits; ||p_t - onehot_t||_2 <= sqrt(2)). One step
+# from the same parameters: what follows a step is the optimizer's, the same in both dtypes.
+K_FWD = MODEL.n_layers * 16 + 4
+K_BF16 = K_FWD + MODEL.n_layers * 14 + 4
+BF16 = dataclasses.replace(MODEL, dtype="bfloat16")
+ONE = MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1)
+
+
+@pytest.fixture(scope="module")
+def one_device_bf16():
+  """One device's step in fp32 and in bf16, and the largest L2 norm of a token's fp32 logits."""
+  ref = _train(ONE, 1, 1, steps=1)
+  b = _batch(0)
+  with model_scope(MODEL, "flax", make_mesh(ONE, jax.devices()[:1])):
+    z = Transformer(MODEL, max_segments=2).apply({"params": ref[0]}, b["inputs"], b["positions"], b["segment_ids"])
+  return ref, _train(ONE, 1, 1, BF16, steps=1), float(jnp.linalg.norm(z.astype(jnp.float32), axis=-1).max())
+
+
+def _assert_within_bf16_error(got, ref, max_logit_norm, what):
+  (init, [(loss, norm)], [grads], _), (init0, [(loss0, norm0)], [grads0], _) = got, ref
+  jax.tree_util.tree_map(np.testing.assert_array_equal, init, init0)  # the same parameters
+  assert abs(loss - loss0) <= np.sqrt(2 * K_FWD) * U16 * max_logit_norm, (what, loss, loss0)
+  assert abs(norm - norm0) <= np.sqrt(K_BF16) * U16 * norm0, (what, norm, norm0)
+  for (name, g), (_, r) in zip(_leaves(grads), _leaves(grads0)):
+    err, scale = np.linalg.norm(g - r), np.linalg.norm(r)
+    assert err <= np.sqrt(K_BF16) * U16 * scale, f"{what} gradient {name}: {err / scale / U16:.2f} u"
+
+
+@pytest.mark.parametrize("mesh,grad_accum", [(MeshConfig(pipeline=2, fsdp=4), 4), (MeshConfig(pipeline=4, fsdp=2), 4)])
+def test_bfloat16_pipelined_step_equals_one_device(one_device_bf16, mesh, grad_accum):
+  """bf16 (issue 56: every pipeline equality test was float32): the loss, gradient norm and every gradient of a
+  pipelined step (micro-batches over 2 or 4 stages, FSDP inside each) and of one device's bf16 step are each
+  within the bf16 error model above of one device's fp32 step, so within twice it of each other."""
+  ref, one, max_logit_norm = one_device_bf16
+  _assert_within_bf16_error(one, ref, max_logit_norm, "one device")
+  _assert_within_bf16_error(_train(mesh, 8, grad_accum, BF16, steps=1), ref, max_logit_norm,
+                            f"{mesh} grad_accum={grad_accum}")
 
 
 # ---- checkpoints across pipeline degrees -------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from maxlm.data import BATCH_KEYS as BATCH
 from maxlm.layers import precision_scope
 from maxlm.mesh import make_mesh, mesh_shape
 from maxlm.model import Transformer
+from maxlm.scope import model_scope
 from maxlm.optim import make_optimizer
 from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
 from maxlm.build import CompiledStep
@@ -79,6 +81,15 @@ def packed_rows(rng, b: int, t: int):
   return seg, pos
 
 
+def step_batch(i: int, packed: bool) -> dict:
+  """The batch of step i (on the host): 8 rows of 16 random tokens, packed (`packed_rows`) or one document each."""
+  rng = np.random.default_rng(i)
+  toks = rng.integers(0, 256, (8, 17), dtype=np.int32)
+  seg, pos = packed_rows(rng, 8, 16) if packed else (np.ones((8, 16), np.int32),
+                                                      np.tile(np.arange(16, dtype=np.int32), (8, 1)))
+  return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos}
+
+
 def one_step(mesh_cfg, devices, backend="flax", optimizer=None, packed=False, **model_kw):
   """Two real (jitted, sharded, donating) train steps on `mesh_cfg`: ([(loss, grad_norm, tokens)], [gradients
   on the host], final state) per step. The default optimizer records the gradients. packed: rows of
@@ -101,12 +112,7 @@ def one_step(mesh_cfg, devices, backend="flax", optimizer=None, packed=False, **
                       scope, metrics_sharding=replicated(mesh))
   losses, grads = [], []
   for i in range(2):
-    rng = np.random.default_rng(i)
-    toks = rng.integers(0, 256, (8, 17), dtype=np.int32)
-    seg, pos = packed_rows(rng, 8, 16) if packed else (np.ones((8, 16), np.int32),
-                                                        np.tile(np.arange(16, dtype=np.int32), (8, 1)))
-    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos}
-    batch = {k: jax.device_put(v, bs) for k, v in batch.items()}
+    batch = {k: jax.device_put(v, bs) for k, v in step_batch(i, packed).items()}
     state, metrics = step(state, batch)
     losses.append((float(metrics["loss"]), float(metrics["grad_norm"]), float(metrics["tokens"])))
     grads.append(jax.tree_util.tree_map(np.asarray, state.opt_state))  # host copy: the state is donated
@@ -191,6 +197,84 @@ def test_context_parallel_equals_one_device(backend, case):
   mesh_cfg, packed, model_kw = CP_CASES[case]
   ref = one_step(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1], backend, packed=packed, **model_kw)
   _assert_same_steps(one_step(mesh_cfg, jax.devices(), backend, packed=packed, **model_kw), ref, case)
+
+
+# ---- bfloat16 ----------------------------------------------------------------------------------------------
+
+U16 = 2.0 ** -8  # bfloat16 unit roundoff (8 significant bits, round to nearest)
+# The bf16 error model. A bf16 step (model.dtype=bfloat16: fp32 params, bf16 activations) differs from the fp32
+# step by its roundings to bf16, each a relative error <= u = 2^-8 of the rounded element, of random sign. The
+# reductions themselves accumulate in float32 (XLA:CPU's bf16 dots, the attention and the norms compute in
+# float32, the loss too): a length-n sum adds sqrt(n) * 2^-24 (n <= 128 here: the d_model contraction 64, the
+# 16 keys of an attention row, the 8 x 16 tokens of a weight gradient) relative, under 2^-12 u: negligible.
+# A rounding of its inputs does not grow with n: terms a_i b_i (1 + d_i) with |d_i| <= u of random sign sum
+# to an error ~ u sqrt(sum (a_i b_i)^2) ~ u |sum a_i b_i| for terms of random sign, relative u in the L2 norm
+# downstream, whatever n. Counted per run, the tensors rounded to bf16 along the chain of a gradient:
+# forward, per layer 16 (the two norms' outputs; the qkv, out, wi and wo kernels and their products; the
+# rotated q/k; the attention output; silu and its product with the gate; the two residual sums) and 4 outside
+# (the embedding, the head's norm, kernel and logits): K_FWD = 2 x 16 + 4 = 36; backward, per layer 14 (the
+# cotangents of those activations and the layer's four weight gradients) and 4 outside: 2 x 14 + 4 = 32.
+# Independent roundings add in quadrature, each counted at its largest, u: per leaf, the L2 distance of a bf16
+# gradient from the fp32 one is <= sqrt(K) u ||g_fp32||_2, K = 68 (~ 8.2 u). Each bf16 run, one device's
+# and the split one's, is held to that bound against one device's fp32 step, so the two bf16 runs differ by
+# at most twice it. The gradient norm: | ||g|| - ||g_fp32|| | <= ||g - g_fp32|| (the triangle inequality),
+# the same relative bound. The loss: d mean_t(lse(z_t) - z_t[y_t]) = mean_t (p_t - onehot_t) . dz_t, with
+# ||p_t - onehot_t||_2 <= sqrt(2) and ||dz_t||_2 <= sqrt(K_FWD) u ||z_t||_2 (the logits' chain, the model
+# above): |loss - loss_fp32| <= sqrt(2 K_FWD) u max_t ||z_t||_2 (z: one device's fp32 logits).
+K_FWD = 2 * 16 + 4
+K_BF16 = K_FWD + 2 * 14 + 4
+
+CP_BF16_CASES = {  # name: (mesh, packed rows, sliding window); each strategy and row kind at cp=2, one at cp=4
+    "cp2_all_gather": (MeshConfig(context=2, fsdp=-1, context_strategy="all_gather"), False, 0),
+    "cp2_ring_packed": (MeshConfig(context=2, fsdp=-1, context_strategy="ring"), True, 0),
+    "cp2_ring_window": (MeshConfig(context=2, fsdp=-1, context_strategy="ring"), False, 5),
+    "cp2_all_gather_packed_window": (MeshConfig(context=2, fsdp=-1, context_strategy="all_gather"), True, 3),
+    "cp4_ring_packed": (MeshConfig(context=4, fsdp=-1, context_strategy="ring"), True, 0),
+}
+
+
+@functools.cache
+def one_device_step(dtype: str, packed: bool, window: int):
+  """one_step on one device (shared by the cases with the same rows): (losses, gradients, state)."""
+  return one_step(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1], packed=packed, dtype=dtype,
+                  sliding_window=window)
+
+
+def max_logit_norm(params, packed: bool, window: int, i: int) -> float:
+  """max_t ||z_t||_2 of the fp32 logits of step i's batch on one device."""
+  cfg = dataclasses.replace(MODEL, backend="flax", sliding_window=window)
+  b = step_batch(i, packed)
+  with model_scope(cfg, "flax", make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])):
+    z = Transformer(cfg, max_segments=16).apply({"params": params}, b["inputs"], b["positions"],
+                                                b["segment_ids"] if packed else None)
+  return float(jnp.linalg.norm(z, axis=-1).max())
+
+
+def assert_within_bf16_error(got, ref, logit_norms, label):
+  """Loss, gradient norm and every gradient of a bf16 run `got` within the error model above of the fp32 `ref`."""
+  (losses, grads, _), (ref_losses, ref_grads, ref_state) = got, ref
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ref_state.params)[0]]
+  for i, ((loss, norm, tokens), (ref_loss, ref_norm, ref_tokens)) in enumerate(zip(losses, ref_losses)):
+    assert tokens == ref_tokens, f"{label} step {i}: the loss mask counted {tokens} tokens, not {ref_tokens}"
+    assert abs(loss - ref_loss) <= np.sqrt(2 * K_FWD) * U16 * logit_norms[i], (label, i, loss, ref_loss)
+    assert abs(norm - ref_norm) <= np.sqrt(K_BF16) * U16 * ref_norm, (label, i, norm, ref_norm)
+    for name, g, r in zip(names, *map(jax.tree_util.tree_leaves, (grads[i], ref_grads[i]))):
+      err, scale = np.linalg.norm(g - r), np.linalg.norm(r)
+      assert err <= np.sqrt(K_BF16) * U16 * scale, f"{label} step {i} gradient {name}: {err / scale / U16:.2f} u"
+
+
+@pytest.mark.parametrize("case", list(CP_BF16_CASES))
+def test_bfloat16_context_parallel_equals_one_device(case):
+  """bf16 (issue 56: every equality test was float32, and a bf16 reduce-scatter in the all-gather's backward
+  aborted XLA:CPU): the loss, gradient norm and every gradient of two train steps with the sequence split over
+  2 or 4 devices, and those of one device's bf16 steps, are each within the bf16 error model above of one
+  device's fp32 steps; so the split and the single-device bf16 steps agree within twice it."""
+  mesh_cfg, packed, window = CP_BF16_CASES[case]
+  ref = one_device_step("float32", packed, window)
+  norms = [max_logit_norm(ref[2].params, packed, window, i) for i in range(2)]
+  assert_within_bf16_error(one_device_step("bfloat16", packed, window), ref, norms, "one device")
+  got = one_step(mesh_cfg, jax.devices(), packed=packed, dtype="bfloat16", sliding_window=window)
+  assert_within_bf16_error(got, ref, norms, case)
 
 
 def moment_trees(opt_state, params):

@@ -163,3 +163,21 @@ def test_extra_seconds_are_the_tensor_parallel_all_reduces_only():
   assert mesh_search.extra_seconds(cp, t) == 0
   pp = load_config(["config=llama8b.yml", "mesh.pipeline=2", "model.scan_layers=true", "train.grad_accum=2"])
   assert mesh_search.extra_seconds(pp, t) == 0
+
+
+def test_the_search_says_each_mesh_as_it_begins_and_ends():
+  f = Fakes({A: 1.0, B: 2.0}, {A: 0.5, B: 2.0}, fits={A})
+  lines = []
+  mesh_search.search(TINY, H200, f.plan, f.predict, 1, f.estimate, report=lines.append)
+  a, b = (mesh_search.label(r.overrides) for r in sorted(
+      (r for r in mesh_search.search(TINY, H200, f.plan, f.predict, 1, f.estimate).rows if r.estimate_s),
+      key=lambda r: r.estimate_s))
+  assert lines[0].startswith("plan: 20 meshes estimated (") and lines[0].endswith(
+      "s); the lever search on the fastest until 1 fit, and on the config's own")
+  assert lines[1] == f"plan: mesh {a} (estimated 1 s a step; 0 of 1 meshes fit so far): its levers"
+  assert lines[2].startswith(f"plan: mesh {a}: remat=full fits, predicted 0.5 s a step (")
+  assert len(lines) == 3  # B: beyond the budget, not the config's own mesh
+  f = Fakes({A: 1.0}, {}, fits=set())
+  lines.clear()
+  mesh_search.search(TINY, H200, f.plan, f.predict, 1, f.estimate, report=lines.append)
+  assert lines[2].startswith(f"plan: mesh {a}: nothing fits (") and b

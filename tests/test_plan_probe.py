@@ -157,3 +157,48 @@ def test_a_probe_calibrates_its_policys_share_like_a_measurement():
   r = rows["none", "host"]
   assert r.status == "pruned" and r.how != "probed" and r.note.startswith("certain + 1.00 x activations"), r
   assert not any(s[:2] == ("none", "host") for s in seen)
+
+
+class MadeUpXla:
+  """A made-up compile-only XLA:GPU for Target: `made_up_peak` per config, each compile recorded (offload, layers)."""
+  label = "made-up compile-only GPUs"
+
+  def __init__(self):
+    self.seen = []
+    self.target = None
+
+  def measure(self, c):
+    self.seen.append((c.optim.offload, c.model.n_layers))
+    return {"device": made_up_peak(c, self.target), "how": "measured"}
+
+
+def _compile_only(usable: int) -> tuple[Target, MadeUpXla]:
+  xla = MadeUpXla()
+  t = Target(1, 1, "NVIDIA H200", int(usable / 0.95 / (1 - plan_measure.MARGIN)) + 1, 0.95, True, gpu_target="h200",
+             _sim=xla)
+  xla.target = t
+  return t, xla
+
+
+def test_on_compile_only_gpus_a_deep_offloaded_candidate_is_probed_before_its_long_compile():
+  cfg = plan.apply(load_config(DEEP), {"optim.offload": "host"})
+  whole = made_up_peak(cfg, _compile_only(2**40)[0])
+  # the line over the usable memory by more than 10%: two shallow compiles, never the whole one; its line measured
+  t, xla = _compile_only(int(whole / 1.2))
+  said = []
+  out = probe.measuring(t, said.append)(cfg)
+  assert xla.seen == [("host", 4), ("host", 8)]
+  assert out["device"] == whole and out["how"].startswith("probed: 4 and 8 layers compiled (")  # exact line here
+  assert "not compiled whole" in out["how"] and len(said) == 1 and said[0].startswith("plan: probed 4 and 8 layers")
+  # within the slack: compiled whole after its probes, the whole compile's measurement
+  t, xla = _compile_only(int(whole / 1.05))
+  out = probe.measuring(t)(cfg)
+  assert xla.seen == [("host", 4), ("host", 8), ("host", 16)] and out == {"device": whole, "how": "measured"}
+  # offload=none (one scanned program there, as fast at any depth) and scanned stacks: compiled whole at once
+  for c in (load_config(DEEP), plan.apply(load_config([*DEEP, "model.scan_layers=true"]), {"optim.offload": "host"})):
+    t, xla = _compile_only(int(whole / 1.2))
+    probe.measuring(t)(c)
+    assert xla.seen == [(c.optim.offload, 16)]
+  # other targets: their own measure (the devices at hand probe in the search itself, levers.py)
+  hand = at_hand(2**40)
+  assert probe.measuring(hand) == hand.measure

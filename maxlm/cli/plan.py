@@ -36,6 +36,8 @@ from maxlm import plan
 from maxlm.cli import plan_mesh
 from maxlm.cli.grammar import SIZING, command_main, parse_options
 from maxlm.config import ConfigError, load_config
+from maxlm.layers import resolve_backend
+from maxlm.plan import probe
 from maxlm.plan.measure import make_target
 from maxlm.tables import human_bytes
 from maxlm.runtime import startup
@@ -55,6 +57,7 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
     how = "m" if r.seconds is not None else "e"  # measured here, or the roofline's estimate
     timing = f"{s:>10.3g}s{how}{tokens / s:>12,.0f}" if t.gpu else f"{'-':>12}{'-':>12}"  # no CPU roofline
     status = r.status + (f": {r.note}" if r.note else "") + ("" if r.how in ("", "measured") else f" ({r.how})")
+    status += f"; {r.stats['xla_log']}" if r.stats and r.stats.get("xla_log") else ""  # XLA's own warnings
     status += "; the config as written" if r.overrides == written else ""
     peak = (human_bytes(r.measured) if r.measured is not None else
             f"~{human_bytes(r.plausible)}" if r.probed and r.plausible is not None else "-")  # ~: the line
@@ -101,22 +104,23 @@ def run(argv: list[str]) -> int:
     print(f"maxlm: {line}", file=sys.stderr if want_json else sys.stdout, flush=True)  # stderr under --json
   memory = int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None
   target = make_target(cfg, opts.get("devices"), opts.get("nodes"), memory, simulate, gpu)
+  # progress on stderr (the table or JSON alone on stdout): each compile's end, and a line every 30 s during one
+  target.progress = say = lambda line: print(f"maxlm: {line}", file=sys.stderr, flush=True)
   if target.gpu_target and target.n_devices > 1 and not as_written:  # XLA:GPU measures: the mesh is chosen too
     try:
-      mp = plan_mesh.mesh_search_for(cfg, target, int(budget or 3))
+      mp = plan_mesh.mesh_search_for(cfg, target, int(budget or 3), report=say)
     finally:
       target.close()
     print(plan_mesh.as_json(mp, target) if want_json else plan_mesh.render(mp, cfg, target), flush=True)
     if mp.chosen is None:
       raise ConfigError(f"no mesh of {target.n_devices} devices over {target.n_nodes} node(s) fits: see the table")
     return 0
-  def progress(line: str) -> None:  # on stderr: the table (or JSON) alone on stdout
-    print(f"maxlm: {line}", file=sys.stderr, flush=True)
-  try:
-    p = plan.run_search(cfg, target, everything, report=progress)
+  try:  # run_search's search, a deep offloaded candidate on compile-only GPUs probed first (probe.measuring)
+    p = plan.search(cfg, target, probe.measuring(target, say), resolve_backend(cfg.model.backend), everything,
+                    timer=plan.timer(cfg, target), timed=cfg.plan.timed, report=say)
     print(as_json(p) if want_json else render(p, cfg, everything), flush=True)
     if p.chosen is None:
-      raise plan.no_fit_error(cfg, p, target, report=progress)
+      raise plan.no_fit_error(cfg, p, target, report=say)
   finally:
     target.close()
   return 0

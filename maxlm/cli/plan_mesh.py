@@ -7,17 +7,21 @@ from __future__ import annotations
 import json
 
 from maxlm import plan
-from maxlm.plan import mesh_search, predict
+from maxlm.layers import resolve_backend
+from maxlm.plan import mesh_search, predict, probe
 from maxlm.plan.measure import Target
 from maxlm.plan.sizing import human_bytes
 
 GIB = 2 ** 30
 
 
-def mesh_search_for(cfg, target: Target, budget: int) -> mesh_search.MeshPlan:
-  """The mesh search on `target` (its lever searches and predictions on the same compile-only GPUs)."""
-  return mesh_search.search(cfg, target, lambda c: plan.run_search(c, target),
-                            lambda c, stats: predict.predict(c, target, stats["collectives"]), budget)
+def mesh_search_for(cfg, target: Target, budget: int, report=None) -> mesh_search.MeshPlan:
+  """The mesh search on `target` (its lever searches and predictions on the same compile-only GPUs; a deep
+  offloaded candidate probed first, maxlm/plan/probe.py `measuring`); report(line): its progress."""
+  measure = probe.measuring(target, report)
+  return mesh_search.search(cfg, target, lambda c: plan.search(c, target, measure, resolve_backend(c.model.backend),
+                                                               report=report),
+                            lambda c, stats: predict.predict(c, target, stats["collectives"]), budget, report=report)
 
 
 def _settings(o: dict) -> str:
@@ -47,6 +51,10 @@ def render(mp: mesh_search.MeshPlan, cfg, target: Target) -> str:
   rest = sum(r.plan is None and r.estimate_s is not None for r in mp.rows) - sum(r.plan is None for r in shown)
   lines.append(f"  {len(mp.rows)} meshes: {skipped} need more than a device holds (certain bytes, every lever at its "
                f"most saving); {max(0, rest)} more not compiled, slower by the estimate")
+  warned = [r for m in mp.rows if m.plan is not None for r in m.plan.rows if (r.stats or {}).get("xla_log")]
+  if warned:  # XLA's own warnings (maxlm/plan/xla_log.py), caught during the compiles
+    lines.append(f"  XLA warned compiling {len(warned)} candidate(s), e.g. {warned[0].stats['xla_log']} "
+                 "(--json: each candidate's xla_log)")
   lines.append("est. step: the analytic estimate that orders the meshes; predicted: from the compiled step's "
                "collectives and FLOPs (maxlm/plan/predict.py): a roofline bound (every FLOP at the peak), not a "
                "measurement")
@@ -65,7 +73,8 @@ def as_json(mp: mesh_search.MeshPlan, target: Target) -> str:
     c = r.plan.chosen if r.plan is not None else None
     return {"mesh": r.overrides, "estimate_s": r.estimate_s, "status": r.status, "as_written": r.written,
             "levers": c.overrides if c else None, "measured_bytes": c.measured if c else None,
-            "predicted": r.predicted, "collectives": (c.stats or {}).get("collectives") if c else None}
+            "predicted": r.predicted, "collectives": (c.stats or {}).get("collectives") if c else None,
+            "xla_log": [x.stats["xla_log"] for x in (r.plan.rows if r.plan else []) if (x.stats or {}).get("xla_log")]}
   return json.dumps({"target": {"devices": target.n_devices, "nodes": target.n_nodes, "kind": target.kind,
                                 "usable_bytes": target.usable, "measured_by": target.measured_by},
                      "chosen": row(mp.chosen) if mp.chosen else None,

@@ -311,6 +311,8 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
     if measured is None:
       report(f"plan: compiled {label(o)}: " + (row.note if row.measured is None else
              f"peak {human_bytes(row.measured)} of {human_bytes(target.usable)}, {row.status}")
+             # XLA's warnings, summarized (xla_log.py), where Target.progress did not say them as they came
+             + (f"; {row.stats['xla_log']}" if (row.stats or {}).get("xla_log") and target.progress is None else "")
              + f" ({clock() - began:.0f} s)")
     if row.status == "fits" and len(fits) < want:
       fits.append(row)

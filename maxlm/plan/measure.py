@@ -23,7 +23,8 @@ devices: 19.9 GiB unrolled, 12.0 GiB scanned, 3.9 GB more per unrolled layer aga
 about a layer's state and activations; both before bf16 was kept). Scanned, 80 layers also compile in the time
 of 4. Against XLA:GPU on one H200 (the 8B shape cut to 4 layers, batch 4 x 4096, every remat policy;
 docs/plan.md) the scanned simulation was 29% to 67% high, and is 13.5% to 22% high with bf16 kept: a
-conservative stand-in, not a measurement of the GPU.
+conservative stand-in, not a measurement of the GPU. XLA's own warnings during a compile are caught and summarized
+in the result ("xla_log", maxlm/plan/xla_log.py); `Target.progress` gets a line every 30 s of a compile (heartbeat.py).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from maxlm.config import Config, ConfigError, from_dict, to_dict
 from maxlm.mesh import make_mesh
 from maxlm.optim import LAG
 from maxlm.pipeline import check as check_pipeline
-from maxlm.plan import collectives
+from maxlm.plan import collectives, heartbeat, xla_log
 from maxlm.plan.clock import CompileClock
 from maxlm.plan.standins import GPU_DTYPE_OPTIONS, for_gpu_step
 from maxlm.runtime.devices import (bytes_limit, device_kind, host_memory_bytes, is_gpu, local_device,
@@ -139,15 +140,16 @@ def measure(cfg: Config, devices=None, gpu_footprint: bool = False, inspect=None
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
     how = "measured, layers scanned"
   try:
-    compiled, parts = compile_step(cfg, devices, gpu_footprint, unrolled, guard_select)
+    with xla_log.caught() as log:  # XLA's own warnings (glog, fd 2): summarized in the result, not printed
+      compiled, parts = compile_step(cfg, devices, gpu_footprint, unrolled, guard_select)
   except jax.errors.JaxRuntimeError as e:
     if not is_oom(e):
       raise
-    return {"oom": str(e).splitlines()[0][:300]}
+    return {"oom": str(e).splitlines()[0][:300]} | log.fields()
   if parts.pop("bf16_kept") is False:
     how += ", bf16 computed in f32 (XLA:CPU could not compile the step with bf16 kept: higher)"
   host = parts.pop("host_memory")  # XLA:GPU's own program with the state in host memory: no arithmetic
-  out = memory_stats(compiled) | parts | {"how": how} | (inspect(compiled) if inspect else {})
+  out = memory_stats(compiled) | parts | {"how": how} | log.fields() | (inspect(compiled) if inspect else {})
   return offloaded(out, cfg.optim.offload) if gpu_footprint and cfg.optim.offload != "none" and not host else out
 
 
@@ -182,11 +184,10 @@ def simulated_env(n_devices: int) -> dict[str, str]:
 
 
 class Simulator:
-  """`measure(..., gpu_footprint=True)` on n simulated CPU devices in one child process (started on the first
-  call), or on what `command` measures on in the environment `env` (maxlm/plan/target.py's compile-only GPUs,
-  one_memory=False: they compile the offloaded program itself). On XLA:CPU's one memory, configs that differ only
-  in optim.offload are one program: compiled once, the offload by `offloaded` (host_params: the program of
-  offload=none with model.cast_params_once, which holds the parameters' compute-dtype copy as host_params does)."""
+  """`measure(..., gpu_footprint=True)` on n simulated CPU devices in one child process (started on the first call),
+  or what `command` measures on in the environment `env` (target.py's compile-only GPUs, one_memory=False). On
+  XLA:CPU's one memory, configs that differ only in optim.offload are one program: compiled once, the offload by
+  `offloaded` (host_params: offload=none's program with model.cast_params_once, holding the compute copy)."""
 
   def __init__(self, n_devices: int, command: list[str] | None = None, env: dict | None = None,
                label: str = "", one_memory: bool = True):
@@ -252,6 +253,8 @@ class Target:
   # by the start-up watchdog, which derives the compile's limit from it
   on_measure: Callable[[float | None], None] | None = None
   clock: CompileClock = dataclasses.field(default_factory=CompileClock)  # the compiles made, for the expectation
+  progress: Callable[[str], None] | None = None  # a line while a compile runs (heartbeat.py) and XLA's warnings
+  heartbeat_s: float = heartbeat.EVERY
 
   @property
   def usable(self) -> int:
@@ -273,16 +276,19 @@ class Target:
   def measure(self, cfg: Config) -> dict:
     if self.on_measure is not None:
       self.on_measure(self.clock.expect(cfg))
+    if self.simulated and self._sim is None:
+      self._sim = (gpu_compiler(self.gpu_target, self.n_devices, self.n_nodes, cfg.xla.preset) if self.gpu_target
+                   else Simulator(self.n_devices))
+    what = f"compiling {heartbeat.candidate(cfg)} on {self._sim.label if self._sim else 'the devices at hand'}"
     began = time.monotonic()
     try:
-      if not self.simulated:
-        return measure(cfg, self.devices)
-      if self._sim is None and self.gpu_target:
-        self._sim = gpu_compiler(self.gpu_target, self.n_devices, self.n_nodes, cfg.xla.preset)
-      self._sim = self._sim or Simulator(self.n_devices)
-      return self._sim.measure(cfg)
+      with heartbeat.beating(self.progress, what, self.heartbeat_s):
+        out = self._sim.measure(cfg) if self._sim else measure(cfg, self.devices)
     finally:
       self.clock.add(cfg, time.monotonic() - began)
+    if self.progress is not None and "xla_log" in out:
+      self.progress(f"plan: {out['xla_log']}; while {what}")
+    return out
 
   def close(self) -> None:
     if self._sim is not None:
@@ -365,13 +371,14 @@ def make_target(cfg: Config, n_devices: int | None = None, n_nodes: int | None =
                 note="" if plugin and key else note, host_bytes=target.NODE_HOST_PER_GPU, host_assumed=target.NODE_HOST)
 
 
-def worker() -> int:
-  """Child side of `Simulator`: one config (JSON) per input line, one result (JSON) per output line."""
-  out = sys.stdout
+def worker(measure_one=None, out=None) -> int:
+  """Child side of `Simulator`: one config (JSON) per input line, one result (JSON) per output line (on `out`,
+  default stdout), by measure_one(cfg) (default: `measure` with fused attention's footprint)."""
+  out = out or sys.stdout
   sys.stdout = sys.stderr  # anything else printed goes to stderr: stdout carries the answers only
   for line in sys.stdin:
     try:
-      result = measure(from_dict(json.loads(line)), gpu_footprint=True)
+      result = (measure_one or (lambda c: measure(c, gpu_footprint=True)))(from_dict(json.loads(line)))
     except ConfigError as e:
       result = {"error": str(e)}
     out.write(json.dumps(result) + "\n")
@@ -396,12 +403,5 @@ def gpu_worker(key: str, n_devices: str, n_nodes: str) -> int:
   def inspect(compiled) -> dict:
     inv = collectives.inventory(compiled.as_text(), n // nodes, n)
     return {"collectives": inv, "jax": jax.__version__} | ({"guard": "select (what-if)"} if select else {})
-  for line in sys.stdin:
-    try:
-      result = measure(from_dict(json.loads(line)), devices, gpu_footprint=True, inspect=inspect,
-                       guard_select=select, xla_gpu=True)
-    except ConfigError as e:
-      result = {"error": str(e)}
-    out.write(json.dumps(result) + "\n")
-    out.flush()
-  return 0
+  return worker(lambda c: measure(c, devices, gpu_footprint=True, inspect=inspect, guard_select=select, xla_gpu=True),
+                out)

@@ -21,11 +21,12 @@ next is the runner-up. Deterministic: exact ties go to the earlier candidate.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from maxlm.config import Config, ConfigError
 from maxlm.layers import resolve_backend
 from maxlm.mesh import mesh_shape
-from maxlm.plan import moments
+from maxlm.plan import heartbeat, moments
 from maxlm.plan.levers import apply, candidates, certain_bytes, most_saving
 from maxlm.plan.cost import TIE, degrees, hardware, step_time  # TIE: predictions closer are a tie
 from maxlm.plan.measure import Target
@@ -137,39 +138,51 @@ def _bf16_moments(cfg: Config) -> int:
   return sum(getattr(cfg.optim, k.split(".")[1]) == "bfloat16" for k in moments.KEYS)
 
 
-def search(cfg: Config, target: Target, plan_fn, predict_fn, budget: int = 3, estimate_fn=None) -> MeshPlan:
+def search(cfg: Config, target: Target, plan_fn, predict_fn, budget: int = 3, estimate_fn=None,
+           report=None) -> MeshPlan:
   """plan_fn(cfg) -> the lever search's Plan (chosen row's stats carry the compiled collectives);
   predict_fn(cfg, stats) -> predict.predict's dict; estimate_fn(cfg, target) -> `estimate`'s (the default).
   Meshes are compiled in the estimate's order until `budget` of them fit; the config's own mesh, where it is a
-  candidate, is compiled too (marked "as written")."""
-  estimate_fn = estimate_fn or estimate
-  rows, written = [], _shape(cfg, target)
-  for o in meshes(cfg, target.n_devices, target.n_nodes):
-    c = apply(cfg, o)
-    try:
-      levers = most_saving(c, target)
-    except ConfigError:
-      levers = None
-    if levers is None or certain_bytes(apply(c, levers), target)["certain"] > target.usable:
-      rows.append(MeshRow(o, None, "certain bytes too big"))
-      continue
-    est = estimate_fn(c, target)
-    rows.append(MeshRow(o, est[0] if est else None, "not compiled"))
+  candidate, is compiled too (marked "as written"). report(line): a line as each mesh's lever search begins
+  and ends."""
+  estimate_fn, report = estimate_fn or estimate, report or (lambda line: None)
+  rows, written, began = [], _shape(cfg, target), time.monotonic()
+  every = meshes(cfg, target.n_devices, target.n_nodes)
+  with heartbeat.beating(report, f"estimating {len(every)} meshes (nothing compiled yet)", target.heartbeat_s):
+    for o in every:
+      c = apply(cfg, o)
+      try:
+        levers = most_saving(c, target)
+      except ConfigError:
+        levers = None
+      if levers is None or certain_bytes(apply(c, levers), target)["certain"] > target.usable:
+        rows.append(MeshRow(o, None, "certain bytes too big"))
+        continue
+      est = estimate_fn(c, target)
+      rows.append(MeshRow(o, est[0] if est else None, "not compiled"))
+  report(f"plan: {len(every)} meshes estimated ({time.monotonic() - began:.0f} s); the lever search on the fastest "
+         f"until {budget} fit, and on the config's own")
   order = sorted((r for r in rows if r.estimate_s is not None), key=lambda r: r.estimate_s)
   fitting = 0
   for r in order:
     as_written = _shape(apply(cfg, r.overrides), target) == written
     if fitting >= budget and not as_written:
       continue
-    c = apply(cfg, r.overrides)
+    c, began = apply(cfg, r.overrides), time.monotonic()
+    report(f"plan: mesh {label(r.overrides)} (estimated {r.estimate_s:.3g} s a step"
+           + ("; the config's mesh" if as_written else f"; {fitting} of {budget} meshes fit so far") + "): its levers")
     r.plan = plan_fn(c)
     r.written = as_written
     if r.plan.chosen is None:
       r.status = "nothing fits"
+      report(f"plan: mesh {label(r.overrides)}: nothing fits ({time.monotonic() - began:.0f} s)")
       continue
     fitting += 1
     r.status = "compiled"
     r.predicted = predict_fn(r.plan.cfg, r.plan.chosen.stats)
+    levers = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in r.plan.chosen.overrides.items())
+    report(f"plan: mesh {label(r.overrides)}: {levers} fits, predicted {r.predicted['step_s']:.3g} s a step "
+           f"({time.monotonic() - began:.0f} s)")
   done = sorted((r for r in order if r.predicted), key=lambda r: r.predicted["step_s"])
   if done:  # within TIE of the fastest: the config's own mesh first, then the fewer bfloat16 moments, then speed
     best = done[0].predicted["step_s"]

@@ -21,14 +21,24 @@ SLACK (10%): of the usable memory, the room the line is given before it prunes: 
 above (4.4%), rounded up. A line low by any amount costs only time (the candidate is compiled whole and measured);
 a line high by more than SLACK would prune a candidate that fits.
 
-Only where it pays and applies: the devices at hand (simulated devices compile a scanned stand-in, already as
-fast at any depth), layers unrolled (`model.scan_layers=false`: a scanned stack compiles once whatever its
-depth), and at least MIN_LAYERS per stage (below, the two probes cost about what the model does).
+Only where it pays and applies: layers unrolled (`model.scan_layers=false`: a scanned stack compiles once whatever
+its depth), at least MIN_LAYERS per stage (below, the two probes cost about what the model does), and either the
+devices at hand (the search's own probes, maxlm/plan/levers.py) or (`measuring`) an offloaded candidate on
+XLA:GPU's compile-only GPUs. There the layers are measured scanned, but an offloaded state streams through the
+device one layer of the stack at a time (maxlm/optim.py `_streamed_update`: a static slice per layer and leaf), so
+the program and its compile grow with the depth: the 70B on 64 compile-only H200s compiled in 7 to 20 s with
+optim.offload=none and 165 to 220 s with offload=host (2-core machine, shared), its 4 and 8 layers in about 30
+and 50 s; the line through those gave 117.9 GiB at 80 layers where the whole compile measured 116.9 (fsdp 8 x 8,
+save_dots, bfloat16 moments, 2026-12-07). A non-offloaded candidate (one scanned program) is not probed there.
 """
 
 from __future__ import annotations
 
+import time
+
 from maxlm.config import Config, load_config
+from maxlm.plan.cost import degrees
+from maxlm.tables import human_bytes
 
 DEPTHS = (4, 8)  # layers per pipeline stage of the two probes
 SLACK = 0.1  # of the usable memory (module doc)
@@ -74,3 +84,34 @@ def predict(cfg: Config, stages: int, measure) -> dict | None:
 def too_big(predicted: int, usable: int) -> bool:
   """Whether the extended peak prunes: over the usable memory by more than SLACK of it."""
   return predicted > usable * (1 + SLACK)
+
+
+def measuring(target, say=None):
+  """`target.measure`, except that on XLA:GPU's compile-only GPUs an offloaded candidate deep enough to probe is
+  first compiled at the two probe depths (see the module doc): where the line is over the usable memory by more
+  than SLACK (or XLA runs out on a probe) its measurement is the line, `how` says so, and it is not compiled whole;
+  else it is compiled whole. `say(line)`: a progress line for each such prune."""
+  if not target.gpu_target:
+    return target.measure
+
+  def measure(cfg: Config) -> dict:
+    if cfg.optim.offload == "none":
+      return target.measure(cfg)
+    began = time.monotonic()
+    shallow = predict(cfg, degrees(cfg, target)["pipeline"], target.measure)
+    if shallow is None or ("oom" not in shallow and not too_big(shallow["bytes"], target.usable)):
+      return target.measure(cfg)
+    (a, b), n = shallow["depths"], cfg.model.n_layers
+    if "oom" in shallow:
+      out = {"oom": f"at {shallow['at']} layers (a shallow probe, maxlm/plan/probe.py): {shallow['oom']}"}
+    else:
+      out = {"device": shallow["bytes"], "probe": shallow,
+             "how": (f"probed: {a} and {b} layers compiled ({human_bytes(shallow['peaks'][0])}, "
+                     f"{human_bytes(shallow['peaks'][1])}), the line extended to {n}: over the usable memory by more "
+                     f"than {SLACK:.0%}, not compiled whole")}
+    if say is not None:
+      said = out.get("oom") or f"{human_bytes(out['device'])} at {n} layers"
+      say(f"plan: probed {a} and {b} layers of offload={cfg.optim.offload}, remat={cfg.model.remat}, "
+          f"grad_accum={cfg.train.grad_accum}: {said}, not compiled whole ({time.monotonic() - began:.0f} s)")
+    return out
+  return measure

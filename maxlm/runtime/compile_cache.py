@@ -120,6 +120,12 @@ def _remove_stale_tmp(path: Path) -> None:
       pass  # another process removed it first
 
 
+# Why JAX's private `_cache` is replaced rather than set through a public API: JAX (0.10 and 0.11) has none that
+# supplies the cache's implementation. `jax_compilation_cache_dir` selects JAX's own LRUCache, whose `put` writes the
+# entry in place and its `-atime` sidecar in a second write, not atomically (jax-ml/jax#39880: a write cut between
+# the two leaves an orphan; #39883 made the eviction tolerate it, not the write atomic). This replacement goes once
+# JAX's cache writes atomically or takes a cache object of the caller's; until then `_install` checks for every
+# internal it touches and falls back to JAX's own cache where one is missing.
 def _install(path: Path) -> bool:
   """Hand JAX an AtomicFileCache over `path`; False where JAX's internals differ (JAX's own cache then)."""
   needed = ("_cache", "_cache_initialized", "_get_cache", "_initialize_cache", "reset_cache")

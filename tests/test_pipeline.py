@@ -4,12 +4,14 @@ steps; the configurations it cannot run, refused in one line naming the keys."""
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 from resume_launcher import compile_cache
 
 from maxlm.checkpoint import Checkpointer
@@ -17,7 +19,7 @@ from maxlm.cli.train import main
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig, load_config, to_dict
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
-from maxlm.pipeline import bubble_fraction, check, micro_batches, pipeline_stack, whole_batch
+from maxlm.pipeline import bubble_fraction, check, micro_batches, pipeline_stack, schedule_table, whole_batch
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
 from maxlm.build import CompiledStep
@@ -51,10 +53,14 @@ def _stack(n_layers, d, seed):
   return {"w": w.astype(np.float32), "b": rng.integers(-3, 4, (n_layers, d)).astype(np.float32)}
 
 
-@pytest.mark.parametrize("stages,micro,fsdp", [(2, 3, 4), (2, 4, 2), (4, 4, 2), (4, 6, 1)])
-def test_the_schedule_equals_a_loop_over_the_layers(stages, micro, fsdp):
+@pytest.mark.parametrize("stages,micro,fsdp,repeats,gather", [
+    (2, 3, 4, 1, False), (2, 4, 2, 1, False), (4, 4, 2, 1, False), (4, 6, 1, 1, False), (2, 4, 2, 1, True),
+    (2, 3, 4, 2, False), (2, 4, 2, 4, True), (4, 4, 2, 2, False), (4, 5, 1, 2, True), (2, 2, 2, 2, False)])
+def test_the_schedule_equals_a_loop_over_the_layers(stages, micro, fsdp, repeats, gather):
   """Outputs and gradients (of params and inputs) of the pipelined stack equal the plain loop's exactly, for
-  micro-batches as many as the stages, more, and not a multiple of them."""
+  micro-batches as many as the stages, more, and not a multiple of them; GPipe (repeats 1) and circular (each
+  stage 2 or 4 chunks, a micro-batch looping the stages that many times), the weights gathered over fsdp at
+  every tick or once."""
   n_layers, d, t = 8, 4, 5
   b = micro * fsdp * 2  # two rows of each micro-batch per data-parallel device
   mesh = make_mesh(MeshConfig(pipeline=stages, fsdp=fsdp, data=1), jax.devices()[:stages * fsdp])
@@ -72,7 +78,8 @@ def test_the_schedule_equals_a_loop_over_the_layers(stages, micro, fsdp):
     return jnp.sum(x * cot)
 
   def piped(p, x):
-    return pipeline_stack(_layer, p, x, pos, seg, stages=stages, microbatches=micro)
+    return pipeline_stack(_layer, p, x, pos, seg, stages=stages, microbatches=micro, repeats=repeats,
+                          axes=AXES, gather=gather)
 
   with model_scope(ModelConfig(backend="flax"), "flax", mesh):
     got = jax.jit(piped)(params, x)
@@ -80,6 +87,89 @@ def test_the_schedule_equals_a_loop_over_the_layers(stages, micro, fsdp):
   ref_grads = jax.grad(ref_loss, argnums=(0, 1))(params, x)
   np.testing.assert_array_equal(np.asarray(got), want)
   jax.tree_util.tree_map(np.testing.assert_array_equal, jax.tree_util.tree_map(np.asarray, grads), ref_grads)
+
+
+AXES = {"w": ("layers", "embed", None), "b": ("layers", "embed")}  # _stack's leaves' logical names
+
+
+@pytest.mark.parametrize("stages,micro,repeats", [(2, 2, 1), (2, 4, 1), (4, 4, 1), (4, 16, 1), (8, 8, 1),
+                                                  (2, 2, 2), (2, 3, 2), (4, 4, 2), (4, 6, 3), (4, 16, 4),
+                                                  (8, 8, 2), (3, 5, 4)])
+def test_the_bubble_counted_in_the_schedule_the_code_runs(stages, micro, repeats):
+  """The tick loop's own assignment of work (schedule_table): every micro-batch passes every virtual stage
+  (chunk r S + s: stage s, repeat r) once, in order, one tick after the one before (the hand-off between
+  stages), or later (back from the last stage into the first: its buffer); no stage does two things at once;
+  and the idle (stage, tick) pairs over all are GPipe's (S - 1) / (M + S - 1) for one repeat, the circular
+  schedule's (S - 1) / (V M + S - 1) for V, both as bubble_fraction says."""
+  table = schedule_table(stages, micro, repeats)  # [ticks, S, 2]
+  assert table.shape == (repeats * micro + stages - 1, stages, 2)
+  seen = {}
+  for t, row in enumerate(table):
+    for s, (mb, rep) in enumerate(row):
+      if mb >= 0:
+        assert (mb, rep * stages + s) not in seen
+        seen[mb, rep * stages + s] = t
+  assert sorted(seen) == [(i, j) for i in range(micro) for j in range(repeats * stages)]
+  for i in range(micro):
+    ticks = [seen[i, j] for j in range(repeats * stages)]
+    assert all(b - a == 1 for j, (a, b) in enumerate(zip(ticks, ticks[1:]), start=1) if j % stages), ticks
+    assert all(b - a >= 1 for a, b in zip(ticks, ticks[1:])), ticks
+  idle = int((table[..., 0] < 0).sum())
+  assert idle / table[..., 0].size == (stages - 1) / (repeats * micro + stages - 1)
+  assert idle / table[..., 0].size == bubble_fraction(stages, micro, repeats)
+  assert idle == stages * (stages - 1)  # each stage waits S - 1 ticks, whatever M and V
+
+
+def _executed(hlo: str, op: str) -> int:
+  """How many times a step runs the `op` instructions of a compiled module (its text): each computation's own
+  count times how often it runs, a while loop's body as often as its known trip count says."""
+  comps, cur = {}, None  # name -> [entry?, own count, [(callee, times per call)]]
+  for line in hlo.splitlines():
+    head = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
+    if head:
+      cur = head.group(2)
+      comps[cur] = [bool(head.group(1)), 0, []]
+    elif cur is not None and line.startswith("  "):
+      comps[cur][1] += len(re.findall(rf"[\]}})] {re.escape(op)}\(", line))  # after the result's shape
+      trip, body = re.search(r'known_trip_count":\{"n":"(\d+)"', line), re.search(r"body=%([\w.\-]+)", line)
+      for callee in re.findall(r"(?:calls|to_apply|condition|body|branch_computations)=\{?%([\w.\-]+)", line):
+        comps[cur][2].append((callee, int(trip.group(1)) if trip and body and callee == body.group(1) else 1))
+
+  def runs(name):
+    _, own, calls = comps[name]
+    return own + sum(k * runs(callee) for callee, k in calls)
+  return runs(next(name for name, (entry, _, _) in comps.items() if entry))
+
+
+@pytest.mark.parametrize("repeats,gather", [(1, False), (1, True), (2, False), (2, True)])
+def test_the_weights_are_gathered_once_per_step(repeats, gather):
+  """Counted in the compiled forward and backward of the stack (S = 2 stages x fsdp 4, M = 4, L = 8 layers of
+  one matmul h @ w and a bias b, both split over fsdp on `embed`): the all-gathers and matmuls the step runs,
+  against hand numbers. Per tick a stage applies K = L / (S V) layers; the step has V M + S - 1 ticks, every
+  stage computing at each (the bubble's ticks compute on clipped inputs), 3 matmuls a layer (h @ w, and for the
+  backward the input's and w's gradients). Gathered at every tick: per layer w and b for the forward and w again
+  for the input's gradient, 3 per layer application. Gathered once (train.pipeline_gather=step): w and b once;
+  circular adds one all-gather over `pipeline` per leaf, moving the gradient of the [S, V, K, ...] stack back
+  into the stored per-layer blocks (and an all-to-all per leaf moving the weights the other way)."""
+  stages, micro, fsdp, n_layers, d, t = 2, 4, 4, 8, 8, 5
+  b = micro * fsdp * 2
+  mesh = make_mesh(MeshConfig(pipeline=stages, fsdp=fsdp, data=1), jax.devices()[:stages * fsdp])
+  params, x = _stack(n_layers, d, seed=0), np.ones((b, t, d), np.float32)
+  pos, seg = np.zeros((b, t), np.int32), np.ones((b, t), np.int32)
+
+  def loss(p, x):
+    return jnp.sum(pipeline_stack(_layer, p, x, pos, seg, stages=stages, microbatches=micro, repeats=repeats,
+                                  axes=AXES, gather=gather) ** 2)
+  shard = {"w": NamedSharding(mesh, P("pipeline", "fsdp", None)), "b": NamedSharding(mesh, P("pipeline", "fsdp"))}
+  with model_scope(ModelConfig(backend="flax"), "flax", mesh):
+    hlo = jax.jit(jax.grad(loss), in_shardings=(shard, NamedSharding(mesh, P("fsdp")))).lower(params, x).compile(
+        ).as_text()
+  ticks, per_stage = repeats * micro + stages - 1, n_layers // (stages * repeats)
+  assert _executed(hlo, "dot") == ticks * per_stage * 3
+  leaves = 2
+  want = leaves + (leaves if repeats > 1 else 0) if gather else ticks * per_stage * 3 + (leaves if repeats > 1 else 0)
+  assert _executed(hlo, "all-gather") == want
+  assert _executed(hlo, "all-to-all") == (leaves if repeats > 1 else 0)
 
 
 def test_micro_batches_are_strided_and_come_back():

@@ -187,6 +187,10 @@ def test_micro_batches_are_strided_and_come_back():
                           r"mesh.dcn_pipeline=2: "),
     (dict(n_layers=8), 2, r"^train.grad_accum=2 gives fewer micro-batches than the 4 pipeline stages of "
                           r"mesh.pipeline=2 x mesh.dcn_pipeline=2; use train.grad_accum >= 4"),
+    (dict(n_layers=8), dict(grad_accum=4, pipeline_schedule="circular", pipeline_repeats=4),
+     r"^model.n_layers=8 does not split into train.pipeline_repeats=4 chunks on each of the 4 pipeline stages "
+     r"of mesh.pipeline=2 x mesh.dcn_pipeline=2 \(train.pipeline_schedule=circular\): n_layers must be a "
+     r"multiple of 16$"),
     (dict(n_layers=8, scan_layers=False), 4, r"^model.scan_layers=false: the pipeline \(mesh.pipeline=2 x "
                                              r"mesh.dcn_pipeline=2\) splits the scanned layer stack"),
     (dict(n_layers=8, precision="fp8_delayed"), 4, r"^model.precision=fp8_delayed with mesh.pipeline=2 x "
@@ -194,9 +198,10 @@ def test_micro_batches_are_strided_and_come_back():
 ])
 def test_what_a_pipeline_cannot_run_is_refused_naming_the_keys(model, grad_accum, match):
   mesh = MeshConfig(pipeline=2, dcn_pipeline=2)
+  train = TrainConfig(**grad_accum) if isinstance(grad_accum, dict) else TrainConfig(grad_accum=grad_accum)
   with pytest.raises(ConfigError, match=match):
-    check(ModelConfig(**model), TrainConfig(grad_accum=grad_accum), mesh, 4)
-  check(ModelConfig(**model), TrainConfig(grad_accum=grad_accum), mesh, 1)  # no pipeline: nothing to refuse
+    check(ModelConfig(**model), train, mesh, 4)
+  check(ModelConfig(**model), train, mesh, 1)  # no pipeline: nothing to refuse
 
 
 def test_pipeline_with_context_parallelism_is_refused_naming_the_keys():
@@ -237,11 +242,12 @@ def _batch(step: int) -> dict:
 
 
 def _train(mesh_cfg: MeshConfig, n_devices: int, grad_accum: int, model_cfg: ModelConfig = MODEL,
-           steps: int = STEPS):
+           steps: int = STEPS, repeats: int = 1, gather: bool = False):
   """`steps` real (jitted, sharded, donating) train steps with SGD: (initial params, [(loss, grad_norm)],
-  [gradients], final params), all on the host."""
+  [gradients], final params), all on the host. repeats > 1: the circular schedule; gather: FSDP once a step."""
   mesh = make_mesh(mesh_cfg, jax.devices()[:n_devices])
-  model = Transformer(model_cfg, max_segments=2, stages=mesh.shape["pipeline"], microbatches=grad_accum)
+  model = Transformer(model_cfg, max_segments=2, stages=mesh.shape["pipeline"], microbatches=grad_accum,
+                      repeats=repeats, gather_once=gather)
   optimizer = optax.chain(_recorder(), optax.sgd(LR))
   schedule = optax.constant_schedule(LR)
 
@@ -314,16 +320,20 @@ def one_device():
   return _train(MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1), 1, grad_accum=1)
 
 
-@pytest.mark.parametrize("mesh,grad_accum", [
-    (MeshConfig(pipeline=2, fsdp=4), 4),  # more micro-batches than stages, FSDP inside each stage
-    (MeshConfig(pipeline=2, data=2, fsdp=1, tensor=2), 2),  # as many micro-batches as stages, with tensor
-    (MeshConfig(pipeline=4, fsdp=2), 4),
-    (MeshConfig(pipeline=4, fsdp=1, tensor=2), 8),
+@pytest.mark.parametrize("mesh,grad_accum,repeats,gather", [
+    (MeshConfig(pipeline=2, fsdp=4), 4, 1, False),  # more micro-batches than stages, FSDP inside each stage
+    (MeshConfig(pipeline=2, data=2, fsdp=1, tensor=2), 2, 1, False),  # as many micro-batches as stages, tensor
+    (MeshConfig(pipeline=4, fsdp=2), 4, 1, True),  # the stage's weights gathered once per step
+    (MeshConfig(pipeline=4, fsdp=1, tensor=2), 8, 1, False),
+    (MeshConfig(pipeline=2, fsdp=4), 4, 2, True),  # circular: 2 chunks of 1 layer per stage, gathered once
+    (MeshConfig(pipeline=2, data=2, fsdp=1, tensor=2), 2, 2, False),  # circular with tensor, M = S
 ])
-def test_pipelined_training_equals_one_device(one_device, mesh, grad_accum):
+def test_pipelined_training_equals_one_device(one_device, mesh, grad_accum, repeats, gather):
   """Loss, gradient norm, every gradient of each of several SGD steps and the final parameters of a pipelined
-  run equal one device's (no pipeline, the whole batch at once) within float32 noise."""
-  _assert_same_training(one_device, _train(mesh, 8, grad_accum), f"{mesh} grad_accum={grad_accum}")
+  run (GPipe, or circular with 2 repeats) equal one device's (no pipeline, the whole batch at once) within
+  float32 noise."""
+  _assert_same_training(one_device, _train(mesh, 8, grad_accum, repeats=repeats, gather=gather),
+                        f"{mesh} grad_accum={grad_accum} repeats={repeats} gather={gather}")
 
 
 @pytest.mark.te
@@ -374,15 +384,17 @@ def _assert_within_bf16_error(got, ref, max_logit_norm, what):
     assert err <= np.sqrt(K_BF16) * U16 * scale, f"{what} gradient {name}: {err / scale / U16:.2f} u"
 
 
-@pytest.mark.parametrize("mesh,grad_accum", [(MeshConfig(pipeline=2, fsdp=4), 4), (MeshConfig(pipeline=4, fsdp=2), 4)])
-def test_bfloat16_pipelined_step_equals_one_device(one_device_bf16, mesh, grad_accum):
+@pytest.mark.parametrize("mesh,grad_accum,repeats", [(MeshConfig(pipeline=2, fsdp=4), 4, 1),
+                                                     (MeshConfig(pipeline=4, fsdp=2), 4, 1),
+                                                     (MeshConfig(pipeline=2, fsdp=4), 4, 2)])
+def test_bfloat16_pipelined_step_equals_one_device(one_device_bf16, mesh, grad_accum, repeats):
   """bf16 (issue 56: every pipeline equality test was float32): the loss, gradient norm and every gradient of a
   pipelined step (micro-batches over 2 or 4 stages, FSDP inside each) and of one device's bf16 step are each
   within the bf16 error model above of one device's fp32 step, so within twice it of each other."""
   ref, one, max_logit_norm = one_device_bf16
   _assert_within_bf16_error(one, ref, max_logit_norm, "one device")
-  _assert_within_bf16_error(_train(mesh, 8, grad_accum, BF16, steps=1), ref, max_logit_norm,
-                            f"{mesh} grad_accum={grad_accum}")
+  _assert_within_bf16_error(_train(mesh, 8, grad_accum, BF16, steps=1, repeats=repeats, gather=repeats > 1),
+                            ref, max_logit_norm, f"{mesh} grad_accum={grad_accum} repeats={repeats}")
 
 
 # ---- checkpoints across pipeline degrees -------------------------------------------------------------------
@@ -448,4 +460,30 @@ def test_a_checkpoint_restores_at_another_pipeline_degree(tmp_path, capsys, degr
   assert resumed[1] == whole[1] and resumed[2] == whole[2]  # the steps before the save: the same run
   # Step 3 starts from the same (restored) parameters on another schedule: the loss, a mean of 256 tokens'
   # logsumexp over V=128 (sums of positive terms), differs by the two runs' rounding, (V + tokens) ulps each.
+  np.testing.assert_allclose(resumed[3], whole[3], rtol=2 * (128 + 256) * U32)
+
+
+def test_a_circular_checkpoint_restores_at_gpipe_and_without_a_pipeline(tmp_path, capsys, degree_cache):
+  """A run saved with the circular schedule (2 stages x 2 repeats of 1 layer each: stage s runs layers s and
+  2 + s, not the block it stores) restores with every value equal at GPipe over 2 stages and at pipeline 1,
+  and resumes there with the uninterrupted circular run's loss (the same parameters; float32 noise)."""
+  circular = ["mesh.pipeline=2", "train.pipeline_schedule=circular", "train.pipeline_repeats=2",
+              "train.pipeline_gather=step"]
+  with compile_cache(degree_cache):
+    common = [*RUN, "model.n_layers=4", f"output_dir={tmp_path}"]
+    assert main([*common, "run_name=whole", *circular, "train.steps=3"]) == 0
+    assert main([*common, "run_name=r", *circular, "train.steps=2"]) == 0
+    saved, layers_saved = _restored(tmp_path / "r", [*common, "run_name=r", *circular])
+    gpipe, layers_gpipe = _restored(tmp_path / "r", [*common, "run_name=r", "mesh.pipeline=2"])
+    single, layers_single = _restored(tmp_path / "r", [*common, "run_name=r", "mesh.pipeline=1"])
+    capsys.readouterr()
+    assert main([*common, "run_name=r", "mesh.pipeline=1", "train.steps=3"]) == 0
+  assert "resumed from checkpoint step 2 " in capsys.readouterr().out
+  assert saved.keys() == gpipe.keys() == single.keys() and len(saved) > 10
+  for k in saved:
+    np.testing.assert_array_equal(gpipe[k], saved[k], err_msg=k)
+    np.testing.assert_array_equal(single[k], saved[k], err_msg=k)
+  assert (layers_saved, layers_gpipe, layers_single) == (2, 2, 4)  # stored in per-layer blocks either way
+  whole, resumed = _losses(tmp_path / "whole"), _losses(tmp_path / "r")
+  assert resumed[1] == whole[1] and resumed[2] == whole[2]
   np.testing.assert_allclose(resumed[3], whole[3], rtol=2 * (128 + 256) * U32)

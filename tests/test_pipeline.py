@@ -180,6 +180,20 @@ def test_micro_batches_are_strided_and_come_back():
   assert bubble_fraction(1, 8) == 0 and bubble_fraction(4, 4) == 3 / 7 and bubble_fraction(4, 12) == 0.2
 
 
+def test_the_dry_run_names_the_schedule_and_its_bubble(capsys):
+  """Llama 3 70B in 4 stages over 8 nodes, 4 micro-batches: GPipe's bubble 3/7 = 43%; circular with 2 repeats
+  of 10 layers per stage 3/11 = 27%, both in the mesh line and the JSON."""
+  args = ["--dry-run", "config=llama70b", "--devices", "64", "--nodes", "8", "mesh.dcn_pipeline=4",
+          "train.grad_accum=4", "model.scan_layers=true"]
+  assert main([*args, "train.pipeline_schedule=circular", "train.pipeline_repeats=2"]) == 0
+  assert ("; 4 stages of 20 layers over 4 micro-batches (circular: 2 chunks of 10 layers per stage), bubble 27% of "
+          "a step" in capsys.readouterr().out)
+  assert main([*args, "--json", "train.pipeline_schedule=circular", "train.pipeline_repeats=2"]) == 0
+  mesh = json.loads(capsys.readouterr().out)["mesh"]
+  assert (mesh["schedule"], mesh["repeats"], mesh["bubble"]) == ("circular", 2, 3 / 11)
+  assert main(args) == 0 and "micro-batches (GPipe), bubble 43% of a step" in capsys.readouterr().out
+
+
 # ---- the configurations it cannot run ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("model,grad_accum,match", [

@@ -25,6 +25,7 @@ from maxlm.data.packing import BATCH_KEYS
 from maxlm.layers import resolve_backend
 from maxlm.model import Overrides, Transformer
 from maxlm.optim import make_optimizer
+from maxlm.pipeline import repeats as pipeline_repeats
 from maxlm.runtime import warm_start
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
@@ -165,7 +166,8 @@ def build_step(cfg: Config, mesh, *, abstract: bool = False, quantized: bool = T
   backend = resolve_backend(cfg.model.backend)
   model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row,
                       context_strategy=cfg.mesh.context_strategy, stages=mesh.shape["pipeline"],
-                      microbatches=cfg.train.grad_accum,
+                      microbatches=cfg.train.grad_accum, repeats=pipeline_repeats(cfg.train),
+                      gather_once=cfg.train.pipeline_gather == "step",
                       overrides=standins.overrides if standins is not None else None)
   # an offloaded state streams the scanned stack a layer at a time where no pipeline stages split it
   optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps, split_layers=mesh.shape["pipeline"] == 1)

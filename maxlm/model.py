@@ -102,7 +102,9 @@ class Transformer(nn.Module):
   the length (maxlm/layers/context.py); the tokens then come in the order that module gives.
 
   stages > 1: the scanned stack runs as a pipeline of that many stages over `microbatches` micro-batches
-  (maxlm/pipeline.py; the mesh's `pipeline` degree and train.grad_accum); the parameters are the same.
+  (maxlm/pipeline.py; the mesh's `pipeline` degree and train.grad_accum), each stage `repeats` chunks of layers
+  (1: GPipe; more: circular), its weights gathered over fsdp once per step when `gather_once`
+  (train.pipeline_gather=step); the parameters are the same.
   The embedding and the LM head stay outside it, on every stage (see maxlm/pipeline.py).
   """
   cfg: ModelConfig
@@ -110,6 +112,8 @@ class Transformer(nn.Module):
   context_strategy: str = "auto"
   stages: int = 1
   microbatches: int = 1
+  repeats: int = 1
+  gather_once: bool = False
   overrides: Overrides | None = None  # measurements only
 
   @nn.compact
@@ -171,9 +175,13 @@ class Transformer(nn.Module):
       return block.apply({"params": p}, h, pos, seg)[0]
     if m.remat != "none":
       layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-    params = nn.unbox(self.variables["params"]["layers"])  # every leaf [L, ...]
+    boxed = self.variables["params"]["layers"]
+    params = nn.unbox(boxed)  # every leaf [L, ...]
+    axes = jax.tree_util.tree_map(tuple, nn.get_partition_spec(boxed),
+                                  is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))  # logical names
     return pipeline_stack(layer, params, x, positions, segment_ids, stages=self.stages,
-                          microbatches=self.microbatches)  # [B, T, D]
+                          microbatches=self.microbatches, repeats=self.repeats, axes=axes,
+                          gather=self.gather_once)  # [B, T, D]
 
   def _cached_layers(self, x, positions, segment_ids, cache, backend):
     """The blocks over the KV cache; stores the new cache; returns each row's last valid hidden state."""

@@ -1,19 +1,34 @@
-"""Pipeline parallelism over the scanned layer stack: a GPipe schedule wrapped around the layers, whose code
-knows nothing of it.
+"""Pipeline parallelism over the scanned layer stack: a GPipe or a circular (interleaved) schedule wrapped around
+the layers, whose code knows nothing of it.
 
 Stages: the stack's parameters [L, ...] are split over the `pipeline` mesh axis in contiguous blocks (the
-logical axis `layers`, maxlm/sharding.py) and seen here as [S, L/S, ...]: stage s holds layers s*L/S to
-(s+1)*L/S - 1. The stored tree (the train state, checkpoints) stays per layer [L, ...], so a checkpoint restores
-at any pipeline degree, as it does on any other mesh.
+logical axis `layers`, maxlm/sharding.py). The stored tree (the train state, checkpoints) stays per layer
+[L, ...], so a checkpoint restores at any pipeline degree and schedule, as it does on any other mesh.
 
-Schedule: the batch [B, T, D] is cut into M micro-batches (`train.grad_accum`). Over M + S - 1 ticks every stage
-applies its layers to the activation it holds (a vmap over the stage axis, which the mesh splits over the
-pipeline devices: each device runs its own stage only), then the activations move one stage on (a roll over the
-stage axis: XLA's collective-permute between neighbouring stages). At tick t stage s works on micro-batch t - s;
-ticks where it has none are the bubble, (S - 1) / (M + S - 1) of the step. Differentiating the tick loop gives
-the backward in reverse tick order: every forward, then every backward (GPipe). Each stage keeps what
-`model.remat` keeps of its layers for every micro-batch in flight (GPipe's memory: M micro-batches, where
-1F1B would keep S).
+Schedules (`train.pipeline_schedule`): the batch [B, T, D] is cut into M micro-batches (`train.grad_accum`);
+the S stages run V = `train.pipeline_repeats` chunks of K = L / (S V) consecutive layers each (V = 1 for
+gpipe): virtual stage j = r S + s (repeat r, stage s) holds layers j K .. (j + 1) K - 1, so stage s holds the
+chunks s, S + s, 2 S + s, ... (circular, MaxText's num_pipeline_repeats; Megatron's virtual stages). The stack
+is seen here as [S, V, K, ...]: for V > 1 that is not the stored blocks' order, and XLA moves each stage's
+chunks to it once per step (an all-to-all over `pipeline`, and back for the gradients).
+
+Over V M + S - 1 ticks every stage applies one chunk to the activation it holds (a vmap over the stage axis,
+which the mesh splits over the pipeline devices: each device runs its own stage only), then the activations
+move one stage on (a roll over the stage axis: XLA's collective-permute between neighbouring stages). At tick t
+stage s works on micro-batch (t - s) mod M at repeat (t - s) div M (`assignment`): stage 0 takes the M fresh
+micro-batches at ticks 0 .. M-1, then at tick r M + i micro-batch i back from the last stage (repeat r - 1, kept
+in a buffer of M slots since it left, M - S + 1 ticks earlier: hence M >= S). Ticks where a stage has no work
+are the bubble, (S - 1) / (V M + S - 1) of the step (`bubble_fraction`; `schedule_table` is what the code runs):
+the idle stages compute on clipped inputs whose results are never read, so the compiled step does the work of
+V M + S - 1 ticks on every stage. Differentiating the tick loop gives the backward in reverse tick order: every
+forward, then every backward. Each stage keeps what `model.remat` keeps of its L/S layers for every micro-batch
+(M micro-batches in flight, for both schedules, where 1F1B would keep S).
+
+FSDP (`train.pipeline_gather`): `tick` leaves each stage's weights sharded over fsdp and XLA gathers them in the
+tick loop, at every tick (the least memory); `step` gathers them once, before the loop (a constraint on the
+[S, V, K, ...] stack: the stage axis over `pipeline`, `embed` unsharded), and reduce-scatters their gradient
+once after it: per device the stage's L/S layers gathered (tensor-parallel shards kept) plus their gradient sum,
+in the parameters' dtype, for the whole step.
 
 Embedding and LM head: they stay outside the pipeline (maxlm/model.py). Their parameters are not split over
 `pipeline` (only `layers` is), and every pipeline stage computes them for the whole batch: the embedding lookup
@@ -27,6 +42,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig
@@ -34,6 +50,12 @@ from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig
 AXIS = "pipeline"  # the mesh axis of the stages (maxlm/mesh.py)
 # logical names of the stage state [S, micro-batch, T, D] (maxlm/sharding.py maps "stages" to AXIS)
 STAGE_BTD = ("stages", "activation_batch", "activation_length", "activation_embed")
+FSDP_NAME = "embed"  # the parameters' logical axis that maxlm/sharding.py splits over fsdp
+
+
+def repeats(t: TrainConfig) -> int:
+  """V: the layer chunks each stage runs per micro-batch (1 for gpipe, train.pipeline_repeats for circular)."""
+  return t.pipeline_repeats if t.pipeline_schedule == "circular" else 1
 
 
 def check(m: ModelConfig, t: TrainConfig, mesh: MeshConfig, stages: int, context: int = 1) -> None:
@@ -49,9 +71,14 @@ def check(m: ModelConfig, t: TrainConfig, mesh: MeshConfig, stages: int, context
   if m.n_layers % stages:
     raise ConfigError(f"model.n_layers={m.n_layers} does not split into the {stages} pipeline stages of {keys}: "
                       f"each stage takes an equal number of consecutive layers")
+  v = repeats(t)
+  if m.n_layers % (stages * v):
+    raise ConfigError(f"model.n_layers={m.n_layers} does not split into train.pipeline_repeats={v} chunks on "
+                      f"each of the {stages} pipeline stages of {keys} (train.pipeline_schedule=circular): "
+                      f"n_layers must be a multiple of {stages * v}")
   if t.grad_accum < stages:
     raise ConfigError(f"train.grad_accum={t.grad_accum} gives fewer micro-batches than the {stages} pipeline "
-                      f"stages of {keys}; use train.grad_accum >= {stages} (the bubble is (S-1)/(M+S-1) of a "
+                      f"stages of {keys}; use train.grad_accum >= {stages} (the bubble is (S-1)/(V*M+S-1) of a "
                       "step: M = 4 x S stages keeps it under 20%)")
   if not m.scan_layers:
     raise ConfigError(f"model.scan_layers=false: the pipeline ({keys}) splits the scanned layer stack; "
@@ -62,9 +89,24 @@ def check(m: ModelConfig, t: TrainConfig, mesh: MeshConfig, stages: int, context
                       "fp8_current (or bf16)")
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-  """The share of a GPipe step a stage waits: (S - 1) / (M + S - 1); 0 without a pipeline."""
-  return (stages - 1) / (microbatches + stages - 1)
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+  """The share of a step a stage waits: (S - 1) / (V M + S - 1) (V = 1: GPipe's); 0 without a pipeline."""
+  return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+def assignment(t, stage, microbatches: int, repeats: int = 1):
+  """(micro-batch, repeat, busy) of `stage` at tick t (ints or arrays): what the tick loop runs. Idle (not busy)
+  stages get a clipped micro-batch and repeat, whose results are never read."""
+  work = jnp.clip(t - stage, 0, repeats * microbatches - 1)
+  busy = (t - stage >= 0) & (t - stage < repeats * microbatches)
+  return work % microbatches, work // microbatches, busy
+
+
+def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
+  """[ticks, S, 2]: the (micro-batch, repeat) each stage works on at each tick, (-1, -1) where it idles."""
+  t = np.arange(repeats * microbatches + stages - 1)[:, None]
+  mb, rep, busy = map(np.asarray, assignment(t, np.arange(stages)[None, :], microbatches, repeats))
+  return np.where(busy[..., None], np.stack([mb, rep], axis=-1), -1)
 
 
 def micro_batches(x: jax.Array, m: int) -> jax.Array:
@@ -79,42 +121,66 @@ def whole_batch(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def stage_stack(params, stages: int, repeats: int = 1, axes=None, gather: bool = False):
+  """The stack [L, ...] as the stages hold it, [S, V, K, ...]: [s, r] the chunk of virtual stage r S + s.
+  axes: each leaf's logical names ("layers", ...) or None (no constraint); gather: `embed` left unsharded (the
+  stage's weights gathered over fsdp here, once)."""
+  def one(p, names=None):
+    chunk = p.shape[0] // (stages * repeats)
+    p = jnp.swapaxes(p.reshape(repeats, stages, chunk, *p.shape[1:]), 0, 1)  # [S, V, K, ...]
+    if names is None:
+      return p
+    rest = tuple(None if gather and n == FSDP_NAME else n for n in names[1:])
+    return nn.with_logical_constraint(p, ("stages", None, None, *rest))
+  if axes is None:
+    return jax.tree_util.tree_map(one, params)
+  return jax.tree_util.tree_map(one, params, axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
 def pipeline_stack(layer: Callable, params, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, *,
-                   stages: int, microbatches: int) -> jax.Array:
+                   stages: int, microbatches: int, repeats: int = 1, axes=None, gather: bool = False) -> jax.Array:
   """The layer stack applied to x [B, T, D], pipelined: the same result as scanning `layer` over the L layers.
 
   layer(p, h, positions, segment_ids) -> h [B/M, T, D] applies one layer (params p: one slice of the stack);
-  params: the stack, every leaf [L, ...]; positions and segment_ids (or None) [B, T]."""
+  params: the stack, every leaf [L, ...]; positions and segment_ids (or None) [B, T]; repeats: V (circular
+  when > 1); axes, gather: see `stage_stack`."""
   n_stages, m = stages, microbatches
-  n_layers = jax.tree_util.tree_leaves(params)[0].shape[0]
-  per_stage = n_layers // n_stages
-  staged = jax.tree_util.tree_map(lambda p: p.reshape(n_stages, per_stage, *p.shape[1:]), params)  # [S, L/S, ...]
+  staged = stage_stack(params, n_stages, repeats, axes, gather)  # [S, V, K, ...]
   xs = micro_batches(x, m)  # [M, B/M, T, D]
   pos = micro_batches(positions, m)  # [M, B/M, T]
   seg = None if segment_ids is None else micro_batches(segment_ids, m)  # [M, B/M, T]
   stage = jnp.arange(n_stages)  # [S]
 
-  def run_stage(p, h, pos_s, seg_s):  # one stage: its L/S layers in turn over its micro-batch [B/M, T, D]
+  def run_stage(p, rep, h, pos_s, seg_s):  # one stage: its chunk `rep` (K layers) over its micro-batch
     def one(carry, p_layer):
       return layer(p_layer, carry, pos_s, seg_s), None
-    return jax.lax.scan(one, h, p)[0]
+    chunk = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, rep, keepdims=False), p)  # [K, ...]
+    return jax.lax.scan(one, h, chunk)[0]
 
-  stages_apply = jax.vmap(run_stage, in_axes=(0, 0, 0, None if seg is None else 0), spmd_axis_name=AXIS)
+  stages_apply = jax.vmap(run_stage, in_axes=(0, 0, 0, 0, None if seg is None else 0), spmd_axis_name=AXIS)
 
-  def tick(held, t):
-    # Every stage takes what the stage before it produced last tick; the first takes micro-batch t (from the
-    # last one while draining: those results are never read).
+  def tick(carry, t):
+    held, back = carry  # [S, B/M, T, D]; back [M, B/M, T, D]: each micro-batch as it last left the last stage
+    # Every stage takes what the stage before it produced last tick; the first takes micro-batch t while
+    # t < M (the last one while draining: those results are never read), then micro-batch t mod M back from
+    # the last stage.
     shifted = jnp.roll(held, 1, axis=0)  # [S, B/M, T, D]
-    fresh = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, m - 1), keepdims=True)  # [1, B/M, T, D]
-    inputs = nn.with_logical_constraint(jnp.where((stage == 0)[:, None, None, None], fresh, shifted), STAGE_BTD)
-    mb = jnp.clip(t - stage, 0, m - 1)  # [S] the micro-batch each stage works on (clipped in the bubble)
-    out = stages_apply(staged, inputs, pos[mb], None if seg is None else seg[mb])  # [S, B/M, T, D]
+    fresh = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, m - 1), keepdims=False)  # [B/M, T, D]
+    if repeats > 1:
+      fresh = jnp.where(t < m, fresh, jax.lax.dynamic_index_in_dim(back, t % m, keepdims=False))
+    inputs = nn.with_logical_constraint(jnp.where((stage == 0)[:, None, None, None], fresh[None], shifted),
+                                        STAGE_BTD)
+    mb, rep, _ = assignment(t, stage, m, repeats)  # [S] each, clipped in the bubble
+    out = stages_apply(staged, rep, inputs, pos[mb], None if seg is None else seg[mb])  # [S, B/M, T, D]
     out = nn.with_logical_constraint(out, STAGE_BTD)
     # The last stage's result, on every pipeline device: a masked sum over the stage axis (an all-reduce that
     # adds zeros to it: exact), rather than a slice, which XLA may serve by gathering every stage's [B/M, T, D].
     last = jnp.sum(jnp.where((stage == n_stages - 1)[:, None, None, None], out, jnp.zeros_like(out)), axis=0)
-    return out, last  # last: [B/M, T, D]
+    # into the slot of its micro-batch (t - S + 1) mod M; before tick S - 1 the slot gets a result that is
+    # never read: its micro-batch's true one comes S - 1 ticks later, before stage 0 reads the slot (M >= S)
+    back = jax.lax.dynamic_update_index_in_dim(back, last, (t - n_stages + 1) % m, 0)
+    return (out, back), None
 
   held = nn.with_logical_constraint(jnp.zeros((n_stages, *xs.shape[1:]), x.dtype), STAGE_BTD)  # [S, B/M, T, D]
-  _, done = jax.lax.scan(tick, held, jnp.arange(m + n_stages - 1))  # [M + S - 1, B/M, T, D]
-  return whole_batch(done[n_stages - 1:])  # micro-batch i left the last stage at tick i + S - 1; [B, T, D]
+  (_, done), _ = jax.lax.scan(tick, (held, jnp.zeros_like(xs)), jnp.arange(repeats * m + n_stages - 1))
+  return whole_batch(done)  # each micro-batch's last pass through the last stage; [B, T, D]

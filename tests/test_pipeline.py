@@ -4,12 +4,14 @@ steps; the configurations it cannot run, refused in one line naming the keys."""
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 from resume_launcher import compile_cache
 
 from maxlm.checkpoint import Checkpointer
@@ -17,7 +19,7 @@ from maxlm.cli.train import main
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig, load_config, to_dict
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
-from maxlm.pipeline import bubble_fraction, check, micro_batches, pipeline_stack, whole_batch
+from maxlm.pipeline import bubble_fraction, check, micro_batches, pipeline_stack, schedule_table, whole_batch
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding, replicated
 from maxlm.build import CompiledStep
@@ -51,10 +53,14 @@ def _stack(n_layers, d, seed):
   return {"w": w.astype(np.float32), "b": rng.integers(-3, 4, (n_layers, d)).astype(np.float32)}
 
 
-@pytest.mark.parametrize("stages,micro,fsdp", [(2, 3, 4), (2, 4, 2), (4, 4, 2), (4, 6, 1)])
-def test_the_schedule_equals_a_loop_over_the_layers(stages, micro, fsdp):
+@pytest.mark.parametrize("stages,micro,fsdp,repeats,gather", [
+    (2, 3, 4, 1, False), (2, 4, 2, 1, False), (4, 4, 2, 1, False), (4, 6, 1, 1, False), (2, 4, 2, 1, True),
+    (2, 3, 4, 2, False), (2, 4, 2, 4, True), (4, 4, 2, 2, False), (4, 5, 1, 2, True), (2, 2, 2, 2, False)])
+def test_the_schedule_equals_a_loop_over_the_layers(stages, micro, fsdp, repeats, gather):
   """Outputs and gradients (of params and inputs) of the pipelined stack equal the plain loop's exactly, for
-  micro-batches as many as the stages, more, and not a multiple of them."""
+  micro-batches as many as the stages, more, and not a multiple of them; GPipe (repeats 1) and circular (each
+  stage 2 or 4 chunks, a micro-batch looping the stages that many times), the weights gathered over fsdp at
+  every tick or once."""
   n_layers, d, t = 8, 4, 5
   b = micro * fsdp * 2  # two rows of each micro-batch per data-parallel device
   mesh = make_mesh(MeshConfig(pipeline=stages, fsdp=fsdp, data=1), jax.devices()[:stages * fsdp])
@@ -72,7 +78,8 @@ def test_the_schedule_equals_a_loop_over_the_layers(stages, micro, fsdp):
     return jnp.sum(x * cot)
 
   def piped(p, x):
-    return pipeline_stack(_layer, p, x, pos, seg, stages=stages, microbatches=micro)
+    return pipeline_stack(_layer, p, x, pos, seg, stages=stages, microbatches=micro, repeats=repeats,
+                          axes=AXES, gather=gather)
 
   with model_scope(ModelConfig(backend="flax"), "flax", mesh):
     got = jax.jit(piped)(params, x)
@@ -80,6 +87,89 @@ def test_the_schedule_equals_a_loop_over_the_layers(stages, micro, fsdp):
   ref_grads = jax.grad(ref_loss, argnums=(0, 1))(params, x)
   np.testing.assert_array_equal(np.asarray(got), want)
   jax.tree_util.tree_map(np.testing.assert_array_equal, jax.tree_util.tree_map(np.asarray, grads), ref_grads)
+
+
+AXES = {"w": ("layers", "embed", None), "b": ("layers", "embed")}  # _stack's leaves' logical names
+
+
+@pytest.mark.parametrize("stages,micro,repeats", [(2, 2, 1), (2, 4, 1), (4, 4, 1), (4, 16, 1), (8, 8, 1),
+                                                  (2, 2, 2), (2, 3, 2), (4, 4, 2), (4, 6, 3), (4, 16, 4),
+                                                  (8, 8, 2), (3, 5, 4)])
+def test_the_bubble_counted_in_the_schedule_the_code_runs(stages, micro, repeats):
+  """The tick loop's own assignment of work (schedule_table): every micro-batch passes every virtual stage
+  (chunk r S + s: stage s, repeat r) once, in order, one tick after the one before (the hand-off between
+  stages), or later (back from the last stage into the first: its buffer); no stage does two things at once;
+  and the idle (stage, tick) pairs over all are GPipe's (S - 1) / (M + S - 1) for one repeat, the circular
+  schedule's (S - 1) / (V M + S - 1) for V, both as bubble_fraction says."""
+  table = schedule_table(stages, micro, repeats)  # [ticks, S, 2]
+  assert table.shape == (repeats * micro + stages - 1, stages, 2)
+  seen = {}
+  for t, row in enumerate(table):
+    for s, (mb, rep) in enumerate(row):
+      if mb >= 0:
+        assert (mb, rep * stages + s) not in seen
+        seen[mb, rep * stages + s] = t
+  assert sorted(seen) == [(i, j) for i in range(micro) for j in range(repeats * stages)]
+  for i in range(micro):
+    ticks = [seen[i, j] for j in range(repeats * stages)]
+    assert all(b - a == 1 for j, (a, b) in enumerate(zip(ticks, ticks[1:]), start=1) if j % stages), ticks
+    assert all(b - a >= 1 for a, b in zip(ticks, ticks[1:])), ticks
+  idle = int((table[..., 0] < 0).sum())
+  assert idle / table[..., 0].size == (stages - 1) / (repeats * micro + stages - 1)
+  assert idle / table[..., 0].size == bubble_fraction(stages, micro, repeats)
+  assert idle == stages * (stages - 1)  # each stage waits S - 1 ticks, whatever M and V
+
+
+def _executed(hlo: str, op: str) -> int:
+  """How many times a step runs the `op` instructions of a compiled module (its text): each computation's own
+  count times how often it runs, a while loop's body as often as its known trip count says."""
+  comps, cur = {}, None  # name -> [entry?, own count, [(callee, times per call)]]
+  for line in hlo.splitlines():
+    head = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
+    if head:
+      cur = head.group(2)
+      comps[cur] = [bool(head.group(1)), 0, []]
+    elif cur is not None and line.startswith("  "):
+      comps[cur][1] += len(re.findall(rf"[\]}})] {re.escape(op)}\(", line))  # after the result's shape
+      trip, body = re.search(r'known_trip_count":\{"n":"(\d+)"', line), re.search(r"body=%([\w.\-]+)", line)
+      for callee in re.findall(r"(?:calls|to_apply|condition|body|branch_computations)=\{?%([\w.\-]+)", line):
+        comps[cur][2].append((callee, int(trip.group(1)) if trip and body and callee == body.group(1) else 1))
+
+  def runs(name):
+    _, own, calls = comps[name]
+    return own + sum(k * runs(callee) for callee, k in calls)
+  return runs(next(name for name, (entry, _, _) in comps.items() if entry))
+
+
+@pytest.mark.parametrize("repeats,gather", [(1, False), (1, True), (2, False), (2, True)])
+def test_the_weights_are_gathered_once_per_step(repeats, gather):
+  """Counted in the compiled forward and backward of the stack (S = 2 stages x fsdp 4, M = 4, L = 8 layers of
+  one matmul h @ w and a bias b, both split over fsdp on `embed`): the all-gathers and matmuls the step runs,
+  against hand numbers. Per tick a stage applies K = L / (S V) layers; the step has V M + S - 1 ticks, every
+  stage computing at each (the bubble's ticks compute on clipped inputs), 3 matmuls a layer (h @ w, and for the
+  backward the input's and w's gradients). Gathered at every tick: per layer w and b for the forward and w again
+  for the input's gradient, 3 per layer application. Gathered once (train.pipeline_gather=step): w and b once;
+  circular adds one all-gather over `pipeline` per leaf, moving the gradient of the [S, V, K, ...] stack back
+  into the stored per-layer blocks (and an all-to-all per leaf moving the weights the other way)."""
+  stages, micro, fsdp, n_layers, d, t = 2, 4, 4, 8, 8, 5
+  b = micro * fsdp * 2
+  mesh = make_mesh(MeshConfig(pipeline=stages, fsdp=fsdp, data=1), jax.devices()[:stages * fsdp])
+  params, x = _stack(n_layers, d, seed=0), np.ones((b, t, d), np.float32)
+  pos, seg = np.zeros((b, t), np.int32), np.ones((b, t), np.int32)
+
+  def loss(p, x):
+    return jnp.sum(pipeline_stack(_layer, p, x, pos, seg, stages=stages, microbatches=micro, repeats=repeats,
+                                  axes=AXES, gather=gather) ** 2)
+  shard = {"w": NamedSharding(mesh, P("pipeline", "fsdp", None)), "b": NamedSharding(mesh, P("pipeline", "fsdp"))}
+  with model_scope(ModelConfig(backend="flax"), "flax", mesh):
+    hlo = jax.jit(jax.grad(loss), in_shardings=(shard, NamedSharding(mesh, P("fsdp")))).lower(params, x).compile(
+        ).as_text()
+  ticks, per_stage = repeats * micro + stages - 1, n_layers // (stages * repeats)
+  assert _executed(hlo, "dot") == ticks * per_stage * 3
+  leaves = 2
+  want = leaves + (leaves if repeats > 1 else 0) if gather else ticks * per_stage * 3 + (leaves if repeats > 1 else 0)
+  assert _executed(hlo, "all-gather") == want
+  assert _executed(hlo, "all-to-all") == (leaves if repeats > 1 else 0)
 
 
 def test_micro_batches_are_strided_and_come_back():
@@ -90,6 +180,20 @@ def test_micro_batches_are_strided_and_come_back():
   assert bubble_fraction(1, 8) == 0 and bubble_fraction(4, 4) == 3 / 7 and bubble_fraction(4, 12) == 0.2
 
 
+def test_the_dry_run_names_the_schedule_and_its_bubble(capsys):
+  """Llama 3 70B in 4 stages over 8 nodes, 4 micro-batches: GPipe's bubble 3/7 = 43%; circular with 2 repeats
+  of 10 layers per stage 3/11 = 27%, both in the mesh line and the JSON."""
+  args = ["--dry-run", "config=llama70b", "--devices", "64", "--nodes", "8", "mesh.dcn_pipeline=4",
+          "train.grad_accum=4", "model.scan_layers=true"]
+  assert main([*args, "train.pipeline_schedule=circular", "train.pipeline_repeats=2"]) == 0
+  assert ("; 4 stages of 20 layers over 4 micro-batches (circular: 2 chunks of 10 layers per stage), bubble 27% of "
+          "a step" in capsys.readouterr().out)
+  assert main([*args, "--json", "train.pipeline_schedule=circular", "train.pipeline_repeats=2"]) == 0
+  mesh = json.loads(capsys.readouterr().out)["mesh"]
+  assert (mesh["schedule"], mesh["repeats"], mesh["bubble"]) == ("circular", 2, 3 / 11)
+  assert main(args) == 0 and "micro-batches (GPipe), bubble 43% of a step" in capsys.readouterr().out
+
+
 # ---- the configurations it cannot run ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("model,grad_accum,match", [
@@ -97,6 +201,10 @@ def test_micro_batches_are_strided_and_come_back():
                           r"mesh.dcn_pipeline=2: "),
     (dict(n_layers=8), 2, r"^train.grad_accum=2 gives fewer micro-batches than the 4 pipeline stages of "
                           r"mesh.pipeline=2 x mesh.dcn_pipeline=2; use train.grad_accum >= 4"),
+    (dict(n_layers=8), dict(grad_accum=4, pipeline_schedule="circular", pipeline_repeats=4),
+     r"^model.n_layers=8 does not split into train.pipeline_repeats=4 chunks on each of the 4 pipeline stages "
+     r"of mesh.pipeline=2 x mesh.dcn_pipeline=2 \(train.pipeline_schedule=circular\): n_layers must be a "
+     r"multiple of 16$"),
     (dict(n_layers=8, scan_layers=False), 4, r"^model.scan_layers=false: the pipeline \(mesh.pipeline=2 x "
                                              r"mesh.dcn_pipeline=2\) splits the scanned layer stack"),
     (dict(n_layers=8, precision="fp8_delayed"), 4, r"^model.precision=fp8_delayed with mesh.pipeline=2 x "
@@ -104,9 +212,10 @@ def test_micro_batches_are_strided_and_come_back():
 ])
 def test_what_a_pipeline_cannot_run_is_refused_naming_the_keys(model, grad_accum, match):
   mesh = MeshConfig(pipeline=2, dcn_pipeline=2)
+  train = TrainConfig(**grad_accum) if isinstance(grad_accum, dict) else TrainConfig(grad_accum=grad_accum)
   with pytest.raises(ConfigError, match=match):
-    check(ModelConfig(**model), TrainConfig(grad_accum=grad_accum), mesh, 4)
-  check(ModelConfig(**model), TrainConfig(grad_accum=grad_accum), mesh, 1)  # no pipeline: nothing to refuse
+    check(ModelConfig(**model), train, mesh, 4)
+  check(ModelConfig(**model), train, mesh, 1)  # no pipeline: nothing to refuse
 
 
 def test_pipeline_with_context_parallelism_is_refused_naming_the_keys():
@@ -147,11 +256,12 @@ def _batch(step: int) -> dict:
 
 
 def _train(mesh_cfg: MeshConfig, n_devices: int, grad_accum: int, model_cfg: ModelConfig = MODEL,
-           steps: int = STEPS):
+           steps: int = STEPS, repeats: int = 1, gather: bool = False):
   """`steps` real (jitted, sharded, donating) train steps with SGD: (initial params, [(loss, grad_norm)],
-  [gradients], final params), all on the host."""
+  [gradients], final params), all on the host. repeats > 1: the circular schedule; gather: FSDP once a step."""
   mesh = make_mesh(mesh_cfg, jax.devices()[:n_devices])
-  model = Transformer(model_cfg, max_segments=2, stages=mesh.shape["pipeline"], microbatches=grad_accum)
+  model = Transformer(model_cfg, max_segments=2, stages=mesh.shape["pipeline"], microbatches=grad_accum,
+                      repeats=repeats, gather_once=gather)
   optimizer = optax.chain(_recorder(), optax.sgd(LR))
   schedule = optax.constant_schedule(LR)
 
@@ -224,16 +334,20 @@ def one_device():
   return _train(MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1), 1, grad_accum=1)
 
 
-@pytest.mark.parametrize("mesh,grad_accum", [
-    (MeshConfig(pipeline=2, fsdp=4), 4),  # more micro-batches than stages, FSDP inside each stage
-    (MeshConfig(pipeline=2, data=2, fsdp=1, tensor=2), 2),  # as many micro-batches as stages, with tensor
-    (MeshConfig(pipeline=4, fsdp=2), 4),
-    (MeshConfig(pipeline=4, fsdp=1, tensor=2), 8),
+@pytest.mark.parametrize("mesh,grad_accum,repeats,gather", [
+    (MeshConfig(pipeline=2, fsdp=4), 4, 1, False),  # more micro-batches than stages, FSDP inside each stage
+    (MeshConfig(pipeline=2, data=2, fsdp=1, tensor=2), 2, 1, False),  # as many micro-batches as stages, tensor
+    (MeshConfig(pipeline=4, fsdp=2), 4, 1, True),  # the stage's weights gathered once per step
+    (MeshConfig(pipeline=4, fsdp=1, tensor=2), 8, 1, False),
+    (MeshConfig(pipeline=2, fsdp=4), 4, 2, True),  # circular: 2 chunks of 1 layer per stage, gathered once
+    (MeshConfig(pipeline=2, data=2, fsdp=1, tensor=2), 2, 2, False),  # circular with tensor, M = S
 ])
-def test_pipelined_training_equals_one_device(one_device, mesh, grad_accum):
+def test_pipelined_training_equals_one_device(one_device, mesh, grad_accum, repeats, gather):
   """Loss, gradient norm, every gradient of each of several SGD steps and the final parameters of a pipelined
-  run equal one device's (no pipeline, the whole batch at once) within float32 noise."""
-  _assert_same_training(one_device, _train(mesh, 8, grad_accum), f"{mesh} grad_accum={grad_accum}")
+  run (GPipe, or circular with 2 repeats) equal one device's (no pipeline, the whole batch at once) within
+  float32 noise."""
+  _assert_same_training(one_device, _train(mesh, 8, grad_accum, repeats=repeats, gather=gather),
+                        f"{mesh} grad_accum={grad_accum} repeats={repeats} gather={gather}")
 
 
 @pytest.mark.te
@@ -284,15 +398,17 @@ def _assert_within_bf16_error(got, ref, max_logit_norm, what):
     assert err <= np.sqrt(K_BF16) * U16 * scale, f"{what} gradient {name}: {err / scale / U16:.2f} u"
 
 
-@pytest.mark.parametrize("mesh,grad_accum", [(MeshConfig(pipeline=2, fsdp=4), 4), (MeshConfig(pipeline=4, fsdp=2), 4)])
-def test_bfloat16_pipelined_step_equals_one_device(one_device_bf16, mesh, grad_accum):
+@pytest.mark.parametrize("mesh,grad_accum,repeats", [(MeshConfig(pipeline=2, fsdp=4), 4, 1),
+                                                     (MeshConfig(pipeline=4, fsdp=2), 4, 1),
+                                                     (MeshConfig(pipeline=2, fsdp=4), 4, 2)])
+def test_bfloat16_pipelined_step_equals_one_device(one_device_bf16, mesh, grad_accum, repeats):
   """bf16 (issue 56: every pipeline equality test was float32): the loss, gradient norm and every gradient of a
   pipelined step (micro-batches over 2 or 4 stages, FSDP inside each) and of one device's bf16 step are each
   within the bf16 error model above of one device's fp32 step, so within twice it of each other."""
   ref, one, max_logit_norm = one_device_bf16
   _assert_within_bf16_error(one, ref, max_logit_norm, "one device")
-  _assert_within_bf16_error(_train(mesh, 8, grad_accum, BF16, steps=1), ref, max_logit_norm,
-                            f"{mesh} grad_accum={grad_accum}")
+  _assert_within_bf16_error(_train(mesh, 8, grad_accum, BF16, steps=1, repeats=repeats, gather=repeats > 1),
+                            ref, max_logit_norm, f"{mesh} grad_accum={grad_accum} repeats={repeats}")
 
 
 # ---- checkpoints across pipeline degrees -------------------------------------------------------------------
@@ -358,4 +474,30 @@ def test_a_checkpoint_restores_at_another_pipeline_degree(tmp_path, capsys, degr
   assert resumed[1] == whole[1] and resumed[2] == whole[2]  # the steps before the save: the same run
   # Step 3 starts from the same (restored) parameters on another schedule: the loss, a mean of 256 tokens'
   # logsumexp over V=128 (sums of positive terms), differs by the two runs' rounding, (V + tokens) ulps each.
+  np.testing.assert_allclose(resumed[3], whole[3], rtol=2 * (128 + 256) * U32)
+
+
+def test_a_circular_checkpoint_restores_at_gpipe_and_without_a_pipeline(tmp_path, capsys, degree_cache):
+  """A run saved with the circular schedule (2 stages x 2 repeats of 1 layer each: stage s runs layers s and
+  2 + s, not the block it stores) restores with every value equal at GPipe over 2 stages and at pipeline 1,
+  and resumes there with the uninterrupted circular run's loss (the same parameters; float32 noise)."""
+  circular = ["mesh.pipeline=2", "train.pipeline_schedule=circular", "train.pipeline_repeats=2",
+              "train.pipeline_gather=step"]
+  with compile_cache(degree_cache):
+    common = [*RUN, "model.n_layers=4", f"output_dir={tmp_path}"]
+    assert main([*common, "run_name=whole", *circular, "train.steps=3"]) == 0
+    assert main([*common, "run_name=r", *circular, "train.steps=2"]) == 0
+    saved, layers_saved = _restored(tmp_path / "r", [*common, "run_name=r", *circular])
+    gpipe, layers_gpipe = _restored(tmp_path / "r", [*common, "run_name=r", "mesh.pipeline=2"])
+    single, layers_single = _restored(tmp_path / "r", [*common, "run_name=r", "mesh.pipeline=1"])
+    capsys.readouterr()
+    assert main([*common, "run_name=r", "mesh.pipeline=1", "train.steps=3"]) == 0
+  assert "resumed from checkpoint step 2 " in capsys.readouterr().out
+  assert saved.keys() == gpipe.keys() == single.keys() and len(saved) > 10
+  for k in saved:
+    np.testing.assert_array_equal(gpipe[k], saved[k], err_msg=k)
+    np.testing.assert_array_equal(single[k], saved[k], err_msg=k)
+  assert (layers_saved, layers_gpipe, layers_single) == (2, 2, 4)  # stored in per-layer blocks either way
+  whole, resumed = _losses(tmp_path / "whole"), _losses(tmp_path / "r")
+  assert resumed[1] == whole[1] and resumed[2] == whole[2]
   np.testing.assert_allclose(resumed[3], whole[3], rtol=2 * (128 + 256) * U32)

@@ -4,12 +4,14 @@ FLOP weighted by a fitted 0.42, or 5.0, or compute at 57% of the peak, fails eve
 stages, the bubble, the head on every stage and the hand-offs between stages, with arithmetic written out here.
 The planner offers no fewer micro-batches than stages."""
 
+import dataclasses
+
 import pytest
 
 from maxlm import plan
 
 from maxlm.config import load_config
-from maxlm.model import flops_per_step
+from maxlm.model import count_params, flops_per_step
 from maxlm.plan.cost import step_time
 from maxlm.plan.measure import Target
 
@@ -122,3 +124,26 @@ def test_the_planner_offers_no_fewer_micro_batches_than_stages():
                      "plan.levers=train.grad_accum"])
   values = plan.lever_values(cfg, H200_64, "te")["train.grad_accum"]
   assert values == (4, 8, 16)  # 256 rows over fsdp 16: up to 16 micro-batches; a pipeline of 4 needs 4 at least
+
+
+def test_a_circular_schedule_cuts_the_bubble_and_a_gather_once_the_fsdp_traffic():
+  """Circular, V = 2 repeats over M = 4: 2 x 4 + 3 = 11 ticks, each running half a stage's layers (so the
+  layers' compute is 11/8 of the useful, the bubble 3/8 of it where GPipe's is 3/4); the hand-offs per tick as
+  GPipe's, 11 of them. train.pipeline_gather=step: the stage's layers gathered once, not at each tick."""
+  cfg = load_config([*BASE, "mesh.dcn_pipeline=4", "mesh.dcn_data=1", "mesh.dcn_fsdp=-1", "train.grad_accum=4",
+                     "train.pipeline_schedule=circular", "train.pipeline_repeats=2"])
+  t = step_time(cfg, H200_64)
+  flops = flops_per_step(cfg.model, 256, 8192)
+  head = 6 * D70 * V70 * TOKENS
+  assert t["compute_s"] == pytest.approx(((flops - head) * 11 / 8 + 4 * head) / (64 * PEAK), rel=1e-12)
+  assert t["bubble_s"] == pytest.approx((flops - head) * 3 / 8 / (64 * PEAK), rel=1e-12)
+  act = 256 / 4 / 16 * 8192 * D70 * 2
+  assert t["pipeline_s"] == pytest.approx(11 * 2 * act * (1 + 1.5) / NET, rel=1e-12)
+  # FSDP over 16 (no data, context or tensor traffic): 2 bf16 gathers and a scatter of what a device passes
+  # through, 2 (16 - 1) / 16 of it over NVLink; per tick (11 ticks of half the stage's 20 layers: 5.5 passes)
+  # or once; the embedding, head and final norm once
+  counts = count_params(cfg.model)
+  layers, other = counts["layers"] / 4, counts["total"] - counts["layers"]
+  for gather, passes in (("tick", 11 / 2), ("step", 1)):
+    c = step_time(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pipeline_gather=gather)), H200_64)
+    assert c["comm_s"] == pytest.approx(3 * (layers * passes + other) * 2 * 15 / 16 / NVLINK, rel=1e-12), gather

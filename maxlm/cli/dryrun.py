@@ -46,7 +46,7 @@ from maxlm.model import count_params, flops_per_step
 from maxlm.optim import warmup_warning
 from maxlm.runtime.devices import device_memory_bytes
 from maxlm.runtime.env import HOST_SHARE, apply_mem_fraction
-from maxlm.pipeline import bubble_fraction, check as check_pipeline
+from maxlm.pipeline import bubble_fraction, check as check_pipeline, repeats as pipeline_repeats
 from maxlm.tables import PRECISIONS, human_bytes
 from maxlm.trainer import check_batch_split
 
@@ -149,7 +149,8 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
       "mesh": {"devices": n_devices, "nodes": n_nodes, **degrees, "intra_node": ici, "inter_node": dcn,
                "context_strategy": context.resolve_strategy(cfg.mesh.context_strategy, degrees["context"],
                                                             d.seq_len, d.type != "synthetic" or bool(m.sliding_window)),
-               "bubble": bubble_fraction(degrees["pipeline"], t.grad_accum)},
+               "schedule": t.pipeline_schedule, "repeats": pipeline_repeats(t),
+               "bubble": bubble_fraction(degrees["pipeline"], t.grad_accum, pipeline_repeats(t))},
       "params": {"total": total, "embedding": embedding, "non_embedding": total - embedding,
                  "matmul": counted["matmul"]},
       "flops": {"per_token": flops / tokens, "per_step": flops, "tokens_per_step": tokens,
@@ -223,7 +224,10 @@ def render(p: dict) -> str:
       + " x ".join(f"{a} {ms[a]}" for a in AXES) + f" (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
       + (f"; attention over the context axis: {ms['context_strategy']}" if ms["context"] > 1 else "")
       + (f"; {ms['pipeline']} stages of {m['n_layers'] // ms['pipeline']} layers over {c['train']['grad_accum']} "
-         f"micro-batches (GPipe), bubble {ms['bubble']:.0%} of a step" if ms["pipeline"] > 1 else ""),
+         + ("micro-batches (GPipe)" if ms["repeats"] == 1 else
+            f"micro-batches (circular: {ms['repeats']} chunks of {m['n_layers'] // ms['pipeline'] // ms['repeats']} "
+            "layers per stage)")
+         + f", bubble {ms['bubble']:.0%} of a step" if ms["pipeline"] > 1 else ""),
       f"params  {pa['total']:,} total, {pa['non_embedding']:,} without the token embedding "
       f"({pa['embedding']:,}); {pa['matmul']:,} in matmuls (MFU convention, LM head included)",
       f"flops   {fl['per_token']:.4g} per token, {fl['per_step']:.4g} per step (6 x matmul params x tokens + "

@@ -204,6 +204,16 @@ class TrainConfig:
   """The training loop: steps, micro-batching, seed, logging, evaluation."""
   steps: int = option(600, "optimizer steps", within="[0, inf)")
   grad_accum: int = option(1, "micro-batches per step; divides data.global_batch_size", within="[1, inf)")
+  pipeline_schedule: str = option("gpipe", "with pipeline stages: gpipe (each stage one block of L/S layers; "
+                                  "bubble (S-1)/(M+S-1)) or circular (each stage pipeline_repeats chunks of "
+                                  "layers, every micro-batch loops the stages that many times; bubble "
+                                  "(S-1)/(V*M+S-1), n_layers divisible by S*V)", choices=("gpipe", "circular"))
+  pipeline_repeats: int = option(2, "circular pipeline schedule: V, the layer chunks per stage (virtual stages "
+                                 "per device); ignored by gpipe", within="[2, inf)")
+  pipeline_gather: str = option("tick", "with pipeline stages and FSDP: gather a stage's weights at every tick "
+                                "(tick: least memory) or once per step (step: a stage's L/S layers and their "
+                                "gradient sum held whole for the step, fsdp-fold fewer gathers)",
+                                choices=("tick", "step"))
   seed: int = option(0, "parameter-initialization / RNG seed", within=SEED_RANGE)
   log_every: int = option(50, "steps between progress lines and metrics rows", within="[1, inf)")
   eval_every: int = option(100, "0 = no eval (also none when the data has no eval split)", within="[0, inf)")

@@ -18,11 +18,12 @@ fitted to a run:
 A roofline is a bound: real steps are slower (the 8B on one H200 ran at 57% of the compute term) and by
 different factors for different settings; the times are for ordering, and the GPUs at hand measure.
 
-With pipeline stages (maxlm/pipeline.py, GPipe): every stage computes at each of the M + S - 1 ticks, M of them
-useful (the bubble, `bubble_s`); the LM head runs on every stage for the whole batch; a stage's FSDP gathers its
-own layers once per tick; and each tick hands one micro-batch's activations to the next stage and sums the last
-stage's output over the pipeline axis, forward and backward (`pipeline_s`, at network bandwidth when the stages
-span nodes), on the critical path between ticks.
+With pipeline stages (maxlm/pipeline.py; V = 1 for GPipe, train.pipeline_repeats for circular): every stage
+computes 1/V of its layers at each of the V M + S - 1 ticks, V M of them useful (the bubble, `bubble_s`); the LM
+head runs on every stage for the whole batch; a stage's FSDP gathers the layers of each tick
+(train.pipeline_gather=tick) or its own layers once (step); and each tick hands one micro-batch's activations to
+the next stage and sums the last stage's output over the pipeline axis, forward and backward (`pipeline_s`, at
+network bandwidth when the stages span nodes), on the critical path between ticks.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from maxlm.config import Config
 from maxlm.mesh import AXES, mesh_shape
 from maxlm.model import count_params, flops_per_step
 from maxlm.plan import sizing
+from maxlm.pipeline import repeats as pipeline_repeats
 from maxlm.plan.measure import Target
 from maxlm.tables import DEFAULT_GPU, REMATS, gpu, gpu_named
 
@@ -88,17 +90,20 @@ def step_time(cfg: Config, target: Target) -> dict:
   passes, bubble, handoff = a, 0.0, 0.0
   if stages > 1:
     head = 6.0 * m.d_model * m.vocab_size * d.global_batch_size * d.seq_len  # in flops_per_step's matmuls
-    passes = a + stages - 1  # ticks; the head's work is done by every stage, on the whole batch
-    bubble = (work - head) * (stages - 1) / a / (n * peak)
+    v = pipeline_repeats(cfg.train)
+    ticks = v * a + stages - 1  # each running 1/V of a stage's layers on one micro-batch
+    passes = ticks / v  # the stage's layers run this often; the head's work is done by every stage, whole batch
+    bubble = (work - head) * (stages - 1) / (v * a) / (n * peak)
     work = (work - head) * passes / a + head * stages
     rows = d.global_batch_size / a / (deg["data"] * deg["fsdp"])  # a micro-batch's rows per device
     act = rows * (d.seq_len // deg["context"]) * m.d_model * (4 if m.dtype == "float32" else 2)  # [B/M, T/cp, D]
     across = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)[1][AXES.index("pipeline")] > 1
     # per tick, forward and backward: the hand-off (a collective-permute) and the last stage's output summed
     # over the stages (an all-reduce: 2 (S - 1) / S of it through each device)
-    handoff = passes * 2 * act * (1 + 2 * (stages - 1) / stages) / (net if across else link)
+    handoff = ticks * 2 * act * (1 + 2 * (stages - 1) / stages) / (net if across else link)
   compute = work / (n * peak)
-  gathered = (layers * passes + other * (1 if stages > 1 else a)) / deg["tensor"]  # FSDP gathers, per device
+  once = stages > 1 and cfg.train.pipeline_gather == "step"
+  gathered = (layers * (1 if once else passes) + other * (1 if stages > 1 else a)) / deg["tensor"]  # per device
   fsdp = 3 * gathered * 2 * (deg["fsdp"] - 1) / deg["fsdp"] / link  # 2 gathers (bf16) + scatter
   bw = net if target.n_nodes > 1 else link
   data = 2 * 4 * held / shards * (deg["data"] - 1) / deg["data"] / bw  # fp32 all-reduce

@@ -2,10 +2,11 @@
 not speed: XLA:CPU's simulated devices share the host's cores, so a split step only adds work here).
 
 One process, `--xla_force_host_platform_device_count=8`. For each arm: the trainer's own pieces (train state
-initialized into its shards, `make_train_step` with AdamW, `CompiledStep` with explicit shardings, the scope of
-mesh + logical rules), a flax-backend model, synthetic batches (unpacked, or packed rows of random documents with
---packed); the compile time and the median wall time of --steps steps after the first, and the last step's loss
-against the unsharded arm's (they agree to float32 rounding: tests/test_sharding.py derives the bound). Arms:
+initialized into its shards, the train step with AdamW and explicit shardings, the scope of mesh + logical rules:
+maxlm/build.py `build_step`, as the trainer builds them), a flax-backend model, synthetic batches (unpacked, or
+packed rows of random documents with --packed); the compile time and the median wall time of --steps steps after
+the first, and the last step's loss against the unsharded arm's (they agree to float32 rounding:
+tests/test_sharding.py derives the bound). Arms:
   unsharded     1 device
   fsdp8         8 devices, FSDP only (what the split costs on these simulated devices without CP)
   cpN_STRATEGY  mesh.context=N (the rest on fsdp), mesh.context_strategy=STRATEGY
@@ -30,16 +31,9 @@ import jax
 import numpy as np
 
 from maxlm.runtime import env as runtime
-from maxlm.config import MeshConfig, ModelConfig, OptimConfig
-from maxlm.data import BATCH_KEYS
+from maxlm.build import build_step
+from maxlm.config import CompileConfig, Config, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from maxlm.mesh import make_mesh
-from maxlm.model import Transformer
-from maxlm.optim import make_optimizer
-from maxlm.scope import model_scope
-from maxlm.sharding import batch_sharding, replicated
-from maxlm.build import CompiledStep
-from maxlm.step import make_train_step
-from maxlm.train_state import create_train_state
 
 MODEL = ModelConfig(vocab_size=1024, d_model=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, ffn_dim=384,
                     dtype="float32", remat="none", backend="flax")
@@ -65,16 +59,12 @@ def batch_of(rng, b: int, t: int, packed: bool) -> dict:
 def run_arm(name: str, seq: int, batch: int, steps: int, packed: bool) -> dict:
   mesh_cfg, n = ARMS[name]
   mesh = make_mesh(mesh_cfg, jax.devices()[:n])
-  model = Transformer(MODEL, max_segments=seq, context_strategy=mesh_cfg.context_strategy)
-  optimizer, schedule = make_optimizer(OptimConfig(warmup_steps=0, learning_rate=1e-3), steps + 1)
-
-  def scope():
-    return model_scope(MODEL, "flax", mesh)
-  with scope():
-    state, shardings = create_train_state(model, optimizer, mesh, seed=0, batch=batch, seq_len=seq)
-  bs = batch_sharding(mesh)
-  step = CompiledStep(make_train_step(model, optimizer, schedule, packed=packed), shardings,
-                  {k: bs for k in BATCH_KEYS}, scope, metrics_sharding=replicated(mesh))
+  cfg = Config(model=MODEL, mesh=mesh_cfg, optim=OptimConfig(warmup_steps=0, learning_rate=1e-3),
+               data=DataConfig(type="text" if packed else "synthetic", seq_len=seq, global_batch_size=batch,
+                               max_segments_per_row=seq),  # a type other than synthetic: packed rows
+               train=TrainConfig(steps=steps + 1, seed=0), compile=CompileConfig(warm_start=False))
+  built = build_step(cfg, mesh)
+  state, step, bs = built.state, built.train_step, built.batch_sharding
   rng = np.random.default_rng(0)
   batches = [{k: jax.device_put(v, bs) for k, v in batch_of(rng, batch, seq, packed).items()}
              for _ in range(steps + 1)]

@@ -37,18 +37,12 @@ runtime.size_cpu_pool()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from maxlm.config import MeshConfig, ModelConfig, OptimConfig  # noqa: E402
+from maxlm.build import build_step  # noqa: E402
+from maxlm.config import CompileConfig, Config, DataConfig, MeshConfig, ModelConfig, OptimConfig  # noqa: E402
+from maxlm.config import TrainConfig  # noqa: E402
 from maxlm.mesh import make_mesh  # noqa: E402
-from maxlm.model import Transformer  # noqa: E402
-from maxlm.optim import make_optimizer  # noqa: E402
 from maxlm.pipeline import bubble_fraction  # noqa: E402
-from maxlm.scope import model_scope  # noqa: E402
-from maxlm.sharding import batch_sharding, replicated  # noqa: E402
-from maxlm.build import CompiledStep  # noqa: E402
-from maxlm.step import make_train_step  # noqa: E402
-from maxlm.train_state import create_train_state  # noqa: E402
 
-KEYS = ("inputs", "targets", "segment_ids", "positions")
 ARMS = {"unsharded (1 device)": (MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1), 1),
         "fsdp 8": (MeshConfig(pipeline=1, fsdp=8), DEVICES),
         "pipeline 2 x fsdp 4": (MeshConfig(pipeline=2, fsdp=4), DEVICES),
@@ -70,17 +64,12 @@ def arm(name: str, cfg: ModelConfig, micro: int, data: list[dict]) -> dict:
   mesh_cfg, n = ARMS[name]
   mesh = make_mesh(mesh_cfg, jax.devices()[:n])
   stages = mesh.shape["pipeline"]
-  model = Transformer(cfg, stages=stages, microbatches=micro)
-  optimizer, schedule = make_optimizer(OptimConfig(warmup_steps=0, learning_rate=1e-3), len(data))
   b, t = data[0]["inputs"].shape
-
-  def scope():
-    return model_scope(cfg, cfg.backend, mesh)
-  with scope():
-    state, shardings = create_train_state(model, optimizer, mesh, seed=0, batch=b // micro, seq_len=t)
-  bs = batch_sharding(mesh)
-  step = CompiledStep(make_train_step(model, optimizer, schedule, grad_accum=micro), shardings, {k: bs for k in KEYS},
-                  scope, metrics_sharding=replicated(mesh))
+  run = Config(model=cfg, mesh=mesh_cfg, optim=OptimConfig(warmup_steps=0, learning_rate=1e-3),
+               data=DataConfig(type="synthetic", seq_len=t, global_batch_size=b),
+               train=TrainConfig(steps=len(data), grad_accum=micro, seed=0), compile=CompileConfig(warm_start=False))
+  built = build_step(run, mesh)  # the trainer's builder: model, optimizer, state in its shards, the jitted step
+  state, step, bs = built.state, built.train_step, built.batch_sharding
   losses, times = [], []
   for i, batch in enumerate(data):
     batch = {k: jax.device_put(v, bs) for k, v in batch.items()}

@@ -74,12 +74,18 @@ class CompiledStep:
   def __init__(self, step: Callable, state_shardings, batch_shardings,
                scope: Callable[[], contextlib.AbstractContextManager], *, donate: bool = True, metrics_sharding=None,
                compiler: Callable | None = None, name: str = "train_step"):
-    self.jitted = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
-                          out_shardings=(state_shardings, metrics_sharding) if donate else metrics_sharding,
-                          donate_argnums=(0,) if donate else ())
+    self.fn, self.donate = step, donate
+    self.jitted = self.jitted_with(state_shardings, batch_shardings, metrics_sharding)
     self.scope, self.compiler, self.name = scope, compiler, name
     self.executable = self.compiled_memory_gb = self.lower_s = self.compile_s = self.background_s = None
     self.loaded = False
+
+  def jitted_with(self, state_shardings, batch_shardings, metrics_sharding):
+    """This step jitted with these shardings (the run's, or the planner's: its state in host memory over an
+    AbstractMesh, maxlm/plan/target.py `compile_in_host_memory`); the state donated as this step donates it."""
+    return jax.jit(self.fn, in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, metrics_sharding) if self.donate else metrics_sharding,
+                   donate_argnums=(0,) if self.donate else ())
 
   def lower(self, state, batch):
     """The step traced and lowered for these arguments (arrays, or ShapeDtypeStructs carrying their shardings)."""

@@ -261,69 +261,109 @@ def forward_params(params, cfg: ModelConfig, cast_once: bool, host_params: bool)
   return jax.tree_util.tree_map_with_path(cast, params)
 
 
+# The train step is composed of parts, each a plain function tested alone (tests/test_step.py):
+#   loss_and_grad   the one pure loss-and-gradient function (the loss scaled by an fp16 loss scale, when given)
+#   accumulated     the same over train.grad_accum micro-batches, one after the other (lax.scan), summed
+#   averaged        the sums over the tokens, a loss scale undone
+#   guarded_update  the optimizer's update where the step is finite, else the state as it was ("cond", the run's;
+#                   "select", a what-if for the planner's measurements: a parameter of build_step)
+# and forward_params (the parameters as forward and backward read them: cast once, or brought from host memory).
+# A pipelined model (maxlm/pipeline.py) cuts the batch into its micro-batches itself: in flight together, not
+# accumulated one after the other.
+
+
+def loss_and_grad(model: nn.Module, packed: bool) -> Callable:
+  """`fn(cparams, model_state, batch, scale, master) -> ((grads, new_model_state), (loss_sum, count))`: the summed
+  next-token loss of `batch` and its gradients with respect to `cparams` (the parameters as the passes read them)
+  and the model's state (TE's FP8 state: its "gradient" is its update), the loss times `scale` where one is given
+  (fp16), each gradient in its master parameter's dtype (`master`: the train state's params)."""
+  loss_fn = _forward_loss(model, packed)
+
+  def summed(p, s, b, scale):
+    loss, n = loss_fn(p, s, b, scale)
+    return loss if scale is None else loss * scale, (loss, n)
+  grad_fn = jax.grad(summed, argnums=(0, 1), has_aux=True)
+
+  def fn(cparams, model_state, batch, scale, master):
+    (g, new_s), aux = grad_fn(cparams, model_state, batch, scale)
+    return (jax.tree_util.tree_map(lambda gi, pi: gi.astype(pi.dtype), g, master), new_s), aux
+  return fn
+
+
+def accumulated(fn: Callable, grad_accum: int, host_params: bool) -> Callable:
+  """`fn` (loss_and_grad's form) over `grad_accum` micro-batches of the batch, one after the other: gradients,
+  losses and token counts summed, the model's state threaded through; `fn` itself for one. The gradient sum lives
+  in device memory (host_params: shaped as the parameters on the device, in the master dtype)."""
+  if grad_accum == 1:
+    return fn
+
+  def acc(cparams, model_state, batch, scale, master):
+    def one(carry, mb):
+      grad_sum, ms, loss_sum, count = carry
+      (g, new_ms), (loss, n) = fn(cparams, ms, mb, scale, master)
+      return (jax.tree_util.tree_map(jnp.add, grad_sum, g), new_ms, loss_sum + loss, count + n), None
+    zeros = (jax.tree_util.tree_map(lambda c, p: jnp.zeros_like(c, p.dtype), cparams, master) if host_params
+             else jax.tree_util.tree_map(jnp.zeros_like, master))  # in device memory
+    carry = (zeros, model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    micro_batches = jax.tree_util.tree_map(
+        lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)  # [A, B/A, T]
+    (grad_sum, new_ms, loss_sum, count), _ = jax.lax.scan(one, carry, micro_batches)
+    return (grad_sum, new_ms), (loss_sum, count)
+  return acc
+
+
+def averaged(grad_sum, loss_sum, count, scale):
+  """(gradients, loss, tokens) per token: the sums over the tokens divided by their count (at least 1), a loss
+  scale undone (it is a power of 2: exact); each gradient keeps its dtype (bf16 master weights too)."""
+  count = jnp.maximum(count, 1.0)
+  denom = count if scale is None else count * scale  # fp32
+  return jax.tree_util.tree_map(lambda g: (g / denom).astype(g.dtype), grad_sum), loss_sum / count, count
+
+
+def guarded_update(optimizer: optax.GradientTransformation, guard: str = "cond") -> Callable:
+  """`update(finite, grads, params, opt_state, new_model_state, model_state) -> (params, opt_state, model_state)`:
+  the optimizer's update and the model's new state where `finite`, else all three as they were. guard "cond": a
+  conditional (the skip costs nothing when the update is finite; a select reads and writes the params and both
+  Adam moments once more); "select": both branches, chosen leaf by leaf (the planner's what-if, maxlm/plan/
+  standins.py `for_gpu_step`: what XLA:GPU's memory would be if it kept no copy under the conditional)."""
+  if guard not in ("cond", "select"):
+    raise ValueError(f"guard must be cond or select, got {guard!r}")
+
+  def update(finite, grads, params, opt_state, new_model_state, model_state):
+    def apply(_):
+      return (*apply_updates(optimizer, grads, opt_state, params), new_model_state)
+
+    def skip(_):
+      return params, opt_state, model_state
+    if guard == "select":
+      return jax.tree.map(lambda a, b: _select(finite, a, b), apply(None), skip(None))
+    return jax.lax.cond(finite, apply, skip, None)
+  return update
+
+
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                     *, grad_accum: int = 1, packed: bool = False, guard: str = "cond") -> Callable:
-  """`step(state, batch) -> (state, metrics)`; batch arrays are [B, T] with B = global batch. guard: how a
-  non-finite step keeps the old state: "cond" (the run's), or "select" of both branches leaf by leaf (a what-if
-  for the planner's measurements only, maxlm/plan/standins.py `for_gpu_step`)."""
-  loss_fn = _forward_loss(model, packed)
+  """`step(state, batch) -> (state, metrics)`; batch arrays are [B, T] with B = global batch: the parts above,
+  composed. guard: `guarded_update`'s."""
   cfg = model.cfg
   cast_once = cfg.cast_params_once and not PRECISIONS[cfg.precision].quantized  # GEMMs all in the compute dtype
-  if getattr(model, "stages", 1) > 1:  # a pipelined model (maxlm/pipeline.py) cuts the batch into its
-    grad_accum = 1  # micro-batches itself: they are in flight together, not one after the other
+  pipelined = getattr(model, "stages", 1) > 1  # its micro-batches are the pipeline's (see the comment above)
+  grads_of, update = loss_and_grad(model, packed), guarded_update(optimizer, guard)
 
   def step(state: TrainState, batch):
     params = state.params  # optim.offload=host_params: in host memory, read and rewritten by the streamed update
     ls = state.loss_scale  # fp16: differentiate loss * scale (maxlm/loss_scale.py); else None
     scale = None if ls is None else ls.scale
     host_params = in_host_memory(params)
-
-    def summed(p, s, b):
-      loss, n = loss_fn(p, s, b, scale)
-      return loss if scale is None else loss * scale, (loss, n)
-
     cparams = forward_params(params, cfg, cast_once, host_params)
-    grad_fn = jax.grad(summed, argnums=(0, 1), has_aux=True)
-
-    def vg(p, s, b):
-      (g, new_s), aux = grad_fn(p, s, b)
-      return (jax.tree_util.tree_map(lambda gi, pi: gi.astype(pi.dtype), g, params), new_s), aux
-
-    def one(carry, mb):
-      grad_sum, model_state, loss_sum, count = carry
-      (g, new_state), (loss, n) = vg(cparams, model_state, mb)
-      return (jax.tree_util.tree_map(jnp.add, grad_sum, g), new_state, loss_sum + loss, count + n), None
-
-    if grad_accum == 1:
-      (grad_sum, new_model_state), (loss_sum, count) = vg(cparams, state.model_state, batch)
-    else:
-      zeros = (jax.tree_util.tree_map(lambda c, p: jnp.zeros_like(c, p.dtype), cparams, params) if host_params
-               else jax.tree_util.tree_map(jnp.zeros_like, params))  # in device memory
-      carry = (zeros, state.model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-      micro_batches = jax.tree_util.tree_map(
-          lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)  # [A, B/A, T]
-      (grad_sum, new_model_state, loss_sum, count), _ = jax.lax.scan(one, carry, micro_batches)
-    count = jnp.maximum(count, 1.0)
-    denom = count if scale is None else count * scale  # fp32; the scale is a power of 2
-    grads = jax.tree_util.tree_map(lambda g: (g / denom).astype(g.dtype), grad_sum)  # keeps bf16 master weights' dtype
-    loss = loss_sum / count
+    fn = accumulated(grads_of, 1 if pipelined else grad_accum, host_params)
+    (grad_sum, new_model_state), (loss_sum, count) = fn(cparams, state.model_state, batch, scale, params)
+    grads, loss, count = averaged(grad_sum, loss_sum, count, scale)
     grad_norm = optax.tree.norm(grads)
     loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
     finite = loss_finite & grads_finite
-
-    # A conditional rather than a select over every parameter: the skip costs nothing when the
-    # update is finite (a select reads and writes params and both Adam moments once more).
-    def apply_update(_):
-      return (*apply_updates(optimizer, grads, state.opt_state, params), new_model_state)
-
-    def skip_update(_):
-      return params, state.opt_state, state.model_state
-
-    if guard == "select":
-      new_params, new_opt_state, new_model_state = jax.tree.map(
-          lambda a, b: _select(finite, a, b), apply_update(None), skip_update(None))
-    else:
-      new_params, new_opt_state, new_model_state = jax.lax.cond(finite, apply_update, skip_update, None)
+    new_params, new_opt_state, new_model_state = update(finite, grads, params, state.opt_state, new_model_state,
+                                                        state.model_state)
     # Under loss scaling an overflow of the scaled gradients (finite loss) is the scale's business: it
     # halves and counts the skip in overflow_steps. Only a non-finite loss counts as a non-finite step.
     nonfinite = ~finite if ls is None else ~loss_finite

@@ -18,8 +18,9 @@ from maxlm.layers import FP8_COLLECTION, PrecisionError, check_precision, precis
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
-from maxlm.step import (cast_matmul_weights, chunked_token_losses, forward_params, fp8_chunked_head,
-                        make_eval_step, make_train_step, pow2_scale, quantize, token_losses, use_chunked_loss)
+from maxlm.step import (accumulated, averaged, cast_matmul_weights, chunked_token_losses, forward_params,
+                        fp8_chunked_head, guarded_update, loss_and_grad, make_eval_step, make_train_step, pow2_scale,
+                        quantize, token_losses, use_chunked_loss)
 from maxlm.train_state import abstract_state, create_train_state
 
 MODEL = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
@@ -313,6 +314,73 @@ def test_the_guard_as_a_select_gives_the_conds_states_and_traces_no_cond():
       jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                              got["select"][0], got["cond"][0])
     assert " cond[" in jaxprs["cond"] and " cond[" not in jaxprs["select"]
+
+
+# ---- the step's parts, each alone ----------------------------------------------------------------------
+
+def _parts_setup():
+  state, _, model = setup(b=8)
+  with jax.set_mesh(MESH), precision_scope("bf16", MODEL.backend, MODEL.fp8_amax_history_len):
+    yield state, model
+
+
+def test_loss_and_grad_scales_the_loss_and_keeps_the_master_dtypes():
+  """A loss scale of 8 (a power of 2, as fp16's dynamic scale always is) multiplies every gradient by exactly 8
+  and leaves the reported loss and token count alone; each gradient comes back in its master parameter's dtype."""
+  for state, model in _parts_setup():
+    fn = jax.jit(loss_and_grad(model, packed=False))
+    bt = padded_batch(seed=3, b=8)
+    (g1, _), (loss1, n1) = fn(state.params, state.model_state, bt, None, state.params)
+    (g8, _), (loss8, n8) = fn(state.params, state.model_state, bt, jnp.float32(8.0), state.params)
+    assert float(loss1) == float(loss8) and float(n1) == float(n8) == bt["segment_ids"].astype(bool).sum()
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a) * 8, np.asarray(b)), g1, g8)
+    assert all(a.dtype == p.dtype for a, p in zip(jax.tree.leaves(g1), jax.tree.leaves(state.params)))
+
+
+def test_accumulated_sums_what_a_loop_over_the_micro_batches_gives():
+  """accumulated(fn, 4) against the same fn called on each quarter of the batch in a Python loop, summed here:
+  the same float32 additions in the same order, so equal to the last bit; and the model's state threaded."""
+  for state, model in _parts_setup():
+    fn = loss_and_grad(model, packed=False)
+    bt = padded_batch(seed=4, b=8)
+    (got, _), (loss, n) = jax.jit(accumulated(fn, 4, host_params=False))(
+        state.params, state.model_state, bt, None, state.params)
+    want, loss_want, n_want = None, 0.0, 0.0
+    for i in range(4):
+      mb = {k: v[2 * i:2 * i + 2] for k, v in bt.items()}
+      (g, _), (li, ni) = jax.jit(fn)(state.params, state.model_state, mb, None, state.params)
+      want = g if want is None else jax.tree_util.tree_map(jnp.add, want, g)
+      loss_want, n_want = loss_want + li, n_want + ni
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
+    assert float(loss) == float(loss_want) and float(n) == float(n_want)
+    assert accumulated(fn, 1, host_params=False) is fn  # one micro-batch: the function itself
+
+
+def test_averaged_by_hand():
+  grads, loss, count = averaged({"w": jnp.array([3.0, -6.0], jnp.float32)}, jnp.float32(9.0), jnp.float32(3.0), None)
+  assert grads["w"].tolist() == [1.0, -2.0] and float(loss) == 3.0 and float(count) == 3.0
+  grads, loss, _ = averaged({"w": jnp.array([24.0], jnp.bfloat16)}, jnp.float32(9.0), jnp.float32(3.0),
+                            jnp.float32(4.0))  # the scale undone from the gradients only: the loss is unscaled
+  assert grads["w"].dtype == jnp.bfloat16 and grads["w"].tolist() == [2.0] and float(loss) == 3.0
+  _, _, count = averaged({"w": jnp.zeros(1)}, jnp.float32(0.0), jnp.float32(0.0), None)
+  assert float(count) == 1.0  # no valid token: divided by 1, not 0
+
+
+@pytest.mark.parametrize("guard", ["cond", "select"])
+def test_guarded_update_applies_a_finite_step_and_keeps_the_state_otherwise(guard):
+  """guarded_update against optax's own update written here (SGD, lr 0.5: p - 0.5 g) and against the state as it
+  was; the model's state taken from the step only where finite."""
+  opt = optax.sgd(0.5)
+  params = {"w": jnp.array([1.0, 2.0])}
+  opt_state = opt.init(params)
+  grads = {"w": jnp.array([0.5, -1.0])}
+  update = jax.jit(guarded_update(opt, guard))
+  new_p, _, ms = update(jnp.bool_(True), grads, params, opt_state, {"m": jnp.ones(1)}, {"m": jnp.zeros(1)})
+  assert new_p["w"].tolist() == [0.75, 2.5] and ms["m"].tolist() == [1.0]
+  old_p, _, ms = update(jnp.bool_(False), grads, params, opt_state, {"m": jnp.ones(1)}, {"m": jnp.zeros(1)})
+  assert old_p["w"].tolist() == [1.0, 2.0] and ms["m"].tolist() == [0.0]
+  with pytest.raises(ValueError, match="guard"):
+    guarded_update(opt, "maybe")
 
 
 # ---- FP8 -------------------------------------------------------------------------------------------

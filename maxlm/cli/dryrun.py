@@ -201,6 +201,13 @@ def start_up_limits(cfg: Config, limits: list, planned_s: float | None) -> dict:
           "its time expected from the compiles before it (maxlm/plan/clock.py)"}
 
 
+def _watchdog_line(wd: dict) -> str:
+  made = (f"the {len(wd['plan_compiles_s'])} compiles here {', '.join(f'{x:g}' for x in wd['plan_compiles_s'])} s; "
+          if wd["plan_compiles_s"] else "")
+  return (f"watchdog start-up limits (where train.watchdog is on): planner compiles: {made}{wd['plan_compile_rule']}; "
+          f"the first step {wd['first_step_s']:g} s ({wd['first_step_how']})")
+
+
 def render(p: dict) -> str:
   """The plan as text, one topic per block."""
   c, m, ms, pa, fl, mem, da = (p["config"], p["config"]["model"], p["mesh"], p["params"], p["flops"], p["memory"],
@@ -272,12 +279,8 @@ def render(p: dict) -> str:
     lines.append(f"        the run reads {da['epochs']:.3g} x the corpus ({da['corpus_tokens']:,} tokens)")
   if "tokenizer" in da:
     lines.append(f"        tokenizer {da['tokenizer']}; eval: {da['eval']}")
-  wd = p.get("watchdog")
-  if wd:
-    made = (f"the {len(wd['plan_compiles_s'])} compiles here {', '.join(f'{x:g}' for x in wd['plan_compiles_s'])} s; "
-            if wd["plan_compiles_s"] else "")
-    lines.append(f"watchdog start-up limits (where train.watchdog is on): planner compiles: {made}"
-                 f"{wd['plan_compile_rule']}; the first step {wd['first_step_s']:g} s ({wd['first_step_how']})")
+  if p.get("watchdog"):
+    lines.append(_watchdog_line(p["watchdog"]))
   ph = p["precision_here"]
   if not ph["ok"]:
     lines.append(f"note    model.precision={m['precision']} does not run on this machine (supported here: "

@@ -186,7 +186,6 @@ def compile_in_host_memory(built, offload: str):
   structs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), built.state, shardings)
   bs = NamedSharding(am, built.batch_sharding.spec)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bs) for k, v in built.batch_structs().items()}
-  jitted = jax.jit(built.train_step.jitted.__wrapped__, in_shardings=(shardings, {k: bs for k in batch}),
-                   out_shardings=(shardings, NamedSharding(am, PartitionSpec())), donate_argnums=(0,))
+  jitted = built.train_step.jitted_with(shardings, {k: bs for k in batch}, NamedSharding(am, PartitionSpec()))
   with built.scope():
     return jitted.lower(structs, batch).compile()

@@ -134,8 +134,8 @@ def test_planned_program_has_the_context_exchange(strategy, cp):
   got = json.loads(child.stdout.splitlines()[-1])
   assert _kv_only(got["standin"]) == exchange_by_hand(strategy, cp), got
   # the trainer's program moves the same K/V blocks the same number of times (XLA:CPU computes its bf16 in f32)
-  as_f32 = lambda counts: {re.sub(r" \w+\[", " [", k): n for k, n in _kv_only(counts).items()}  # noqa: E731
+  as_f32 = lambda counts: {re.sub(r" \w+\[", " [", k): n for k, n in _kv_only(counts).items()}
   assert as_f32(got["standin"]) == as_f32(got["real"]), got
   # and passes (or gathers) segment ids and positions with them, as many times as the real attention
-  ids = lambda counts: sum(n for k, n in counts.items() if k.split()[1].startswith("s32"))  # noqa: E731
+  ids = lambda counts: sum(n for k, n in counts.items() if k.split()[1].startswith("s32"))
   assert ids(got["standin"]) == ids(got["real"]) > 0, got

@@ -77,7 +77,9 @@ def _gathered_standin(q, k, v, seg, pos, *, name: str, cp: int):
   """The all-gather strategy's exchange (K/V gathered in their dtype, their gradients reduce-scattered in
   float32), the gathered blocks summed to the local length for the stand-in (its gradient a broadcast)."""
   kg, vg, sg, pg = context.gather_exchange(k, v, seg, pos, name, dtype=k.dtype)  # [B, T, KV, Dh], [B, T]
-  fold = lambda a: a.reshape(a.shape[0], cp, -1, *a.shape[2:]).sum(1)  # [B, T / cp, ...]  # noqa: E731
+  def fold(a):  # [B, T, ...] -> [B, T / cp, ...]
+    return a.reshape(a.shape[0], cp, -1, *a.shape[2:]).sum(1)
+
   keep = jnp.any((sg.reshape(sg.shape[0], cp, -1) > 0) & (pg.reshape(pg.shape[0], cp, -1) >= 0), axis=1)
   out = _fused_standin(q, fold(kg), fold(vg))  # [B, T / cp, H, Dh]
   return jnp.where(keep[..., None, None], out, jnp.zeros((), out.dtype))

@@ -3,6 +3,7 @@
 XLA:GPU; an f32 fallback that says so; remat policies keep the rounded GEMM results)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -67,3 +68,74 @@ def test_standin_attention_has_attentions_shapes_and_gradients():
   grads = jax.eval_shape(jax.grad(f, argnums=(0, 1, 2)), q, kv, kv)
   assert (out.shape, out.dtype) == (q.shape, q.dtype)
   assert [(g.shape, g.dtype) for g in grads] == [(q.shape, q.dtype), (kv.shape, kv.dtype), (kv.shape, kv.dtype)]
+
+
+# In a child on 8 simulated CPU devices: the context exchange of a tiny model's step, as the planner compiles it
+# (`compile_step(fused_attention=True)`: the stand-in, bf16 kept) and, with "real", as the trainer does (the
+# pure-JAX context-parallel attention, maxlm/layers/context.py; XLA:CPU computes its bf16 in f32): the
+# collectives over the context axis (groups of cp devices; a permute's pairs) that move K or V (4-D) or their segment ids and
+# positions (s32), by "kind dtype[shape]", counted per step (scanned layers times their trip count).
+EXCHANGE_CHILD = r"""
+import collections, json, re, sys
+from maxlm.build import build_step
+from maxlm.config import load_config
+from maxlm.mesh import make_mesh
+from maxlm.plan import collectives
+from maxlm.plan import measure as plan_measure
+
+def exchange(text, cp):
+  types = dict(re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([a-z0-9]+\[[\d,]*\])", text, re.M))
+  out = collections.Counter()
+  for op in collectives.parse(text, n_devices=8):
+    kind = types.get(op.name, "?")
+    if op.group == (2 if op.kind == "collective-permute" else cp) and (kind.count(",") == 3 or kind.startswith("s32")):
+      out[f"{op.kind} {kind}"] += op.times
+  return out
+
+cfg = load_config(sys.argv[2:])
+res = {"standin": exchange(plan_measure.compile_step(cfg, fused_attention=True)[0].as_text(), cfg.mesh.context)}
+if sys.argv[1] == "real":
+  built = build_step(cfg, make_mesh(cfg.mesh), abstract=True)
+  res["real"] = exchange(built.train_step.lower(built.state, built.batch_structs()).compile().as_text(),
+                         cfg.mesh.context)
+print(json.dumps(res))
+"""
+
+
+def exchange_by_hand(strategy: str, cp: int, layers=2, batch=8, seq=128, kv=2, dh=32, devices=8) -> dict:
+  """The K/V collectives of one step of a `layers`-layer model, batch x seq tokens, kv heads of dh, on `devices`
+  as cp (context) x devices / cp (fsdp, which splits the batch), the model's dtype bf16. Each layer's forward
+  exchange runs twice per step: in the forward, and again in the backward, where JAX's AD of the shard_map
+  recomputes the forward inside it (the jaxpr shows it, for the real attention as for the stand-in)."""
+  b = batch // (devices // cp)  # rows per device
+  if strategy == "ring":
+    # cp - 1 passes of the bf16 K and V blocks forward (x 2, above), and of their bf16 cotangents backward
+    return {f"collective-permute bf16[{b},{seq // cp},{kv},{dh}]": layers * 2 * (cp - 1) * 3}
+  # K and V gathered in bf16 (x 2, above), their float32 cotangents reduce-scattered once. Per device the whole
+  # batch: XLA partitions the gather inside the shard_map (only the context axis manual) with the batch
+  # replicated over fsdp, in the real attention as in the stand-in (the ring's permutes keep it split)
+  return {f"all-gather bf16[{batch},{seq},{kv},{dh}]": layers * 2 * 2,
+          f"reduce-scatter f32[{batch},{seq // cp},{kv},{dh}]": layers * 2}
+
+
+def _kv_only(counts: dict) -> dict:
+  return {k: n for k, n in counts.items() if not k.split()[1].startswith("s32")}
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_planned_program_has_the_context_exchange(strategy, cp):
+  # the stand-in used to leave the exchange out: a ring step compiled with it had 0 collective-permutes
+  args = ["model.backend=flax", "model.dtype=bfloat16", "data.type=synthetic", "data.seq_len=128",
+          "data.global_batch_size=8", f"mesh.context={cp}", f"mesh.fsdp={8 // cp}", f"mesh.context_strategy={strategy}"]
+  child = subprocess.run([sys.executable, "-c", EXCHANGE_CHILD, "real", *args], env=plan_measure.simulated_env(8),
+                         capture_output=True, text=True, timeout=600, check=False)
+  assert child.returncode == 0, child.stderr[-3000:]
+  got = json.loads(child.stdout.splitlines()[-1])
+  assert _kv_only(got["standin"]) == exchange_by_hand(strategy, cp), got
+  # the trainer's program moves the same K/V blocks the same number of times (XLA:CPU computes its bf16 in f32)
+  as_f32 = lambda counts: {re.sub(r" \w+\[", " [", k): n for k, n in _kv_only(counts).items()}
+  assert as_f32(got["standin"]) == as_f32(got["real"]), got
+  # and passes (or gathers) segment ids and positions with them, as many times as the real attention
+  ids = lambda counts: sum(n for k, n in counts.items() if k.split()[1].startswith("s32"))
+  assert ids(got["standin"]) == ids(got["real"]) > 0, got

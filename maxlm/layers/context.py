@@ -201,24 +201,56 @@ def ring_schedule(lay: Layout, seq_len: int, window: int):
           for s in range(lay.cp)]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gather_kv(x, name: str):
-  """all_gather of x [B, T / cp, ...] over `name` along the length (in x's dtype), as float32. Its transpose
-  reduce-scatters the float32 cotangent and rounds the sum once: XLA:CPU aborts on a bfloat16 reduce-scatter
-  or all-reduce (`Invalid binary instruction opcode copy`, a check failure), and summed in float32 the cp
-  devices' partial gradients of a key lose nothing to intermediate roundings."""
-  return jax.lax.all_gather(x, name, axis=1, tiled=True).astype(jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather_kv(x, name: str, dtype=jnp.float32):
+  """all_gather of x [B, T / cp, ...] over `name` along the length (in x's dtype), returned as `dtype`. Its
+  transpose reduce-scatters the cotangent in float32 and rounds the sum once: XLA:CPU aborts on a bfloat16
+  reduce-scatter or all-reduce (`Invalid binary instruction opcode copy`, a check failure), and summed in
+  float32 the cp devices' partial gradients of a key lose nothing to intermediate roundings. The exchange of
+  the all-gather strategy, shared with the planner's stand-in (maxlm/plan/standins.py)."""
+  return jax.lax.all_gather(x, name, axis=1, tiled=True).astype(dtype)
 
 
-def _gather_kv_fwd(x, name):
-  return _gather_kv(x, name), jnp.zeros((), x.dtype)
+def _gather_kv_fwd(x, name, dtype):
+  return gather_kv(x, name, dtype), jnp.zeros((), x.dtype)
 
 
-def _gather_kv_bwd(name, like, ct):
+def _gather_kv_bwd(name, dtype, like, ct):
+  del dtype
+  ct = ct.astype(jnp.float32)
   return (jax.lax.psum_scatter(ct, name, scatter_dimension=1, tiled=True).astype(like.dtype),)
 
 
-_gather_kv.defvjp(_gather_kv_fwd, _gather_kv_bwd)
+gather_kv.defvjp(_gather_kv_fwd, _gather_kv_bwd)
+
+
+def gather_exchange(k, v, seg, pos, name: str, dtype=jnp.float32):
+  """The all-gather strategy's exchange: K and V [B, T / cp, KV, Dh] gathered along the length over `name`
+  (as `dtype`; `gather_kv`), and the segment ids and positions [B, T / cp] with them -> the four, [B, T, ...]."""
+  kg, vg = (gather_kv(a, name, dtype) for a in (k, v))  # [B, T, KV, Dh]
+  sg, pg = (jax.lax.all_gather(a, name, axis=1, tiled=True) for a in (seg, pos))  # [B, T]
+  return kg, vg, sg, pg
+
+
+def ring_exchange(step, acc, blocks, name: str, cp: int):
+  """The ring strategy's exchange: acc = step(acc, s, *blocks) for s = 0 .. cp - 1, the blocks (K, V, segment
+  ids, positions) passed on to the next device over `name` after every step but the last (cp - 1 passes, in
+  their own dtypes; the backward passes the cotangents of K and V back)."""
+  ring = [(i, (i + 1) % cp) for i in range(cp)]
+  for s in range(cp):
+    acc = step(acc, s, *blocks)
+    if s + 1 < cp:
+      blocks = tuple(jax.lax.ppermute(a, name, ring) for a in blocks)
+  return acc
+
+
+def sharded(fn, name: str, q, k, v, segment_ids, positions):
+  """fn(q, k, v, segment ids, positions) on each device's share of the length (split over mesh axis `name`,
+  the only manual axis: batch and heads stay sharded as the rules put them) -> [B, T, H, Dh], split the same
+  way."""
+  seq4, seq2 = jax.sharding.PartitionSpec(None, name, None, None), jax.sharding.PartitionSpec(None, name)
+  return jax.shard_map(fn, in_specs=(seq4, seq4, seq4, seq2, seq2), out_specs=seq4, axis_names={name},
+                       check_vma=False)(q, k, v, segment_ids, positions)
 
 
 def _tiles(x, n: int):
@@ -262,8 +294,7 @@ def _gathered(q, k, v, seg, pos, *, name: str, lay: Layout, seq_len: int, window
   b, t, h, dh = q.shape
   kv, n = k.shape[2], tile_count(lay, seq_len)
   qt = _tiles(q.reshape(b, t, kv, h // kv, dh).astype(jnp.float32) / math.sqrt(dh), n)
-  kg, vg = (_gather_kv(a, name) for a in (k, v))  # [B, T_all, KV, Dh]
-  sg, pg = (jax.lax.all_gather(a, name, axis=1, tiled=True) for a in (seg, pos))  # [B, T_all]
+  kg, vg, sg, pg = gather_exchange(k, v, seg, pos, name)  # [B, T_all, KV, Dh] float32, [B, T_all]
   idx, valid = gather_schedule(lay, seq_len, window)
   r = jax.lax.axis_index(name)
   acc = _tile_pairs(qt, *(_tiles(a, n * lay.cp) for a in (kg, vg)), _tiles(seg, n), _tiles(pos, n),
@@ -282,16 +313,17 @@ def _ring(q, k, v, seg, pos, *, name: str, lay: Layout, seq_len: int, window: in
   tq = t // n
   acc = (jnp.zeros((n, b, kv, h // kv, tq, dh), jnp.float32), jnp.full((n, b, kv, h // kv, tq), NEG, jnp.float32),
          jnp.zeros((n, b, kv, h // kv, tq), jnp.float32))
-  ring = [(i, (i + 1) % cp) for i in range(cp)]
   r = jax.lax.axis_index(name)
-  seg_k, pos_k = seg, pos
-  for step, (idx, valid) in enumerate(ring_schedule(lay, seq_len, window)):
+  schedule = ring_schedule(lay, seq_len, window)
+
+  def step(acc, s, k, v, seg_k, pos_k):
+    idx, valid = schedule[s]
     kt, vt = (_tiles(a.astype(jnp.float32), n) for a in (k, v))  # passed on in their own dtype
     part = _tile_pairs(qt, kt, vt, sq, pq, _tiles(seg_k, n), _tiles(pos_k, n), jnp.asarray(idx)[r],
                        jnp.asarray(valid)[r], window)
-    acc = _merge(acc, part)
-    if step + 1 < cp:
-      k, v, seg_k, pos_k = (jax.lax.ppermute(a, name, ring) for a in (k, v, seg_k, pos_k))
+    return _merge(acc, part)
+
+  acc = ring_exchange(step, acc, (k, v, seg, pos), name, cp)
   return _finish(acc, q.shape, q.dtype)
 
 
@@ -309,6 +341,4 @@ def attention(q, k, v, segment_ids, positions, *, window: int, strategy: str, na
   if positions is None:
     raise ValueError("context-parallel attention needs the positions of the (reordered) tokens")
   fn = functools.partial(_ring if strategy == "ring" else _gathered, name=name, lay=lay, seq_len=t, window=window)
-  seq4, seq2 = jax.sharding.PartitionSpec(None, name, None, None), jax.sharding.PartitionSpec(None, name)
-  return jax.shard_map(fn, in_specs=(seq4, seq4, seq4, seq2, seq2), out_specs=seq4, axis_names={name},
-                       check_vma=False)(q, k, v, segment_ids, positions)
+  return sharded(fn, name, q, k, v, segment_ids, positions)

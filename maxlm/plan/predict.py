@@ -18,6 +18,11 @@ result is a bound: real steps are slower, by factors that differ between setting
 * comm_s: per collective kind, the wire bytes of groups within a node at NVLink, plus for groups across nodes
   the longer of their wire bytes at NVLink and their bytes through each GPU's NIC at the network's rate. This
   replaces cost.py's analytic FSDP, data-parallel, context and pipeline traffic: the compiled step has them all.
+  The context exchange is there because the planner's attention stand-in makes it (maxlm/plan/standins.py): the
+  pure-JAX context-parallel attention's collectives (maxlm/layers/context.py: the ring's permutes of K/V, the
+  all-gather's gathers and float32 reduce-scatters, each forward exchange run again in the backward as JAX's AD
+  of the shard_map recomputes it; tests/test_plan_standins.py counts them), not TE's cuDNN strategies, whose
+  exchange was never compiled here (before 2026-12-07 the stand-in had none: the ring's 0 permutes).
 * overlap: XLA's latency-hiding scheduler (xla.preset) runs FSDP's gathers and scatters behind compute, so the
   step is what cannot hide, plus the longer of the compute and the rest of the communication, plus memory_s.
   What cannot hide: each micro-batch's first gather and last scatter (the largest gather and scatter in the

@@ -2,6 +2,12 @@
 attention's memory footprint in place of CPU attention's [B, H, T, T] scores, and bf16 kept as bf16 where
 XLA:CPU would compute it (and gather FSDP's weights) in f32. Measurements only: these programs are never run.
 
+Where the activations' length is split over a context axis (maxlm/layers/context.py), the attention stand-in
+runs in the same shard_map and makes the same exchange as the pure-JAX context-parallel attention (context.py's
+`gather_exchange`, `ring_exchange`: the same collectives on K, V, segment ids and positions, the same dtypes
+and shapes, forward and backward), so a planned program compiles the context traffic and its buffers; only the
+local compute is the stand-in's (fused attention's footprint: no [B, H, T, T] scores).
+
 `for_gpu_step` gives them to the builder (maxlm/build.py): the attention stand-in and the remat policies that
 keep the rounded GEMM results go through the model (`maxlm.model.Overrides`), the bf16 GEMMs through
 `gpu_dot_dtypes`, entered while the step is traced.
@@ -17,6 +23,7 @@ from jax._src.lax import lax as _lax_internal  # jnp.dot and jnp.matmul call its
 from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.build import Standins
+from maxlm.layers import context
 from maxlm.model import Overrides
 
 
@@ -49,9 +56,45 @@ def _standin_bwd(res, d_out):
 _fused_standin.defvjp(_standin_fwd, _standin_bwd)
 
 
-def standin_attention(q, k, v, **_):
-  """`attention` of a layer backend, with fused attention's memory footprint (see the module doc)."""
-  return _fused_standin(q, k, v)  # [B, T, H, Dh]
+def standin_attention(q, k, v, *, segment_ids=None, positions=None, window: int = 0,
+                      context_strategy: str = "auto", **_):
+  """`attention` of a layer backend, with fused attention's memory footprint (see the module doc); where the
+  length is split over a context axis, with the context-parallel attention's exchange."""
+  cp = context.axis()
+  if cp is None:
+    return _fused_standin(q, k, v)  # [B, T, H, Dh]
+  b, t = q.shape[:2]
+  strategy = context.resolve_strategy(context_strategy, cp[1], t, segment_ids is not None or bool(window))
+  if segment_ids is None:
+    segment_ids = jnp.ones((b, t), jnp.int32)  # [B, T]
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
+  fn = functools.partial(_ring_standin if strategy == "ring" else _gathered_standin, name=cp[0], cp=cp[1])
+  return context.sharded(fn, cp[0], q, k, v, segment_ids, positions)
+
+
+def _gathered_standin(q, k, v, seg, pos, *, name: str, cp: int):
+  """The all-gather strategy's exchange (K/V gathered in their dtype, their gradients reduce-scattered in
+  float32), the gathered blocks summed to the local length for the stand-in (its gradient a broadcast)."""
+  kg, vg, sg, pg = context.gather_exchange(k, v, seg, pos, name, dtype=k.dtype)  # [B, T, KV, Dh], [B, T]
+  def fold(a):  # [B, T, ...] -> [B, T / cp, ...]
+    return a.reshape(a.shape[0], cp, -1, *a.shape[2:]).sum(1)
+
+  keep = jnp.any((sg.reshape(sg.shape[0], cp, -1) > 0) & (pg.reshape(pg.shape[0], cp, -1) >= 0), axis=1)
+  out = _fused_standin(q, fold(kg), fold(vg))  # [B, T / cp, H, Dh]
+  return jnp.where(keep[..., None, None], out, jnp.zeros((), out.dtype))
+
+
+def _ring_standin(q, k, v, seg, pos, *, name: str, cp: int):
+  """The ring strategy's exchange (cp - 1 passes of the K/V block with its segment ids and positions), the
+  stand-in run on each block in turn."""
+  def step(acc, s, k_blk, v_blk, seg_k, pos_k):
+    del s
+    keep = (seg_k > 0) & (pos_k >= 0)  # [B, T / cp]: the passed ids used, as the real mask uses them
+    part = jnp.where(keep[..., None, None], _fused_standin(q, k_blk, v_blk), jnp.zeros((), q.dtype))
+    return part if acc is None else acc + part
+
+  return context.ring_exchange(step, None, (k, v, seg, pos), name, cp)  # [B, T / cp, H, Dh]
 
 
 def for_gpu_step(gpu_dtypes: bool, guard_select: bool = False) -> Standins:

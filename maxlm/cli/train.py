@@ -45,7 +45,7 @@ from maxlm.metrics import echo
 from maxlm.plan.oom import oom_message
 from maxlm.plan.measure import is_oom
 from maxlm.tables import human_bytes
-from maxlm.runtime import compile_cache, distributed, startup, watchdog
+from maxlm.runtime import compile_cache, distributed, peers, startup, watchdog
 from maxlm.runtime.startup import Startup
 from maxlm.trainer import Trainer
 
@@ -67,27 +67,30 @@ def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -
   their exit codes."""
   t_start = time.perf_counter() if t_start is None else t_start
   preemption = Preemption()  # first: a signal while the model is built or compiled exits at once
-  wd = watchdog.OFF
+  wd, lost = watchdog.OFF, peers.OFF
   try:
     try:
       for line in startup.begin(cfg):  # XLA flags, memory share, compilation cache: before the backend starts
         echo(f"maxlm: {line}")
       # Before anything asks JAX about devices. From here on (for the rest of the process: tracebacks
       # too) every output line of a multi-process run carries `[process i/N host]`.
-      distributed.initialize(cfg, on_timeout=_exit_distributed_timeout)
+      launch = distributed.initialize(cfg, on_timeout=_exit_distributed_timeout)
     except MaxlmError as e:
       return report(e)
     # the start-up is watched from here to the first step (maxlm/runtime/watchdog.py: its phases and limits)
     wd = watchdog.start(cfg.train, cfg.run_dir, jax.process_index(), jax.process_count(), "start-up: plan")
-    return _planned(cfg, t_start, compile_only, preemption, wd)
+    lost = peers.start(launch, wd)  # a lost process ends this one: one line, exit 76 (maxlm/runtime/peers.py)
+    return _planned(cfg, t_start, compile_only, preemption, wd, lost)
   finally:
+    lost.stop()
     wd.stop()
     preemption.close()
 
 
-def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemption, wd) -> int:
+def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemption, wd, lost=peers.OFF) -> int:
   """plan.mode decided once, before the trainer is built (maxlm/plan/__init__.py `for_run`: process 0 decides for
-  every process), then the run (or its compile) with the decided config."""
+  every process), then the run (or its compile) with the decided config. A failure is reported once `lost` has
+  settled: a collective or a save that failed because a peer is gone ends in the peer's line and exit 76 instead."""
   marks = Startup(t_start)
   jax.devices()  # the backend starts here at the latest
   marks.mark("backend")
@@ -102,8 +105,10 @@ def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemp
       return compile_step_only(trainer, t_start)
     return EXIT_PREEMPTED if trainer_lib.run(trainer, preemption, marks, wd).preempted else 0
   except MaxlmError as e:  # every error a user can cause (maxlm/errors.py): one line, its exit code
+    lost.settle()
     return report(e)
   except Exception as e:
+    lost.settle()
     if not is_oom(e):
       raise
     compiled_gb = getattr(getattr(trainer, "jitted_train_step", None), "compiled_memory_gb", None)

@@ -12,8 +12,9 @@ import pytest
 
 from maxlm.runtime import peers
 
-H, X = 0.1, 0.2  # heartbeat and exchange allowance of these tests: limit 2 x 0.1 + 2 x 0.2 = 0.6 s
+H, X = 0.2, 0.3  # heartbeat and exchange allowance of these tests: limit 2 x 0.2 + 2 x 0.3 = 1 s
 LIMIT = 2 * H + 2 * X
+SLACK = 1.0  # thread wake-ups late on a loaded 2-core machine
 
 
 class Store:
@@ -80,15 +81,15 @@ def test_a_peer_that_stops_beating_is_reported_once_within_the_limit(capfd):
     p0.stop()
   assert codes0 == [76]
   # silence counts from process 0's last read of a new heartbeat, at most H + one exchange before the death
-  assert LIMIT - H - X <= took <= LIMIT + 0.05 + 0.5, took  # + one poll, + slack for a loaded machine
+  assert LIMIT - H - X <= took <= LIMIT + 0.05 + SLACK, took  # + one poll, + slack for a loaded machine
   err = capfd.readouterr().err
   lines = [ln for ln in err.splitlines() if "maxlm:" in ln]
   assert len(lines) == 1, err
-  m = re.fullmatch(r"maxlm: error: process 1/2 \(host host1\) was lost: no heartbeat for ([\d.]+) s \(limit 0\.6 s: "
-                   r"2 x 0\.1 s heartbeat \+ 2 x 0\.2 s key-value exchange\); its last was at step 31 \(step "
+  m = re.fullmatch(r"maxlm: error: process 1/2 \(host host1\) was lost: no heartbeat for ([\d.]+) s \(limit 1 s: "
+                   r"2 x 0\.2 s heartbeat \+ 2 x 0\.3 s key-value exchange\); its last was at step 31 \(step "
                    r"dispatch\); exiting with code 76 for the launcher to requeue the job, which resumes from the "
                    r"last checkpoint", lines[0])
-  assert m and LIMIT - 0.05 <= float(m[1]) < LIMIT + 0.5, lines[0]  # printed to 0.1 s
+  assert m and LIMIT - 0.05 <= float(m[1]) < LIMIT + SLACK, lines[0]  # printed to 0.1 s
 
 
 def test_a_peer_that_ended_is_not_lost_and_its_record_says_so():
@@ -115,12 +116,12 @@ def test_a_store_that_stops_answering_is_a_lost_coordinator(capfd):
   took = time.monotonic() - frozen
   store.block.set()
   p0.stop()
-  assert codes == [76] and LIMIT - H - X <= took <= LIMIT + 0.5, (codes, took)
+  assert codes == [76] and LIMIT - H - X <= took <= LIMIT + SLACK, (codes, took)
   # process 0's monitor, which the test's frozen store blocks too, has its own line: only process 1's is looked at
   line = [ln for ln in capfd.readouterr().err.splitlines() if "maxlm: error: process 0/2" in ln]
   assert len(line) == 1, line
   m = re.fullmatch(r"maxlm: error: process 0/2 \(host host0, the coordinator\) was lost: no heartbeat for ([\d.]+) s "
-                   r"\(limit 0\.6 s: .*\); its coordination service has not answered this process for ([\d.]+) s; "
+                   r"\(limit 1 s: .*\); its coordination service has not answered this process for ([\d.]+) s; "
                    r"exiting with code 76 .*", line[0])
   assert m and LIMIT - 0.05 <= float(m[1]) and H + X < float(m[2]) <= float(m[1]) + 0.05, line
 
@@ -145,7 +146,7 @@ def test_settle_returns_once_every_peer_beat_and_ends_in_the_line_when_one_is_lo
   took = time.monotonic() - t
   p0.stop()
   p1.stop()
-  assert codes0 == [76] and LIMIT - 2 * H <= took <= H + X + LIMIT + 0.05 + 0.5, took
+  assert codes0 == [76] and LIMIT - 2 * H <= took <= H + X + LIMIT + 0.05 + SLACK, took
 
 
 def test_off_for_one_process():

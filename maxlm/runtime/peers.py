@@ -15,8 +15,10 @@ watchdog's phase and step), and reads everyone's. A peer whose counter has not a
 
 A live peer's counter, as this process sees it, advances at least once per its own write interval plus this
 process's read interval (2 x 5 s) plus the time of one key-value exchange on each side, each allowed EXCHANGE_S
-(10 s: they take milliseconds, and a coordinator on a loaded host may answer slowly). The loss is reported at
-most LOST_S + POLL_S after the lost process's last heartbeat: under 40 s after it died. That is well under what
+(10 s: they take milliseconds, and a coordinator on a loaded host may answer slowly). The silence counts from the
+exchange that read the lost process's last heartbeat, which it wrote before it died and which is read within one
+heartbeat (and an exchange) of being written: the loss is reported 25 to 36 s after the death (LOST_S - HEARTBEAT_S
+to HEARTBEAT_S + LOST_S + POLL_S, the judge checking once a second; 31 s measured on CPU). That is well under what
 else would end the survivors (JAX's shutdown wait of 300 s; its heartbeat timeout, a day while the hang watchdog is
 on: maxlm/runtime/watchdog.py HEARTBEAT_S), and under srun's `--wait` in launch/slurm (MAXLM_TASK_WAIT_S, 60 s),
 after which srun kills the tasks that remain and the job's exit code would no longer say 76.

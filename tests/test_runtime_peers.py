@@ -150,6 +150,7 @@ def test_settle_returns_once_every_peer_beat_and_ends_in_the_line_when_one_is_lo
 
 
 def test_off_for_one_process():
-  assert peers.start(None) is peers.OFF
-  peers.OFF.settle()
-  peers.OFF.stop()
+  off = peers.start(None)
+  assert isinstance(off, peers.Off)
+  off.settle()
+  off.stop()

@@ -67,7 +67,7 @@ def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -
   their exit codes."""
   t_start = time.perf_counter() if t_start is None else t_start
   preemption = Preemption()  # first: a signal while the model is built or compiled exits at once
-  wd, lost = watchdog.OFF, peers.OFF
+  wd, lost = watchdog.OFF, peers.Off()
   try:
     try:
       for line in startup.begin(cfg):  # XLA flags, memory share, compilation cache: before the backend starts
@@ -87,7 +87,7 @@ def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -
     preemption.close()
 
 
-def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemption, wd, lost=peers.OFF) -> int:
+def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemption, wd, lost) -> int:
   """plan.mode decided once, before the trainer is built (maxlm/plan/__init__.py `for_run`: process 0 decides for
   every process), then the run (or its compile) with the decided config. A failure is reported once `lost` has
   settled: a collective or a save that failed because a peer is gone ends in the peer's line and exit 76 instead."""

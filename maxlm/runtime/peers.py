@@ -195,7 +195,7 @@ class Peers:
     writer.join(self.exchange_s)
 
 
-class _Off:
+class Off:
   """One process: no peers to watch."""
 
   def settle(self) -> None:
@@ -205,14 +205,12 @@ class _Off:
     pass
 
 
-OFF = _Off()  # stateless
 
-
-def start(launch, watch=None) -> Peers | _Off:
+def start(launch, watch=None) -> Peers | Off:
   """The monitor of a multi-process run (`launch` from maxlm.runtime.distributed.initialize; None: one process,
-  OFF), on the coordination service's client that initialize started."""
+  Off), on the coordination service's client that initialize started."""
   if launch is None:
-    return OFF
+    return Off()
   # lazy: Peers itself needs no JAX (its tests give it a store of their own); private: the key-value store's client
   from jax._src import distributed as jax_distributed  # noqa: PLC0415
   return Peers(jax_distributed.global_state.client, launch.process_id, launch.num_processes, launch.host, watch)

@@ -7,8 +7,8 @@ Environment:
   MAXLM_TEST_STEP_SLEEP=SEC  sleep after every step (so a test can place signals and kills)
   MAXLM_TEST_STEP_GATE=FILE  before the second step, print "GATED" and wait while FILE exists (a test holds the
                              run in training, past its first step, for as long as it needs, then lets it go on)
-  MAXLM_TEST_SLOW_SAVE=SEC   in the save thread, once all files are written and before the checkpoint
-                             is committed, print "SAVE-COMMITTING <step>" and sleep
+  MAXLM_TEST_SLOW_SAVE=SEC[,FROM]  in the save thread, once all files are written and before the checkpoint
+                             is committed, print "SAVE-COMMITTING <step>" and sleep (only the saves of step FROM on)
   MAXLM_TEST_NAN_STEPS=3,5   make the loss of those steps NaN (chosen by batch content)
   MAXLM_TEST_FSIZE_AFTER=N   saves after step N hit a 64 KiB file-size limit (EFBIG, like a full disk)
   MAXLM_TEST_READONLY_AFTER=N  before the first save after step N, remount the checkpoints directory
@@ -300,14 +300,15 @@ def install_hooks(argv: list[str]) -> None:
     self.train_step = step
 
   Trainer.build = traced_build
-  slow = float(os.environ.get("MAXLM_TEST_SLOW_SAVE", "0"))
-  if slow:
+  slow, _, slow_from = os.environ.get("MAXLM_TEST_SLOW_SAVE", "0").partition(",")
+  if float(slow):
     finalized = checkpoint.Checkpointer._on_finalized
 
     def slow_finalized(self):
       finalized(self)
-      print(f"SAVE-COMMITTING {self._pending}", flush=True)
-      time.sleep(slow)
+      if self._pending is not None and self._pending >= int(slow_from or 0):
+        print(f"SAVE-COMMITTING {self._pending}", flush=True)
+        time.sleep(float(slow))
     checkpoint.Checkpointer._on_finalized = slow_finalized
   fsize_after = int(os.environ.get("MAXLM_TEST_FSIZE_AFTER", "-1"))
   if fsize_after >= 0:

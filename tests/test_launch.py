@@ -11,6 +11,8 @@
 5   hangs: one task SIGSTOPped mid-run, then (after the requeue) one task's data read blocking: each time the
     other process ends with the hang watchdog's line (exit 76), not JAX's abort, the template requeues, and
     the third start ends with the loss and parameters of test 1's run, bit for bit;
+5b  a lost node: one task killed (kill -9) mid-run, the other ends with one line naming it and exit 76 within srun's
+    wait, the template requeues, the job resumes bit-identically;
 6   a job that hangs at every start is requeued MAXLM_MAX_RESTARTS times, then stops with exit code 76;
 7   2 nodes x 1 task with plan.mode=fit taking its GPU path (the test switch MAXLM_TEST_GPU_PATHS, exported
     through sbatch and srun): process 0 decides the plan, both processes run it and train every step.
@@ -33,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from maxlm.runtime import peers
 
 ROOT = Path(__file__).resolve().parent.parent
 SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"
@@ -413,6 +417,48 @@ def test_sbatch_hangs_end_with_the_watchdog_requeue_and_resume_bit_identical(run
                    if name.startswith("stacks-process1-step8-") and "data wait at step 8" in text.splitlines()[0])
   assert "in __next__" in hung_read and "Current thread" in hung_read and "MainThread" in hung_read
 
+  _same_as_uninterrupted(job, runs)
+
+
+@slurm
+def test_sbatch_a_killed_task_ends_the_other_with_76_requeued_and_resumed_bit_identical(runs, tmp_path):
+  """kill -9 of task 1 mid-run (a lost node, an OOM-killed rank). Before: process 0 printed a traceback (its
+  collective failed: connection reset by peer) and hung in JAX's shutdown until srun killed it (--wait, 60 s):
+  srun's code 137, no requeue. Now process 0 ends with one line naming process 1 and exit 76 before srun's wait is
+  over (maxlm/runtime/peers.py: LOST_S 30 s < 60 s), the template requeues, and the job ends with the loss and
+  parameters of test 1's run, bit for bit."""
+  if (why := _slurm_missing()):
+    pytest.skip(why)
+  pids = tmp_path / "pids"
+  pids.mkdir()
+  shim = tmp_path / "python-killed"
+  shim.write_text(f"#!/bin/sh\n# called as: $0 -m maxlm.train ARGS\nshift 2\n"
+                  f"echo $$ > {pids}/start${{SLURM_RESTART_COUNT:-0}}-task$SLURM_PROCID\n"
+                  "[ \"${SLURM_RESTART_COUNT:-0}\" = 0 ] && export MAXLM_TEST_STEP_SLEEP=0.5\n"
+                  f"exec {sys.executable} {ROOT / 'tests' / 'resume_launcher.py'} \"$@\"\n")
+  shim.chmod(0o755)
+  env = _env(1, runs.cache_dir, MAXLM_PYTHON=str(shim), MAXLM_TASK_WAIT_S="60")  # the template's default wait
+  job = Job.of_template(tmp_path / "job", [*TWO_PROCESSES, *SAVED, "checkpoint.every=5"], env)
+  end = time.monotonic() + 180
+  while not re.search(r"step 8/20 \|", job.output()):
+    alive = job.info().get("JobState") in ("PENDING", "RUNNING")
+    assert time.monotonic() < end and alive, job.output()[-3000:]
+    time.sleep(0.2)
+  os.kill(int((pids / "start0-task1").read_text()), signal.SIGKILL)
+  _requeued_then_started(job, 1, timeout=peers.LOST_S + 60)
+  info = job.wait()
+  out = job.output()
+  assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out[-3000:])
+  starts = re.split(r"^maxlm-launch: job \d+ start \d+ .*$", out, flags=re.M)[1:]
+  assert len(starts) == 2, out[-3000:]
+  first = starts[0]
+  lines = [ln for ln in first.splitlines() if "maxlm: error" in ln]
+  assert len(lines) == 1 and lines[0].startswith("[process 0/2 ") and "maxlm: error: process 1/2 (host " in lines[0]
+  assert " was lost: no heartbeat for " in lines[0] and "exiting with code 76" in lines[0], lines
+  assert "Traceback" not in first and "Check failure" not in first and "Aborted" not in first, first[-3000:]
+  assert "task 0: Exited with exit code 76" in first and "task 1: Killed" in first, first[-3000:]
+  assert "hung (exit 76, see the watchdog's line above): requeueing (restart 1 of at most 3" in first
+  assert "maxlm: resumed from checkpoint step 5" in starts[1], starts[1][-3000:]
   _same_as_uninterrupted(job, runs)
 
 

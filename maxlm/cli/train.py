@@ -45,7 +45,7 @@ from maxlm.metrics import echo
 from maxlm.plan.oom import oom_message
 from maxlm.plan.measure import is_oom
 from maxlm.tables import human_bytes
-from maxlm.runtime import compile_cache, distributed, startup, watchdog
+from maxlm.runtime import compile_cache, distributed, peers, startup, watchdog
 from maxlm.runtime.startup import Startup
 from maxlm.trainer import Trainer
 
@@ -67,7 +67,7 @@ def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -
   their exit codes."""
   t_start = time.perf_counter() if t_start is None else t_start
   preemption = Preemption()  # first: a signal while the model is built or compiled exits at once
-  wd, held = watchdog.OFF, None
+  wd, held, lost = watchdog.OFF, None, peers.Off()
   try:
     try:
       for line in startup.begin(cfg):  # XLA flags, memory share, compilation cache: before the backend starts
@@ -83,9 +83,11 @@ def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -
         held = run_lock.take(cfg, pi, wd, watchdog.start_up_limit(cfg.train))
     except MaxlmError as e:
       return report(e)
+    lost = peers.start(launch, wd)  # a lost process ends this one: one line, exit 76 (maxlm/runtime/peers.py)
     wd.arm("start-up: plan", limit=watchdog.start_up_limit(cfg.train))
-    return _planned(cfg, t_start, compile_only, preemption, wd, held)
+    return _planned(cfg, t_start, compile_only, preemption, wd, held, lost)
   finally:
+    lost.stop()
     if held is not None:
       held.release()  # after a bad start, with the directory it created
     wd.stop()
@@ -93,10 +95,11 @@ def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -
 
 
 def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemption, wd,
-             held: run_lock.Held | None) -> int:
+             held: run_lock.Held | None, lost) -> int:
   """plan.mode decided once, before the trainer is built (maxlm/plan/__init__.py `for_run`: process 0 decides for
   every process), then the run (or its compile) with the decided config, in the run directory `held` (None with
-  compile_only)."""
+  compile_only). A failure is reported once `lost` has settled: a collective or a save that failed because a peer
+  is gone ends in the peer's line and exit 76 instead."""
   marks = Startup(t_start)
   jax.devices()  # the backend starts here at the latest
   marks.mark("backend")
@@ -111,8 +114,10 @@ def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemp
       return compile_step_only(trainer, t_start)
     return EXIT_PREEMPTED if trainer_lib.run(trainer, preemption, marks, wd, held).preempted else 0
   except MaxlmError as e:  # every error a user can cause (maxlm/errors.py): one line, its exit code
+    lost.settle()
     return report(e)
   except Exception as e:
+    lost.settle()
     if not is_oom(e):
       raise
     compiled_gb = getattr(getattr(trainer, "jitted_train_step", None), "compiled_memory_gb", None)

@@ -96,7 +96,8 @@ STACKS_WRITE_S = 10.0  # a stuck file system may be the hang: then the stacks go
 # JAX's heartbeat timeout while the watchdog is on (maxlm.runtime.distributed passes it): a stopped process is
 # then caught by the watchdog of the others, whose exit code the launcher acts on, not by JAX's abort
 # (with JAX's default, 100 s, the others aborted with exit 134 about 80 s after a peer was SIGSTOPped,
-# seen on CPU with tests/test_launch.py's hang test and the watchdog off).
+# seen on CPU with tests/test_launch.py's hang test and the watchdog off). A process that is gone or stopped is
+# reported sooner by maxlm/runtime/peers.py (30 s without a heartbeat of maxlm's own), which JAX's must outlast too.
 HEARTBEAT_S = 86400
 
 

@@ -74,13 +74,15 @@ def run(cfg: Config, t_start: float | None = None, compile_only: bool = False) -
         echo(f"maxlm: {line}")
       # Before anything asks JAX about devices. From here on (for the rest of the process: tracebacks
       # too) every output line of a multi-process run carries `[process i/N host]`.
-      launch = distributed.initialize(cfg, on_timeout=_exit_distributed_timeout)
+      # the device counts compared after the lock (check_devices): asking JAX for them starts the backend
+      launch = distributed.initialize(cfg, on_timeout=_exit_distributed_timeout, devices=False)
       # the start-up is watched from here to the first step (maxlm/runtime/watchdog.py: its phases and limits);
       # the launch's process index, not jax.process_index(): that would start the backend (and take a GPU)
       pi, pc = (launch.process_id, launch.num_processes) if launch else (0, 1)
       wd = watchdog.start(cfg.train, cfg.run_dir, pi, pc, "start-up: run directory")
       if not compile_only:  # the lock first: a duplicate run stops here, before the planner, data or devices
         held = run_lock.take(cfg, pi, wd, watchdog.start_up_limit(cfg.train))
+      distributed.check_devices(launch, cfg.distributed.initialization_timeout_s)  # the backend starts here
     except MaxlmError as e:
       return report(e)
     lost = peers.start(launch, wd)  # a lost process ends this one: one line, exit 76 (maxlm/runtime/peers.py)

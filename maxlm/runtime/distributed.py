@@ -255,9 +255,12 @@ def _first_line(e: BaseException) -> str:
 
 
 def initialize(cfg: Config, on_timeout: Callable[[str], None],
-               env: Mapping[str, str] | None = None) -> Launch | None:
+               env: Mapping[str, str] | None = None, devices: bool = True) -> Launch | None:
   """Start jax.distributed for this process (see the module docstring); None for a one-process run.
-  `on_timeout(line)` must end the process (called from a watchdog thread)."""
+  `on_timeout(line)` must end the process (called from a watchdog thread). devices=False leaves out the comparison
+  of the local device counts, which asks JAX for them and so starts the backend (on a GPU: takes its memory): the
+  train command makes it with `check_devices` once it holds the run's lock (maxlm/checkpoint/run_lock.py), so a
+  duplicate run is refused with the GPUs untouched."""
   import jax  # noqa: PLC0415 - resolving the launch and its errors need no JAX
   from jax._src import distributed as jax_distributed  # noqa: PLC0415 - the coordinator's client (key-value store)
 
@@ -292,9 +295,30 @@ def initialize(cfg: Config, on_timeout: Callable[[str], None],
   late = (f"distributed: not all {launch.num_processes} processes reached the start-up check within "
           f"{d.initialization_timeout_s} s (distributed.initialization_timeout_s)")
   with _Watchdog(d.initialization_timeout_s, lambda: late, on_timeout):
-    check_processes(cfg, launch, jax_distributed.global_state.client, jax.local_device_count(),
-                    d.initialization_timeout_s)
+    check_processes(cfg, launch, jax_distributed.global_state.client,
+                    jax.local_device_count() if devices else None, d.initialization_timeout_s)
   return launch
+
+
+def check_devices(launch: Launch | None, timeout_s: int) -> None:
+  """The processes' local device counts compared (`initialize(devices=False)` left it out): ConfigError, the same
+  line on every process, when they differ. Starts JAX's backend. Nothing for one process (launch None)."""
+  import jax  # noqa: PLC0415 - lazy as in `initialize`: resolving a launch needs no JAX
+  from jax._src import distributed as jax_distributed  # noqa: PLC0415 - the coordinator's client (key-value store)
+  if launch is None:
+    return
+  client = jax_distributed.global_state.client
+  me = {"host": launch.host, "local_devices": jax.local_device_count()}
+  client.key_value_set(f"maxlm/startup/devices/{launch.process_id}", json.dumps(me))
+  try:
+    client.wait_at_barrier("maxlm/startup/devices", timeout_s * 1000)
+  except jax.errors.JaxRuntimeError:  # DEADLINE_EXCEEDED: a process stopped between the lock and here
+    raise ConfigError(f"distributed: not all {launch.num_processes} processes reached the device check within "
+                      f"{timeout_s} s (distributed.initialization_timeout_s)") from None
+  rows = client.key_value_dir_get("maxlm/startup/devices/")
+  message = device_mismatch({int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in rows})
+  if message:
+    raise ConfigError(message)
 
 
 # --- do the processes agree? ---------------------------------------------------------------------
@@ -350,12 +374,13 @@ def device_mismatch(procs: Mapping[int, dict]) -> str | None:
           f"node and task, and distributed.local_device_ids)")
 
 
-def check_processes(cfg: Config, launch: Launch, client, local_devices: int, timeout_s: int) -> None:
+def check_processes(cfg: Config, launch: Launch, client, local_devices: int | None, timeout_s: int) -> None:
   """Exchange (host, local devices, config hash) through the coordinator; raise ConfigError, with the
   same message on every process, when the processes disagree."""
   text = config_text(cfg)
-  me = {"host": launch.host, "local_devices": local_devices,
-        "config": hashlib.sha256(text.encode()).hexdigest()}
+  me = {"host": launch.host, "config": hashlib.sha256(text.encode()).hexdigest()}
+  if local_devices is not None:  # None: compared later (check_devices)
+    me["local_devices"] = local_devices
   client.key_value_set(f"maxlm/startup/config/{launch.process_id}", text)
   client.key_value_set(f"maxlm/startup/process/{launch.process_id}", json.dumps(me))
   client.wait_at_barrier("maxlm/startup", (timeout_s + JAX_TIMEOUT_MARGIN_S) * 1000)  # watchdog fires first
@@ -363,6 +388,6 @@ def check_processes(cfg: Config, launch: Launch, client, local_devices: int, tim
   procs = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in rows}
   # every config was set before the barrier: no waiting
   fetch = lambda i: client.blocking_key_value_get(f"maxlm/startup/config/{i}", 1000)  # noqa: E731
-  message = config_mismatch(procs, fetch) or device_mismatch(procs)
+  message = config_mismatch(procs, fetch) or (device_mismatch(procs) if local_devices is not None else None)
   if message:
     raise ConfigError(message)

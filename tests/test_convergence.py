@@ -453,3 +453,12 @@ def test_targets_shifted_by_one_token_fail_and_name_the_case(monkeypatch, tmp_pa
   _inject(monkeypatch, tmp_path, MISALIGN)
   rc, _, res = _run_cpu(monkeypatch, tmp_path, ["cases=tiny_flax"])
   assert rc == 1 and res["failed_cases"] == ["tiny_flax"] and "FAILED: tiny_flax" in capsys.readouterr().out
+
+
+def test_config_changes_pass_over_an_old_default_only():
+  """A golden recorded when plan.levers' default was `all` is not 'resolved differently' for that key alone; every
+  other difference is reported, and so is plan.levers once a golden records today's value."""
+  old = {"resolved": {"plan.levers": "all", "optim.b2": "0.95"}}
+  assert golden.config_changes(old, {"plan.levers": "auto", "optim.b2": "0.999"}) == ["optim.b2: 0.95 -> 0.999"]
+  new = {"resolved": {"plan.levers": "auto"}}
+  assert golden.config_changes(new, {"plan.levers": "none"}) == ["plan.levers: auto -> none"]

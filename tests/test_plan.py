@@ -375,7 +375,7 @@ def test_out_of_memory_is_one_line_naming_levers_sizes_and_next_lever(tmp_path, 
   cfg = load_config([*BASE, f"output_dir={tmp_path}", "model.remat=save_attn"])
   error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 43.92GiB.\nmore")
 
-  def run_trainer(trainer, preemption, startup, wd):  # the run's first step, as XLA fails it
+  def run_trainer(trainer, preemption, startup, wd, held):  # the run's first step, as XLA fails it
     raise error
   monkeypatch.setattr("maxlm.trainer.run", run_trainer)
   assert run(cfg) == 1

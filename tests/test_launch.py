@@ -357,6 +357,16 @@ def _requeued_then_started(job: Job, restarts: int, timeout: float) -> None:
   subprocess.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now"], check=True, timeout=30)
 
 
+def _python_shim(shim: Path, pids: Path, per_start: str) -> Path:
+  """The template's Python for a test: it records each task's pid (exec keeps it) in `pids`, runs the shell lines
+  `per_start` (which pick each start's test hooks by SLURM_RESTART_COUNT), and execs tests/resume_launcher.py."""
+  shim.write_text(f"#!/bin/sh\n# called as: $0 -m maxlm.train ARGS\nshift 2\n"
+                  f"echo $$ > {pids}/start${{SLURM_RESTART_COUNT:-0}}-task$SLURM_PROCID\n" + per_start
+                  + f"exec {sys.executable} {ROOT / 'tests' / 'resume_launcher.py'} \"$@\"\n")
+  shim.chmod(0o755)
+  return shim
+
+
 @slurm
 def test_sbatch_hangs_end_with_the_watchdog_requeue_and_resume_bit_identical(runs, tmp_path):
   if (why := _slurm_missing()):
@@ -366,13 +376,8 @@ def test_sbatch_hangs_end_with_the_watchdog_requeue_and_resume_bit_identical(run
   # runs again); at start 2, process 1's 3rd batch read blocks forever; start 3 runs through.
   pids = tmp_path / "pids"
   pids.mkdir()
-  shim = tmp_path / "python-hangs"
-  shim.write_text(f"#!/bin/sh\n# called as: $0 -m maxlm.train ARGS\nshift 2\n"
-                  f"echo $$ > {pids}/start${{SLURM_RESTART_COUNT:-0}}-task$SLURM_PROCID\n"
-                  "case \"${SLURM_RESTART_COUNT:-0}\" in\n"
-                  "  0) export MAXLM_TEST_STEP_SLEEP=0.5 ;;\n  1) export MAXLM_TEST_DATA_HANG=3,1 ;;\nesac\n"
-                  f"exec {sys.executable} {ROOT / 'tests' / 'resume_launcher.py'} \"$@\"\n")
-  shim.chmod(0o755)
+  shim = _python_shim(tmp_path / "python-hangs", pids, "case \"${SLURM_RESTART_COUNT:-0}\" in\n"
+                      "  0) export MAXLM_TEST_STEP_SLEEP=0.5 ;;\n  1) export MAXLM_TEST_DATA_HANG=3,1 ;;\nesac\n")
   # Limits: 3 s once a step time is known (the steps take ~0.5 s at start 1, ~0.01 s after); 120 s before
   # that and for saves, which covers the first step's compile on a loaded 2-core machine. A task left after
   # another ended is killed 2 s later (MAXLM_TASK_WAIT_S).
@@ -431,12 +436,8 @@ def test_sbatch_a_killed_task_ends_the_other_with_76_requeued_and_resumed_bit_id
     pytest.skip(why)
   pids = tmp_path / "pids"
   pids.mkdir()
-  shim = tmp_path / "python-killed"
-  shim.write_text(f"#!/bin/sh\n# called as: $0 -m maxlm.train ARGS\nshift 2\n"
-                  f"echo $$ > {pids}/start${{SLURM_RESTART_COUNT:-0}}-task$SLURM_PROCID\n"
-                  "[ \"${SLURM_RESTART_COUNT:-0}\" = 0 ] && export MAXLM_TEST_STEP_SLEEP=0.5\n"
-                  f"exec {sys.executable} {ROOT / 'tests' / 'resume_launcher.py'} \"$@\"\n")
-  shim.chmod(0o755)
+  shim = _python_shim(tmp_path / "python-killed", pids,
+                      "[ \"${SLURM_RESTART_COUNT:-0}\" = 0 ] && export MAXLM_TEST_STEP_SLEEP=0.5\n")
   env = _env(1, runs.cache_dir, MAXLM_PYTHON=str(shim), MAXLM_TASK_WAIT_S="60")  # the template's default wait
   job = Job.of_template(tmp_path / "job", [*TWO_PROCESSES, *SAVED, "checkpoint.every=5"], env)
   end = time.monotonic() + 180

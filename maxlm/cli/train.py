@@ -43,9 +43,9 @@ from maxlm.config import Config, ConfigError, help_text, load_config
 from maxlm.errors import EXIT_BAD_INPUT, MaxlmError, report
 from maxlm.metrics import echo
 from maxlm.plan.oom import oom_message
-from maxlm.plan.measure import is_oom
 from maxlm.tables import human_bytes
 from maxlm.runtime import compile_cache, distributed, peers, startup, watchdog
+from maxlm.runtime.devices import is_oom
 from maxlm.runtime.startup import Startup
 from maxlm.trainer import Trainer
 

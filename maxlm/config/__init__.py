@@ -18,7 +18,7 @@ import yaml
 
 from maxlm.config import names as config_names
 from maxlm.config import schema
-from maxlm.config.files import is_shipped, parse_overrides, resolve_config_path, yaml_layers
+from maxlm.config.files import free_levers, is_shipped, leaf_keys, parse_overrides, resolve_config_path, yaml_layers
 from maxlm.config.rules import check_distributed, check_run_name
 from maxlm.config.schema import ConfigError, option
 from maxlm.tables import PRECISIONS, REMATS
@@ -339,7 +339,7 @@ def load_config(args: list[str] | None = None, base: Config | None = None) -> Co
   """Build the Config from CLI words: `config=FILE` then dotted `key=value` overrides."""
   config_file, overrides = parse_overrides(list(args or []))
   cfg = base or Config()
-  written = _leaf_keys(overrides)  # the keys the user wrote: on the command line, and in their own files below
+  written = leaf_keys(overrides)  # the keys the user wrote: on the command line, and in their own files below
   if config_file is not None:
     layers = yaml_layers(resolve_config_path(config_file))
     if base is None and not any("run_name" in data for _, data in layers) and "run_name" not in overrides:
@@ -351,26 +351,12 @@ def load_config(args: list[str] | None = None, base: Config | None = None) -> Co
       except ConfigError as e:
         raise ConfigError(f"config file '{path}': {e}") from None
       if not is_shipped(path):  # a shipped config's values count as defaults
-        written |= _leaf_keys(data)
+        written |= leaf_keys(data)
   cfg = _apply(cfg, overrides)
   if base is None and cfg.plan.levers == "auto" and written & set(LEVERS):  # auto, none written: every lever
     cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, levers=free_levers(written)))
   validate(cfg)
   return cfg
-
-
-def free_levers(written: set[str]) -> str:
-  """plan.levers=auto made concrete: the levers not among the keys the user wrote, in LEVERS order ("none" where
-  the user wrote them all). A lever key the user set is theirs: the planner keeps it as written."""
-  return ",".join(k for k in LEVERS if k not in written) or "none"
-
-
-def _leaf_keys(data: dict[str, Any], prefix: str = "") -> set[str]:
-  """The dotted keys of a nested dict's leaves (a section written empty counts as none of its keys)."""
-  out: set[str] = set()
-  for k, v in data.items():
-    out |= _leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
-  return out
 
 
 def validate(cfg: Config) -> None:

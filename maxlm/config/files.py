@@ -10,6 +10,7 @@ from typing import Any
 from maxlm.config import schema
 from maxlm.config.names import PEER_NAMES
 from maxlm.config.schema import CliText, ConfigError
+from maxlm.config.sections import LEVERS
 
 # The shipped configs live in the package (maxlm/configs/, package data in the wheel); the checkout's top-level
 # configs/ is a link to them. So `config=llama8b.yml` finds them from an installed package as from a checkout.
@@ -110,3 +111,17 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
       continue
     updates = schema.merge(updates, schema.nest(key, CliText(raw)))
   return config_file, updates
+
+
+def free_levers(written: set[str]) -> str:
+  """plan.levers=auto made concrete: the levers not among the keys the user wrote, in LEVERS order ("none" where
+  the user wrote them all). A lever key the user set is theirs: the planner keeps it as written."""
+  return ",".join(k for k in LEVERS if k not in written) or "none"
+
+
+def leaf_keys(data: dict[str, Any], prefix: str = "") -> set[str]:
+  """The dotted keys of a nested dict's leaves (a section written empty counts as none of its keys)."""
+  out: set[str] = set()
+  for k, v in data.items():
+    out |= leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+  return out

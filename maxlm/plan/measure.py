@@ -48,14 +48,12 @@ from maxlm.pipeline import check as check_pipeline
 from maxlm.plan import collectives, heartbeat, xla_log
 from maxlm.plan.clock import CompileClock
 from maxlm.plan.standins import GPU_DTYPE_OPTIONS, for_gpu_step
-from maxlm.runtime.devices import (bytes_limit, device_kind, host_memory_bytes, is_gpu, local_device,
+from maxlm.runtime.devices import (bytes_limit, device_kind, host_memory_bytes, is_gpu, is_oom, local_device,
                                    physical_memory_bytes)
 from maxlm.runtime.distributed import processes_on_node
 from maxlm.plan import target
 from maxlm.runtime.env import GPU_FRACTION, XLA_DEFAULT_FRACTION, fraction_in_environment
 from maxlm.tables import DEFAULT_GPU, gpu_named, human_bytes
-
-OOM_STATUS = "RESOURCE_EXHAUSTED"
 
 
 def _shard_bytes(structs) -> int:
@@ -116,11 +114,6 @@ def _largest_parameter(params, n_layers: int) -> int:
     stacked = any(getattr(k, "key", None) == "layers" for k in path)
     sizes.append(n // n_layers if stacked else n)
   return max(sizes, default=0)
-
-
-def is_oom(e: BaseException) -> bool:
-  """An XLA out-of-memory error (RESOURCE_EXHAUSTED), at compile or at run time."""
-  return isinstance(e, jax.errors.JaxRuntimeError) and OOM_STATUS in str(e)
 
 
 def measure(cfg: Config, devices=None, gpu_footprint: bool = False, inspect=None, guard_select: bool = False,

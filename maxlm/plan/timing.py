@@ -25,7 +25,8 @@ from maxlm.layers import resolve_backend
 from maxlm.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
-from maxlm.plan.measure import compile_step, is_oom
+from maxlm.plan.measure import compile_step
+from maxlm.runtime.devices import is_oom
 from maxlm.scope import model_scope
 from maxlm.sharding import batch_sharding
 from maxlm.train_state import create_train_state

@@ -131,3 +131,11 @@ def mesh_placement(mesh) -> str:
   if procs.size <= 64:
     text += f"; process of each device by mesh position: {procs.tolist()}"
   return text
+
+
+OOM_STATUS = "RESOURCE_EXHAUSTED"
+
+
+def is_oom(e: BaseException) -> bool:
+  """An XLA out-of-memory error (RESOURCE_EXHAUSTED), at compile or at run time."""
+  return isinstance(e, jax.errors.JaxRuntimeError) and OOM_STATUS in str(e)

@@ -2,7 +2,7 @@
 
 token embedding -> N x [RMSNorm -> GQA attention (RoPE, causal / sliding window, packed documents)
 -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> final RMSNorm -> LM head (tied or untied).
-The model knows logical axis names only; `maxlm.sharding` maps them onto the mesh.
+The model knows logical axis names only; `maxlm.parallel.sharding` maps them onto the mesh.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from maxlm.config import ModelConfig
 from maxlm.layers import get_backend, remat_policy, resolve_backend
 from maxlm.layers.kv_cache import attention_with_cache, update_positions
 from maxlm.layers.rope import apply_rope, rope_frequencies
-from maxlm.pipeline import pipeline_stack
+from maxlm.parallel.pipelining import pipeline_stack
 from maxlm.tables import PRECISIONS
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
@@ -99,13 +99,13 @@ class Transformer(nn.Module):
   valid token [B, 1, V] and the updated cache in the mutable "kv_cache" collection.
 
   `context_strategy` (mesh.context_strategy) is how attention exchanges keys and values where the mesh splits
-  the length (maxlm/layers/context.py); the tokens then come in the order that module gives.
+  the length (maxlm/parallel/context.py); the tokens then come in the order that module gives.
 
   stages > 1: the scanned stack runs as a pipeline of that many stages over `microbatches` micro-batches
-  (maxlm/pipeline.py; the mesh's `pipeline` degree and train.grad_accum), each stage `repeats` chunks of layers
+  (maxlm/parallel/pipelining.py; the mesh's `pipeline` degree and train.grad_accum), each stage `repeats` chunks of layers
   (1: GPipe; more: circular), its weights gathered over fsdp once per step when `gather_once`
   (train.pipeline_gather=step); the parameters are the same.
-  The embedding and the LM head stay outside it, on every stage (see maxlm/pipeline.py).
+  The embedding and the LM head stay outside it, on every stage (see maxlm/parallel/pipelining.py).
   """
   cfg: ModelConfig
   max_segments: int = 1
@@ -167,7 +167,7 @@ class Transformer(nn.Module):
     return nn.with_logical_constraint(logits, BTV)
 
   def _pipelined(self, x, positions, segment_ids, backend, policy, attention):
-    """The scanned stack's own parameters [L, ...] applied by maxlm/pipeline.py's stages, one Block at a time."""
+    """The scanned stack's own parameters [L, ...] applied by maxlm/parallel/pipelining.py's stages, one Block at a time."""
     m = self.cfg
     block = Block(m, backend, self.max_segments, self.context_strategy, attention)
 

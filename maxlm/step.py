@@ -22,7 +22,7 @@ import optax
 from flax import linen as nn
 
 from maxlm.config import ModelConfig
-from maxlm.layers import context
+from maxlm.parallel import context
 from maxlm.loss_scale import update_loss_scale
 from maxlm.model import BTV, compute_dtype
 from maxlm.offload import in_host_memory, to_device_in_turn, to_device_memory, to_host_memory
@@ -190,7 +190,7 @@ _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 
 def load_balanced(batch: dict, model: nn.Module, packed: bool) -> dict:
-  """The batch's [B, T] arrays in the load-balanced order of context parallelism (maxlm/layers/context.py)
+  """The batch's [B, T] arrays in the load-balanced order of context parallelism (maxlm/parallel/context.py)
   where the current mesh splits the length, else as they are. The tokens' segment ids and positions move
   with them; the losses and token counts are sums over tokens, so nothing needs restoring after."""
   if context.axis() is None:
@@ -268,7 +268,7 @@ def forward_params(params, cfg: ModelConfig, cast_once: bool, host_params: bool)
 #   guarded_update  the optimizer's update where the step is finite, else the state as it was ("cond", the run's;
 #                   "select", a what-if for the planner's measurements: a parameter of build_step)
 # and forward_params (the parameters as forward and backward read them: cast once, or brought from host memory).
-# A pipelined model (maxlm/pipeline.py) cuts the batch into its micro-batches itself: in flight together, not
+# A pipelined model (maxlm/parallel/pipelining.py) cuts the batch into its micro-batches itself: in flight together, not
 # accumulated one after the other.
 
 

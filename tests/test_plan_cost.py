@@ -82,7 +82,7 @@ def test_accumulation_reads_the_weights_again_and_the_gradient_sum():
   assert four["compute_s"] == one["compute_s"]
 
 
-# ---- pipeline stages (maxlm/pipeline.py): Llama 3 70B on 64 H200s, 8 nodes of 8 ----
+# ---- pipeline stages (maxlm/parallel/pipelining.py): Llama 3 70B on 64 H200s, 8 nodes of 8 ----
 H200_64 = Target(64, 8, "NVIDIA H200", 141 * 10**9, None, True)
 NVLINK, NET = 450e9, 50e9  # H200 NVLink and network bytes/s (maxlm/plan/cost.py)
 # Llama 3 70B (llama70b.yml) at batch 256 x 8192, no recomputation (remat none), scanned

@@ -72,14 +72,14 @@ def test_standin_attention_has_attentions_shapes_and_gradients():
 
 # In a child on 8 simulated CPU devices: the context exchange of a tiny model's step, as the planner compiles it
 # (`compile_step(fused_attention=True)`: the stand-in, bf16 kept) and, with "real", as the trainer does (the
-# pure-JAX context-parallel attention, maxlm/layers/context.py; XLA:CPU computes its bf16 in f32): the
+# pure-JAX context-parallel attention, maxlm/parallel/context.py; XLA:CPU computes its bf16 in f32): the
 # collectives over the context axis (groups of cp devices; a permute's pairs) that move K or V (4-D) or their segment ids and
 # positions (s32), by "kind dtype[shape]", counted per step (scanned layers times their trip count).
 EXCHANGE_CHILD = r"""
 import collections, json, re, sys
 from maxlm.build import build_step
 from maxlm.config import load_config
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 from maxlm.plan import collectives
 from maxlm.plan import measure as plan_measure
 

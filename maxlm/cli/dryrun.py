@@ -38,15 +38,15 @@ from maxlm.plan import sizing
 from maxlm.plan.levers import host_need
 from maxlm.plan.target import cond_copies
 from maxlm.runtime import watchdog, xla_presets
-from maxlm.layers import context
+from maxlm.parallel import context
 from maxlm.layers import check_remat, resolve_backend, supported_precisions
-from maxlm.mesh import AXES, check_context_split, mesh_shape
+from maxlm.parallel.mesh import AXES, check_context_split, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
 from maxlm.optim import warmup_warning
 from maxlm.runtime.devices import device_memory_bytes
 from maxlm.runtime.env import HOST_SHARE, apply_mem_fraction
-from maxlm.pipeline import bubble_fraction, check as check_pipeline, repeats as pipeline_repeats
+from maxlm.parallel.pipelining import bubble_fraction, check as check_pipeline, repeats as pipeline_repeats
 from maxlm.tables import PRECISIONS, human_bytes
 from maxlm.trainer import check_batch_split
 

@@ -18,7 +18,7 @@ fitted to a run:
 A roofline is a bound: real steps are slower (the 8B on one H200 ran at 57% of the compute term) and by
 different factors for different settings; the times are for ordering, and the GPUs at hand measure.
 
-With pipeline stages (maxlm/pipeline.py; V = 1 for GPipe, train.pipeline_repeats for circular): every stage
+With pipeline stages (maxlm/parallel/pipelining.py; V = 1 for GPipe, train.pipeline_repeats for circular): every stage
 computes 1/V of its layers at each of the V M + S - 1 ticks, V M of them useful (the bubble, `bubble_s`); the LM
 head runs on every stage for the whole batch; a stage's FSDP gathers the layers of each tick
 (train.pipeline_gather=tick) or its own layers once (step); and each tick hands one micro-batch's activations to
@@ -29,10 +29,10 @@ network bandwidth when the stages span nodes), on the critical path between tick
 from __future__ import annotations
 
 from maxlm.config import Config
-from maxlm.mesh import AXES, mesh_shape
+from maxlm.parallel.mesh import AXES, mesh_shape
 from maxlm.model import count_params, flops_per_step
 from maxlm.plan import sizing
-from maxlm.pipeline import repeats as pipeline_repeats
+from maxlm.parallel.pipelining import repeats as pipeline_repeats
 from maxlm.plan.measure import Target
 from maxlm.tables import DEFAULT_GPU, REMATS, gpu, gpu_named
 
@@ -46,7 +46,7 @@ TIE = 0.02
 
 
 def degrees(cfg: Config, target: Target) -> dict:
-  """Total degrees of the mesh's axes (maxlm.mesh.AXES) on the target's devices (intra x inter node)."""
+  """Total degrees of the mesh's axes (maxlm.parallel.mesh.AXES) on the target's devices (intra x inter node)."""
   ici, dcn = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)
   return dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
 
@@ -127,11 +127,11 @@ def step_time(cfg: Config, target: Target) -> dict:
 
 
 def context_exchange_bytes(cfg: Config, deg: dict) -> float:
-  """Bytes one device receives per step for context-parallel attention (maxlm/layers/context.py), either
+  """Bytes one device receives per step for context-parallel attention (maxlm/parallel/context.py), either
   strategy: per layer and micro-batch, the K and V blocks [rows, T / cp, KV, Dh] of the other cp - 1 devices
   (gathered, or passed around the ring) in the compute dtype, and in the backward twice that (the blocks again
   and their gradients going back), so 3x. Overlapped with compute like the other traffic. With pipeline stages
-  a device runs its L / stages layers at each of the M + stages - 1 ticks (maxlm/pipeline.py)."""
+  a device runs its L / stages layers at each of the M + stages - 1 ticks (maxlm/parallel/pipelining.py)."""
   cp = deg["context"]
   if cp == 1:
     return 0.0

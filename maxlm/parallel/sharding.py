@@ -19,9 +19,9 @@ BATCH = ("data", "fsdp")
 
 # logical axis -> mesh axes. Parameters are FSDP-sharded on `embed` and tensor-parallel
 # (Megatron-style) on heads / mlp / vocab; activations are sharded on batch, on length over `context`
-# (context parallelism: maxlm/layers/context.py) and on heads/mlp. The scanned
+# (context parallelism: maxlm/parallel/context.py) and on heads/mlp. The scanned
 # layer stack [L, ...] is split over `pipeline` in contiguous blocks: stage s holds layers s*L/S .. (s+1)*L/S - 1
-# (maxlm/pipeline.py); the stored tree stays per layer, whatever the pipeline degree.
+# (maxlm/parallel/pipelining.py); the stored tree stays per layer, whatever the pipeline degree.
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("vocab", "tensor"),
@@ -36,7 +36,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", "pipeline"),
     # activations
     ("activation_batch", BATCH),
-    ("stages", "pipeline"),  # the pipeline's stage axis of its activations (maxlm/pipeline.py)
+    ("stages", "pipeline"),  # the pipeline's stage axis of its activations (maxlm/parallel/pipelining.py)
     ("activation_length", "context"),
     ("activation_embed", None),
     ("activation_heads", "tensor"),

@@ -13,11 +13,11 @@ import pytest
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, OptimConfig
 from maxlm.data import BATCH_KEYS as BATCH
 from maxlm.layers import precision_scope
-from maxlm.mesh import make_mesh, mesh_shape
+from maxlm.parallel.mesh import make_mesh, mesh_shape
 from maxlm.model import Transformer
 from maxlm.scope import model_scope
 from maxlm.optim import make_optimizer
-from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
+from maxlm.parallel.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
 from maxlm.build import CompiledStep
 from maxlm.step import make_train_step
 from maxlm.train_state import create_train_state

@@ -245,7 +245,7 @@ def render(p: dict) -> str:
   ]
   piped = ms["pipeline"] > 1
   off = c["optim"]["offload"]
-  rows = [("params", f"{m['param_dtype']}, sharded over fsdp x tensor" + (", the layers also over pipeline" if piped
+  rows = [("params", f"{m['param_dtype']}, sharded over fsdp x context x tensor" + (", the layers also over pipeline" if piped
                                                                           else "")
            + ("; in host memory (optim.offload=host_params)" if off == "host_params" else "")),
           ("optimizer", f"AdamW mu in {c['optim']['mu_dtype']}, nu in {c['optim']['nu_dtype']}, the params' "

@@ -81,7 +81,8 @@ def step_time(cfg: Config, target: Target) -> dict:
   deg = degrees(cfg, target)
   params = count_params(m)
   work = flops_per_step(m, d.global_batch_size, d.seq_len) + _recompute_flops(cfg)
-  shards = deg["fsdp"] * deg["tensor"]
+  zero = deg["fsdp"] * deg["context"]  # the parameters' embed split (maxlm/parallel/sharding.py ZERO)
+  shards = zero * deg["tensor"]
   a, stages = cfg.train.grad_accum, deg["pipeline"]
   # per stage and device: the parameters a micro-batch (a tick) passes through, and those kept (all of them
   # without a pipeline; the stage's layers and the embedding, head and final norm with one)
@@ -104,7 +105,7 @@ def step_time(cfg: Config, target: Target) -> dict:
   compute = work / (n * peak)
   once = stages > 1 and cfg.train.pipeline_gather == "step"
   gathered = (layers * (1 if once else passes) + other * (1 if stages > 1 else a)) / deg["tensor"]  # per device
-  fsdp = 3 * gathered * 2 * (deg["fsdp"] - 1) / deg["fsdp"] / link  # 2 gathers (bf16) + scatter
+  fsdp = 3 * gathered * 2 * (zero - 1) / zero / link  # 2 gathers (bf16) + scatter, over fsdp x context
   bw = net if target.n_nodes > 1 else link
   data = 2 * 4 * held / shards * (deg["data"] - 1) / deg["data"] / bw  # fp32 all-reduce
   if stages > 1:  # the stage's weights read again and its gradients summed at every tick

@@ -40,8 +40,8 @@
 `estimate(..., state=...)` takes params / optimizer / fp8_meta bytes per device measured elsewhere
 (`maxlm.cli.dryrun` reads them off the abstract train state and its shardings) instead of the formulas.
 
-Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x tensor
-degree (rounded up), those of the layer stack also by the pipeline degree (its stages split the layers);
+Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x context x tensor
+degree (rounded up; `embed` is split over fsdp and context: maxlm/parallel/sharding.py ZERO), those of the layer stack also by the pipeline degree (its stages split the layers);
 the logits' batch by data x fsdp, their positions by context and their vocabulary by tensor (each rounded
 up). A dimension that does not divide its mesh axes is replicated in practice, so `lower_bound` stays a
 lower bound. Activations are divided by the batch and context degrees only. With pipeline stages
@@ -140,7 +140,7 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
   counts, stages = count_params(m), deg["pipeline"]
   n_params = counts["total"] - counts["layers"] + -(-counts["layers"] // stages)  # per pipeline stage
   p_bytes, c_bytes = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[PRECISIONS[m.precision].compute_dtype or m.dtype]
-  shards = deg["fsdp"] * deg["tensor"]
+  shards = deg["fsdp"] * deg["context"] * deg["tensor"]
   params = -(-n_params * p_bytes // shards)  # ceil
   micro = d.global_batch_size // (1 if stages > 1 else cfg.train.grad_accum)  # pipelined: all micro-batches at once
   rows = -(-micro // (deg["data"] * deg["fsdp"]))

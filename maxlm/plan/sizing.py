@@ -41,7 +41,8 @@
 (`maxlm.cli.dryrun` reads them off the abstract train state and its shardings) instead of the formulas.
 
 Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x context x tensor
-degree (rounded up; `embed` is split over fsdp and context: maxlm/parallel/sharding.py ZERO), those of the layer stack also by the pipeline degree (its stages split the layers);
+degree (rounded up; `embed` is split over fsdp and context: maxlm/parallel/sharding.py ZERO), those of the
+layer stack also by the pipeline degree (its stages split the layers);
 the logits' batch by data x fsdp, their positions by context and their vocabulary by tensor (each rounded
 up). A dimension that does not divide its mesh axes is replicated in practice, so `lower_bound` stays a
 lower bound. Activations are divided by the batch and context degrees only. With pipeline stages

@@ -111,11 +111,10 @@ def exchange_by_hand(strategy: str, cp: int, layers=2, batch=8, seq=128, kv=2, d
   if strategy == "ring":
     # cp - 1 passes of the bf16 K and V blocks forward (x 2, above), and of their bf16 cotangents backward
     return {f"collective-permute bf16[{b},{seq // cp},{kv},{dh}]": layers * 2 * (cp - 1) * 3}
-  # K and V gathered in bf16 (x 2, above), their float32 cotangents reduce-scattered once. Per device the whole
-  # batch: XLA partitions the gather inside the shard_map (only the context axis manual) with the batch
-  # replicated over fsdp, in the real attention as in the stand-in (the ring's permutes keep it split)
-  return {f"all-gather bf16[{batch},{seq},{kv},{dh}]": layers * 2 * 2,
-          f"reduce-scatter f32[{batch},{seq // cp},{kv},{dh}]": layers * 2}
+  # K and V gathered in bf16 (x 2, above), their float32 cotangents reduce-scattered once, each device's own rows
+  # only (the batch axes manual in the shard_map; left automatic, XLA gathered the whole batch on every device)
+  return {f"all-gather bf16[{b},{seq},{kv},{dh}]": layers * 2 * 2,
+          f"reduce-scatter f32[{b},{seq // cp},{kv},{dh}]": layers * 2}
 
 
 def _kv_only(counts: dict) -> dict:

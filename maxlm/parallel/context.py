@@ -169,10 +169,29 @@ def ring_exchange(step, acc, blocks, name: str, cp: int):
   return acc
 
 
+def batch_axes(batch: int) -> tuple[str, ...]:
+  """The mesh axes that split the batch (`activation_batch`) under the current mesh and rules, those of more
+  than one device, when together they divide `batch`; else ()."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  try:
+    spec = nn.logical_to_mesh_axes(("activation_batch",))
+  except ValueError:  # no rules installed
+    return ()
+  names = spec[0] if len(spec) else None
+  names = () if names is None else names if isinstance(names, tuple) else (names,)
+  names = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+  return names if batch % math.prod(mesh.shape[a] for a in names) == 0 else ()
+
+
 def sharded(fn, name: str, q, k, v, segment_ids, positions):
-  """fn(q, k, v, segment ids, positions) on each device's share of the length (split over mesh axis `name`,
-  the only manual axis: batch and heads stay sharded as the rules put them) -> [B, T, H, Dh], split the same
-  way."""
-  seq4, seq2 = jax.sharding.PartitionSpec(None, name, None, None), jax.sharding.PartitionSpec(None, name)
-  return jax.shard_map(fn, in_specs=(seq4, seq4, seq4, seq2, seq2), out_specs=seq4, axis_names={name},
-                       check_vma=False)(q, k, v, segment_ids, positions)
+  """fn(q, k, v, segment ids, positions) on each device's share of the length (split over mesh axis `name`) and
+  of the batch (its axes manual too where they divide it: `batch_axes`) -> [B, T, H, Dh], split the same way.
+  Heads stay sharded as the rules put them. With the batch axes left automatic, XLA partitioned the exchange with
+  the batch replicated over them: each device gathered (and reduce-scattered) every row of the batch, fsdp x the
+  bytes of its own rows."""
+  rows = batch_axes(q.shape[0]) or None
+  seq4, seq2 = jax.sharding.PartitionSpec(rows, name, None, None), jax.sharding.PartitionSpec(rows, name)
+  return jax.shard_map(fn, in_specs=(seq4, seq4, seq4, seq2, seq2), out_specs=seq4,
+                       axis_names={name, *(rows or ())}, check_vma=False)(q, k, v, segment_ids, positions)

@@ -29,6 +29,7 @@ network bandwidth when the stages span nodes), on the critical path between tick
 from __future__ import annotations
 
 from maxlm.config import Config
+from maxlm.parallel.context import resolve_strategy
 from maxlm.parallel.mesh import AXES, mesh_shape
 from maxlm.model import count_params, flops_per_step
 from maxlm.plan import sizing
@@ -128,11 +129,12 @@ def step_time(cfg: Config, target: Target) -> dict:
 
 
 def context_exchange_bytes(cfg: Config, deg: dict) -> float:
-  """Bytes one device receives per step for context-parallel attention (maxlm/parallel/context.py), either
-  strategy: per layer and micro-batch, the K and V blocks [rows, T / cp, KV, Dh] of the other cp - 1 devices
-  (gathered, or passed around the ring) in the compute dtype, and in the backward twice that (the blocks again
-  and their gradients going back), so 3x. Overlapped with compute like the other traffic. With pipeline stages
-  a device runs its L / stages layers at each of the M + stages - 1 ticks (maxlm/parallel/pipelining.py)."""
+  """Bytes one device receives per step for context-parallel attention (maxlm/parallel/context.py): per layer
+  and micro-batch, the K and V blocks [rows, T / cp, KV, Dh] of the other cp - 1 devices, gathered or passed
+  around the ring in the compute dtype, twice (the forward, and again in the backward, which recomputes it), and
+  their gradients going back once: in the compute dtype around the ring, reduce-scattered in float32 by the
+  all-gather (`gather_kv`'s transpose). Overlapped with compute like the other traffic. With pipeline stages a
+  device runs its L / stages layers at each of the M + stages - 1 ticks (maxlm/parallel/pipelining.py)."""
   cp = deg["context"]
   if cp == 1:
     return 0.0
@@ -140,5 +142,8 @@ def context_exchange_bytes(cfg: Config, deg: dict) -> float:
   stages = deg["pipeline"]
   passes = cfg.train.grad_accum + stages - 1
   rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
-  block = rows * (d.seq_len // cp) * m.n_kv_heads * m.head_dim * (4 if m.dtype == "float32" else 2)
-  return 3 * passes * (m.n_layers // stages) * 2 * block * (cp - 1)
+  c = 4 if m.dtype == "float32" else 2
+  block = rows * (d.seq_len // cp) * m.n_kv_heads * m.head_dim  # elements
+  packed = d.type != "synthetic" or bool(m.sliding_window)  # as maxlm/build.py and the attention layers see rows
+  grads = c if resolve_strategy(cfg.mesh.context_strategy, cp, d.seq_len, packed) == "ring" else 4
+  return passes * (m.n_layers // stages) * 2 * block * (2 * c + grads) * (cp - 1)

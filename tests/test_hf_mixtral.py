@@ -118,6 +118,21 @@ def test_fp32_logits_match_a_numpy_mixtral(backend, tmp_path):
   assert err <= tol, f"{backend}: max |logits - numpy Mixtral| = {err:.3g} (bound {tol:.3g})"
 
 
+def test_greedy_generation_with_the_kv_cache_matches_the_numpy_mixtral(tmp_path):
+  """Model.generate (maxlm.generation's KV cache through the MoE blocks) against greedy decoding by the numpy
+  forward, which recomputes the whole prefix at every step; each step's top two logits are kept apart by more
+  than the fp32 bound of the logits test, so rounding cannot swap them."""
+  t = random_mixtral(tmp_path / "m", seed=4)
+  prompt = tokens(1, 6, seed=5)[0].tolist()
+  seq = list(prompt)
+  for _ in range(6):
+    logits, _ = numpy_mixtral(t, CONFIG, np.asarray([seq]))
+    top2 = np.sort(logits[0, -1])[-2:]
+    assert top2[1] - top2[0] > (6 * CONFIG["num_hidden_layers"] + 1) * 48 * U32 * np.abs(logits).max()
+    seq.append(int(np.argmax(logits[0, -1])))
+  assert Model.from_pretrained(tmp_path / "m", backend="flax").generate([prompt], 6)[0] == seq[len(prompt):]
+
+
 def _bits(directory) -> dict[str, tuple[str, np.ndarray]]:
   out = {}
   for f in sorted(directory.glob("*.safetensors")):

@@ -1,7 +1,7 @@
 """Context parallelism: the layout of a sequence split over the context axis, and the exchanges of keys and
 values over it (the kernels that use them: maxlm/layers/cp_attention.py).
 
-The logical rules (maxlm/sharding.py) may map `activation_length` to a mesh axis; when that axis has cp > 1
+The logical rules (maxlm/parallel/sharding.py) may map `activation_length` to a mesh axis; when that axis has cp > 1
 devices, each device holds T / cp positions of every activation, and attention, the one layer that mixes
 positions, exchanges keys and values over that axis (maxlm/layers/cp_attention.py, inside `shard_map`). The model knows none
 of it: the layers find the axis from the current mesh and rules (`axis`).

@@ -40,6 +40,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act", None),
     ("norm", None),
     ("layers", "pipeline"),
+    ("expert", None),  # the experts of an MoE block [E, ...] (maxlm/layers/moe.py): no expert axis yet
+    ("expert_logits", None),  # the router's output dimension [D, E]
     # activations
     ("activation_batch", BATCH),
     ("stages", "pipeline"),  # the pipeline's stage axis of its activations (maxlm/parallel/pipelining.py)

@@ -204,12 +204,16 @@ def _forward_loss(model: nn.Module, packed: bool):
   """`loss_fn(params, model_state, batch, grad_scale=None) -> (summed NLL, valid tokens)`."""
   cfg = model.cfg
   chunked = use_chunked_loss(cfg)
+  onefoneb = getattr(model, "stages", 1) > 1 and getattr(model, "schedule", "gpipe") == "1f1b"
 
   def loss_fn(params, model_state, batch, grad_scale=None):
     batch = load_balanced(batch, model, packed)
     seg = batch["segment_ids"] if packed else None
     variables = {"params": params, **model_state}
     mask = batch["segment_ids"] > 0  # [B, T]
+    if onefoneb:  # the pipeline applies the head and the loss to each micro-batch itself (grad_scale: fp16, refused)
+      return model.apply(variables, batch["inputs"], batch["positions"], seg, loss=token_losses,
+                         targets=batch["targets"], mask=mask)
     if chunked:
       y, kernel = model.apply(variables, batch["inputs"], batch["positions"], seg, hidden=True)  # [B, T, D]
       return chunked_token_losses(y, kernel, batch["targets"], mask, chunk=cfg.loss_chunk,

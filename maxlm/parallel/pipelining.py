@@ -42,10 +42,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
 
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig
+from maxlm.parallel.schedules import assignment, bubble_fraction, schedule_table  # noqa: F401 (their home before)
 
 AXIS = "pipeline"  # the mesh axis of the stages (maxlm/parallel/mesh.py)
 # logical names of the stage state [S, micro-batch, T, D] (maxlm/parallel/sharding.py maps "stages" to AXIS)
@@ -83,30 +83,14 @@ def check(m: ModelConfig, t: TrainConfig, mesh: MeshConfig, stages: int, context
   if not m.scan_layers:
     raise ConfigError(f"model.scan_layers=false: the pipeline ({keys}) splits the scanned layer stack; "
                       "set model.scan_layers=true")
+  if t.pipeline_schedule == "1f1b" and m.precision == "fp16":
+    raise ConfigError(f"model.precision=fp16 with train.pipeline_schedule=1f1b ({keys}): 1f1b forms the gradients "
+                      "in its forward pass, before the loss scale applies; use bf16, or train.pipeline_schedule="
+                      "gpipe")
   if m.precision == "fp8_delayed":
     raise ConfigError(f"model.precision=fp8_delayed with {keys}: its per-layer amax history is updated once per "
                       "call of a layer, and a pipelined layer runs once per micro-batch in one step; use "
                       "fp8_current (or bf16)")
-
-
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-  """The share of a step a stage waits: (S - 1) / (V M + S - 1) (V = 1: GPipe's); 0 without a pipeline."""
-  return (stages - 1) / (repeats * microbatches + stages - 1)
-
-
-def assignment(t, stage, microbatches: int, repeats: int = 1):
-  """(micro-batch, repeat, busy) of `stage` at tick t (ints or arrays): what the tick loop runs. Idle (not busy)
-  stages get a clipped micro-batch and repeat, whose results are never read."""
-  work = jnp.clip(t - stage, 0, repeats * microbatches - 1)
-  busy = (t - stage >= 0) & (t - stage < repeats * microbatches)
-  return work % microbatches, work // microbatches, busy
-
-
-def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
-  """[ticks, S, 2]: the (micro-batch, repeat) each stage works on at each tick, (-1, -1) where it idles."""
-  t = np.arange(repeats * microbatches + stages - 1)[:, None]
-  mb, rep, busy = map(np.asarray, assignment(t, np.arange(stages)[None, :], microbatches, repeats))
-  return np.where(busy[..., None], np.stack([mb, rep], axis=-1), -1)
 
 
 def micro_batches(x: jax.Array, m: int) -> jax.Array:

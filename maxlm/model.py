@@ -26,6 +26,10 @@ from maxlm.tables import PRECISIONS
 BTD = ("activation_batch", "activation_length", "activation_embed")
 BTHD = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
 BTV = ("activation_batch", "activation_length", "activation_vocab")
+# With pipeline stages, outside them (the embedding, the head, the loss): the length split over the stages, so that
+# those run once over the batch, each stage its 1/S of the tokens, not S times (maxlm/parallel/pipelining.py).
+STAGED_BTD = ("activation_batch", "stage_length", "activation_embed")
+STAGED_BTV = ("activation_batch", "stage_length", "activation_vocab")
 
 
 def _dtype(name: str):
@@ -130,7 +134,9 @@ class Transformer(nn.Module):
   (maxlm/parallel/pipelining.py; the mesh's `pipeline` degree and train.grad_accum), each stage `repeats` chunks of layers
   (1: GPipe; more: circular), its weights gathered over fsdp once per step when `gather_once`
   (train.pipeline_gather=step); the parameters are the same.
-  The embedding and the LM head stay outside it, on every stage (see maxlm/parallel/pipelining.py).
+  The embedding and the LM head stay outside it, run once over the batch, its length split over the stages
+  (see maxlm/parallel/pipelining.py). schedule 1f1b: `__call__(..., loss=, targets=, mask=)` returns the summed
+  loss and the token count, the head applied per micro-batch inside the schedule (maxlm/parallel/onefoneb.py).
   """
   cfg: ModelConfig
   max_segments: int = 1
@@ -155,7 +161,9 @@ class Transformer(nn.Module):
     embed = nn.Embed(m.vocab_size, m.d_model, dtype=cdt, param_dtype=pdt, name="embed",
                      embedding_init=nn.with_logical_partitioning(nn.initializers.normal(m.init_std),
                                                                  ("vocab", "embed")))
-    x = nn.with_logical_constraint(embed(tokens), BTD)  # [B, T, D]
+    staged = self.stages > 1 and cache is None and m.scan_layers
+    btd, btv = (STAGED_BTD, STAGED_BTV) if staged else (BTD, BTV)
+    x = nn.with_logical_constraint(embed(tokens), btd)  # [B, T, D]
 
     block, over = Block, self.overrides or Overrides()
     policy = remat_policy(m.remat, backend)
@@ -180,13 +188,14 @@ class Transformer(nn.Module):
         x, _ = block(m, backend, self.max_segments, self.context_strategy, over.attention, name=f"layers_{i}")(
             x, positions, segment_ids)  # [B, T, D]
 
+    x = nn.with_logical_constraint(x, btd)
     if hidden:  # the chunked loss (maxlm/step.py) applies the head itself: no [B, T, V] logits here
       y = be.rms_norm(x, eps=m.norm_eps, param_dtype=pdt,
                       name="final_norm" if m.tie_embeddings else "lm_head")  # [B, T, D]
       kernel = embed.embedding if m.tie_embeddings else nn.unbox(self.variables["params"]["lm_head"]["kernel"])
-      return nn.with_logical_constraint(y, BTD), kernel  # kernel [V, D] tied, [D, V] untied
+      return nn.with_logical_constraint(y, btd), kernel  # kernel [V, D] tied, [D, V] untied
     logits = head_logits(x, m, backend, embed.embedding if m.tie_embeddings else None)  # [B, T, V]
-    return nn.with_logical_constraint(logits, BTV)
+    return nn.with_logical_constraint(logits, btv)
 
   def _stack(self, backend, policy, attention):
     """(layer(p, h, pos, seg) applying one Block, the stack's parameters [L, ...], their logical names)."""
@@ -212,7 +221,8 @@ class Transformer(nn.Module):
                    "embedding": nn.unbox(self.variables["params"]["embed"]["embedding"]) if m.tie_embeddings else None}
 
     def tail(tp, h, tgt, msk):  # h [B/M, T, D] -> (summed loss, count)
-      logits = nn.with_logical_constraint(head.apply({"params": tp["head"]}, h, tp["embedding"]), BTV)
+      h = nn.with_logical_constraint(h, STAGED_BTD)
+      logits = nn.with_logical_constraint(head.apply({"params": tp["head"]}, h, tp["embedding"]), STAGED_BTV)
       return loss(logits, tgt, msk)
     return pipeline_loss(layer, tail, params, tail_params, x, positions, segment_ids, (targets, mask),
                          stages=self.stages, microbatches=self.microbatches, axes=axes, gather=self.gather_once)

@@ -31,9 +31,10 @@ once after it: per device the stage's L/S layers gathered (tensor-parallel shard
 in the parameters' dtype, for the whole step.
 
 Embedding and LM head: they stay outside the pipeline (maxlm/model.py). Their parameters are not split over
-`pipeline` (only `layers` is), and every pipeline stage computes them for the whole batch: the embedding lookup
-before the first stage, the final norm, head and loss after the last. Their activations are sharded over
-data x fsdp as without a pipeline, and replicated over `pipeline`.
+`pipeline` (only `layers` is); the embedding lookup before the first stage and the final norm, head and loss
+after the last run once over the batch, its length split over the stages (the logical axis `stage_length`), not
+on every stage. Under 1f1b (maxlm/parallel/onefoneb.py) the head and loss run per micro-batch on the last
+stage's output, its length split the same way.
 """
 
 from __future__ import annotations

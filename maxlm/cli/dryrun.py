@@ -231,7 +231,7 @@ def render(p: dict) -> str:
       + " x ".join(f"{a} {ms[a]}" for a in AXES) + f" (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
       + (f"; attention over the context axis: {ms['context_strategy']}" if ms["context"] > 1 else "")
       + (f"; {ms['pipeline']} stages of {m['n_layers'] // ms['pipeline']} layers over {c['train']['grad_accum']} "
-         + ("micro-batches (GPipe)" if ms["repeats"] == 1 else
+         + ("micro-batches (1F1B)" if ms["schedule"] == "1f1b" else "micro-batches (GPipe)" if ms["repeats"] == 1 else
             f"micro-batches (circular: {ms['repeats']} chunks of {m['n_layers'] // ms['pipeline'] // ms['repeats']} "
             "layers per stage)")
          + f", bubble {ms['bubble']:.0%} of a step" if ms["pipeline"] > 1 else ""),

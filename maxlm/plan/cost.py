@@ -21,7 +21,9 @@ different factors for different settings; the times are for ordering, and the GP
 With pipeline stages (maxlm/parallel/pipelining.py; V = 1 for GPipe, train.pipeline_repeats for circular): every stage
 computes 1/V of its layers at each of the V M + S - 1 ticks, V M of them useful (the bubble, `bubble_s`); the LM
 head runs on every stage for the whole batch; a stage's FSDP gathers the layers of each tick
-(train.pipeline_gather=tick) or its own layers once (step); and each tick hands one micro-batch's activations to
+(train.pipeline_gather=tick) or its own layers once (step); 1f1b (maxlm/parallel/onefoneb.py) has GPipe's
+bubble, (S - 1) / (M + S - 1), and computes a stage's forward once more per micro-batch (its backward phase
+recomputes it from the kept input); and each tick hands one micro-batch's activations to
 the next stage and sums the last stage's output over the pipeline axis, forward and backward (`pipeline_s`, at
 network bandwidth when the stages span nodes), on the critical path between ticks.
 """
@@ -93,7 +95,9 @@ def step_time(cfg: Config, target: Target) -> dict:
   if stages > 1:
     head = 6.0 * m.d_model * m.vocab_size * d.global_batch_size * d.seq_len  # in flops_per_step's matmuls
     v = pipeline_repeats(cfg.train)
-    ticks = v * a + stages - 1  # each running 1/V of a stage's layers on one micro-batch
+    if cfg.train.pipeline_schedule == "1f1b":  # its backward phase recomputes the stage's forward (onefoneb.py)
+      work += (flops_per_step(m, d.global_batch_size, d.seq_len) - head) / 3
+    ticks = v * a + stages - 1  # each running 1/V of a stage's layers on one micro-batch (1f1b: F and B phases)
     passes = ticks / v  # the stage's layers run this often; the head's work is done by every stage, whole batch
     bubble = (work - head) * (stages - 1) / (v * a) / (n * peak)
     work = (work - head) * passes / a + head * stages

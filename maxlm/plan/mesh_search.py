@@ -26,6 +26,7 @@ import time
 from maxlm.config import Config, ConfigError
 from maxlm.layers import resolve_backend
 from maxlm.parallel.mesh import mesh_shape
+from maxlm.parallel.pipelining import repeats as pipeline_repeats
 from maxlm.plan import heartbeat, moments
 from maxlm.plan.levers import apply, candidates, certain_bytes, most_saving
 from maxlm.plan.cost import TIE, degrees, hardware, step_time  # TIE: predictions closer are a tie
@@ -55,7 +56,9 @@ def meshes(cfg: Config, n_devices: int, n_nodes: int) -> list[dict]:
         continue
       rest = per_node // (tensor * context)
       for pipeline in _divisors(n_nodes):
-        if m.n_layers % pipeline or (pipeline > 1 and context > 1):
+        # the stack splits into S stages of V chunks each (V: train.pipeline_repeats under circular, else 1)
+        if m.n_layers % (pipeline * (pipeline_repeats(cfg.train) if pipeline > 1 else 1)) or (
+            pipeline > 1 and context > 1):
           continue
         across = n_nodes // pipeline
         for data, fsdp in dict.fromkeys(((1, rest), (rest, 1))):

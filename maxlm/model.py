@@ -296,7 +296,9 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
   of `matmul`); `layers` those of the decoder blocks (norms included)."""
   d, f, h, kv, dh, v, n = (cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                            cfg.vocab_size, cfg.n_layers)
-  e, k, n_moe = cfg.moe.experts, cfg.moe.top_k, len(moe_layers(cfg))
+  # the MoE blocks' count, as moe_layers would list them (counted, not listed: sizes are checked before they are
+  # built, absurd ones included)
+  e, k, n_moe = cfg.moe.experts, cfg.moe.top_k, (n // cfg.moe.every if cfg.moe.experts > 0 else 0)
   attn, mlp = d * (h + 2 * kv) * dh + h * dh * d, 3 * d * f
   blocks = n * attn + (n - n_moe) * mlp + n_moe * (d * e + e * mlp)  # an MoE block: router [D, E], E experts
   matmul = blocks + d * v  # the LM head is a GEMM also when tied

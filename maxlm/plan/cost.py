@@ -98,9 +98,9 @@ def step_time(cfg: Config, target: Target) -> dict:
     if cfg.train.pipeline_schedule == "1f1b":  # its backward phase recomputes the stage's forward (onefoneb.py)
       work += (flops_per_step(m, d.global_batch_size, d.seq_len) - head) / 3
     ticks = v * a + stages - 1  # each running 1/V of a stage's layers on one micro-batch (1f1b: F and B phases)
-    passes = ticks / v  # the stage's layers run this often; the head's work is done by every stage, whole batch
+    passes = ticks / v  # the stage's layers run this often; the head once, its length split over the stages
     bubble = (work - head) * (stages - 1) / (v * a) / (n * peak)
-    work = (work - head) * passes / a + head * stages
+    work = (work - head) * passes / a + head
     rows = d.global_batch_size / a / (deg["data"] * deg["fsdp"])  # a micro-batch's rows per device
     act = rows * (d.seq_len // deg["context"]) * m.d_model * (4 if m.dtype == "float32" else 2)  # [B/M, T/cp, D]
     across = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)[1][AXES.index("pipeline")] > 1

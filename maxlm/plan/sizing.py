@@ -46,7 +46,8 @@ layer stack also by the pipeline degree (its stages split the layers);
 the logits' batch by data x fsdp, their positions by context and their vocabulary by tensor (each rounded
 up). A dimension that does not divide its mesh axes is replicated in practice, so `lower_bound` stays a
 lower bound. Activations are divided by the batch and context degrees only. With pipeline stages
-(maxlm/parallel/pipelining.py) the LM head runs once on the whole batch (its micro-batches are all in flight) and a
+(maxlm/parallel/pipelining.py) the LM head runs once on the whole batch (its micro-batches are all in flight), its
+length split over the stages (`stage_length`), and a
 stage keeps its L / stages layers' activations for every micro-batch (GPipe and circular: M in flight); under 1f1b
 (maxlm/parallel/onefoneb.py) the inputs of min(M, 2 S - 1) micro-batches and one micro-batch's L / stages layers;
 with train.pipeline_gather=step and fsdp, `gathered`: the stage's layers whole over fsdp and their gradient sum
@@ -174,7 +175,8 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
       "copy": copy,
       "copy_embedding": copy_embedding,
       "fp8_meta": fp8_meta_bytes(m) if state is None else state["fp8_meta"],
-      "logits": rows * -(-_logit_positions(m, d.seq_len) // deg["context"]) * vocab * logit_bytes,
+      # with stages the length outside them (embedding, head, loss) is split over the pipeline axis
+      "logits": rows * -(-_logit_positions(m, d.seq_len) // (deg["context"] * stages)) * vocab * logit_bytes,
       "activations": (rows * (d.seq_len // deg["context"]) * _activation_elements(cfg, m.n_layers // stages)
                       * c_bytes),
       "gathered": _gathered(cfg, counts["layers"], stages, deg, p_bytes),
@@ -184,7 +186,7 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
     kept = in_flight("1f1b", stages, cfg.train.grad_accum) * m.d_model
     out["activations"] = (mb_rows * (d.seq_len // deg["context"]) * (kept + _activation_elements(
         cfg, m.n_layers // stages)) * c_bytes)
-  out["head"] = rows * _logit_positions(m, d.seq_len) * vocab * c_bytes  # the LM head's output: materialized
+  out["head"] = rows * -(-_logit_positions(m, d.seq_len) // stages) * vocab * c_bytes  # the LM head's output
   held = copy - copy_embedding  # host_params: read again by the backward pass (and by every micro-batch)
   live = (out["gradients"] + out["head"] + held if cfg.train.grad_accum > 1
           else max(out["gradients"], out["head"] + held))

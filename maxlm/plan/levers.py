@@ -12,9 +12,9 @@ so, or that nothing fits and what would.
 * Budget and progress. Once one candidate fits, plan.budget_s bounds the search: past it nothing more is compiled,
   and nothing more timed once one is (on the GPUs at hand a compile of the 8B's unrolled layers takes about a
   minute). Each compile and timing is reported as it ends (the trainer prints it: a long search shows itself).
-* Pruning (the analytic model, maxlm/plan/sizing.py, only prunes). A candidate is not compiled when the bytes
-  it certainly needs (sizing's lower_bound: the state, and the gradients or the logits, both when
-  accumulating; a true lower bound of XLA's peak) plus a share of sizing's rough activations exceed the usable
+* Pruning (the analytic model, maxlm/plan/memory.py, only prunes). A candidate is not compiled when the bytes
+  it certainly needs (memory.py's lower_bound: the state, and the gradients or the logits, both when
+  accumulating; a true lower bound of XLA's peak) plus a share of memory.py's rough activations exceed the usable
   memory. The share is kept per model.remat policy: one half until a candidate of that policy is measured, then
   the least (measured - certain) / activations seen for it so far, at most 1: calibrated on XLA's own numbers,
   so that a big model compiles few candidates. Per policy, because the rough activations err by policy: on the
@@ -25,7 +25,7 @@ so, or that nothing fits and what would.
   Where every candidate was pruned the message says so: nothing was compiled. On the GPUs at hand, a deep
   unrolled candidate is then first compiled at 4 and 8 layers (maxlm/plan/probe.py) and pruned when the line
   through those peaks, extended to its depth, is over the usable memory by more than probe.SLACK.
-* Host memory (optim.offload): a candidate whose pinned host memory per device (sizing's host: the moments, and
+* Host memory (optim.offload): a candidate whose pinned host memory per device (memory.py's host: the moments, and
   with host_params the parameters; twice on jax < 0.11, whose XLA:GPU keeps a copy of the donated state under the
   step's cond) exceeds HOST_SHARE of the host RAM per device (the node's RAM, or its cgroup's limit, over the devices
   of the node's processes; a DGX node's on a compile-only target, said so) is not compiled: pinned memory cannot be
@@ -44,10 +44,10 @@ import jax
 
 from maxlm.config import LEVERS, Config, ConfigError, load_config
 from maxlm.layers import resolve_backend
-from maxlm.plan import moments, probe, sizing, timing
+from maxlm.plan import memory, moments, probe, timing
 from maxlm.plan.cost import TIE, degrees, step_time
-from maxlm.plan.measure import Target
-from maxlm.plan.target import COND_COPY, cond_copies
+from maxlm.plan.target import Target
+from maxlm.plan.xla_gpu import COND_COPY, cond_copies
 from maxlm.runtime.env import HOST_SHARE
 from maxlm.tables import REMATS, human_bytes
 
@@ -128,18 +128,18 @@ def candidates(cfg: Config, target: Target, backend: str) -> list[dict]:
 
 
 def certain_bytes(cfg: Config, target: Target) -> dict:
-  """Bytes per device: "certain" = sizing's lower_bound (what the step certainly holds at once: the state, and
-  the gradients or the logits, both when accumulating; maxlm/plan/sizing.py says why it is a lower bound of
+  """Bytes per device: "certain" = memory.py's lower_bound (what the step certainly holds at once: the state, and
+  the gradients or the logits, both when accumulating; maxlm/plan/memory.py says why it is a lower bound of
   XLA's peak), the moments (and with host_params the parameters) left out when offloaded; "activations" =
-  sizing's rough activations."""
-  est = sizing.estimate(cfg, target.n_devices, target.n_nodes)
+  memory.py's rough activations."""
+  est = memory.estimate(cfg, target.n_devices, target.n_nodes)
   return {"certain": est["lower_bound"], "activations": est["activations"]}
 
 
 def host_need(cfg: Config, target: Target) -> int:
-  """Bytes of pinned host memory per device with cfg's optim.offload (sizing's host), doubled where this jax's
-  XLA:GPU copies the donated state under the step's cond (maxlm/plan/target.py `cond_copies`)."""
-  return sizing.estimate(cfg, target.n_devices, target.n_nodes)["host"] * (2 if cond_copies() else 1)
+  """Bytes of pinned host memory per device with cfg's optim.offload (memory.py's host), doubled where this jax's
+  XLA:GPU copies the donated state under the step's cond (maxlm/plan/xla_gpu.py `cond_copies`)."""
+  return memory.estimate(cfg, target.n_devices, target.n_nodes)["host"] * (2 if cond_copies() else 1)
 
 
 def host_short(cfg: Config, target: Target) -> str | None:
@@ -183,6 +183,7 @@ class Plan:
   cfg: Config  # the config with the chosen levers (the input config when none fits)
   moments: str = ""  # what the line says about the moment dtypes (maxlm/plan/moments.py)
   stopped: float | None = None  # seconds into the search when plan.budget_s stopped it
+  written: dict = dataclasses.field(default_factory=dict)  # the lever values as the config wrote them
 
   def line(self) -> str:
     """The one line the trainer prints."""
@@ -321,7 +322,7 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
     stopped = stopped or clock() - start  # the budget ended the timing
   return Plan(target, rows, chosen, apply(cfg, chosen.overrides) if chosen else cfg,
               moments.note(cfg, chosen.overrides, parse_levers(cfg.plan.levers)) if chosen else "",
-              stopped=stopped)
+              stopped=stopped, written=current(cfg))
 
 
 def kept(cfg: Config) -> dict:

@@ -49,16 +49,18 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
            f"{'certain':>11}{'measured':>12}{'step':>12}{'tok/s':>12}  status"]
   written = p.written
   shown = [(i, r) for i, r in enumerate(p.rows, 1)
-           if everything or r.measured is not None or r.probed or r is p.chosen]
+           if everything or r.measured is not None or r.probed or r.estimate is not None or r is p.chosen]
   for i, r in shown:
-    o, s = r.overrides, (r.seconds if r.seconds is not None else r.time["total_s"])
-    how = "m" if r.seconds is not None else "e"  # measured here, or the roofline's estimate
+    o, s = r.overrides, (r.seconds if r.seconds is not None else r.estimate["seconds"] if r.estimate is not None
+                         else r.time["total_s"])
+    how = "m" if r.seconds is not None else "p" if r.estimate is not None else "e"  # measured, probed, roofline
     timing = f"{s:>10.3g}s{how}{tokens / s:>12,.0f}" if t.gpu else f"{'-':>12}{'-':>12}"  # no CPU roofline
     status = r.status + (f": {r.note}" if r.note else "") + ("" if r.how in ("", "measured") else f" ({r.how})")
     status += f"; {r.stats['xla_log']}" if r.stats and r.stats.get("xla_log") else ""  # XLA's own warnings
     status += "; the config as written" if r.overrides == written else ""
     peak = (human_bytes(r.measured) if r.measured is not None else
-            f"~{human_bytes(r.plausible)}" if r.probed and r.plausible is not None else "-")  # ~: the line
+            f"~{human_bytes(r.plausible)}" if r.probed and r.plausible is not None else
+            f"~{human_bytes(r.estimate['bytes'])}" if r.estimate is not None else "-")  # ~: the line
     lines.append(f"{'*' if r is p.chosen else '':2}{i:>4}  {o['model.remat']:<19}{o['train.grad_accum']:>10}  "
                  f"{o['optim.offload']:<12}{o['optim.mu_dtype']:<9}{o['optim.nu_dtype']:<9}{human_bytes(r.certain):>11}"
                  f"{peak:>12}{timing}  {status}")
@@ -68,7 +70,8 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
                  f"rough activations over the usable memory), {counts['not tried']} after the choice; --all lists "
                  "every candidate and compiles each one not pruned")
   lines.append("step / tok/s: m = measured on the devices at hand (a few steps each, the first plan.timed "
-               "candidates that fit); e = estimated by a roofline (peak FLOP/s, HBM, link and host bandwidths: an "
+               "candidates that fit); p = extended from the 4- and 8-layer steps timed (deep unrolled models on the "
+               "GPUs at hand, maxlm/plan/winner.py); e = estimated by a roofline (peak FLOP/s, HBM, link and host bandwidths: an "
                "optimistic bound, maxlm/plan/cost.py)")
   if p.chosen is not None:
     lines.append("chosen: " + " ".join(f"{k}={v}" for k, v in p.chosen.overrides.items())

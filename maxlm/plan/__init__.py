@@ -18,10 +18,11 @@ The face (the commands import nothing else of the planner):
 * `oom_message(...)`: the run's out-of-memory line.
 
 Inside, one job per file: decision.py (the run's decision: plan.mode, kept across starts), fit.py (the Sizing,
-plan.mode applied, the search's entry), levers.py (the levers, their order, the search, its lines), no_fit.py (the
-line when nothing fits), oom.py (the out-of-memory line), moments.py (the moment dtypes), memory.py (the analytic
-bytes), cost.py (the roofline step time), probe.py (shallow probes), timing.py (step times measured), measure.py
-(XLA's bytes of a compiled step), target.py (the target and its simulator), kinds.py (the GPU kinds, a table),
+plan.mode applied, the search's entry), levers.py (the levers, their order, the search, its lines), winner.py (on
+the GPUs at hand, the winner from shallow programs, only it compiled whole), no_fit.py (the line when nothing fits),
+oom.py (the out-of-memory line), moments.py (the moment dtypes), memory.py (the analytic bytes), cost.py (the
+roofline step time), probe.py (shallow probes), timing.py (step times measured), measure.py (XLA's bytes of a
+compiled step), target.py (the target and its simulator), kinds.py (the GPU kinds, a table),
 xla_gpu.py (XLA:GPU's compile-only GPUs), standins.py (a GPU's step on XLA:CPU), collectives.py and predict.py (the
 compiled step's collectives, a predicted step time), mesh_search.py (the mesh), clock.py, heartbeat.py and
 xla_log.py (the start-up watchdog's expectations, progress lines, XLA's own warnings).

@@ -24,7 +24,8 @@ import jax
 from maxlm.build import memory_stats
 from maxlm.config import Config, ConfigError
 from maxlm.layers import resolve_backend
-from maxlm.plan import levers, memory, mesh_search, predict, probe
+from maxlm.plan import levers, memory, mesh_search, predict, probe, winner
+from maxlm.plan.cost import degrees
 from maxlm.plan.levers import Plan, certain_bytes, current, host_need, host_short, kept, kept_line
 from maxlm.plan.no_fit import kept_message, no_fit_message
 from maxlm.plan.target import Target, make_target
@@ -91,12 +92,22 @@ class Sizing:
         raise ConfigError(f"{e}; {NO_GPU_HINT}") from None
 
 
+def shallow_first(cfg: Config, target: Target) -> bool:
+  """Whether the search chooses its winner from shallow programs (maxlm/plan/winner.py): on the GPUs at hand of one
+  process (where steps are timed), a model deep and unrolled enough to probe."""
+  return levers.timer(cfg, target) is not None and probe.depths(cfg, degrees(cfg, target)["pipeline"]) is not None
+
+
 def search(cfg: Config, target: Target, everything: bool = False, meshes: int = 0, known: dict | None = None,
-           report=None) -> Plan | mesh_search.MeshPlan:
+           report=None, probed: dict | None = None, costs: winner.Costs | None = None) -> Plan | mesh_search.MeshPlan:
   """The fastest setting of plan.levers that fits `target` (see the module doc); `known`: measurements made already,
-  by lever values; everything: every plausible candidate compiled (for `maxlm plan --all`); report(line): a line as
-  each compile and timing ends."""
+  by lever values (`probed`: shallow estimates, `costs`: the planning's parts so far, maxlm/plan/winner.py);
+  everything: every plausible candidate compiled (for `maxlm plan --all`); report(line): a line as each compile and
+  timing ends."""
   levers.parse_levers(cfg.plan.levers)
+  if not everything and shallow_first(cfg, target):  # only the winner compiled whole, nothing timed whole
+    return winner.search(cfg, target, target.measure, resolve_backend(cfg.model.backend), levers.timer(cfg, target),
+                         known, probed, costs, report)
   measure = probe.measuring(target, report)
   if meshes > 0 and target.gpu_target and target.n_devices > 1:
     return mesh_search.search(
@@ -137,15 +148,28 @@ class Decision:
   error: ConfigError | None = None
 
 
-def _written_fits(cfg: Config, target: Target, known: dict, report) -> tuple[dict | None, str]:
+def _written_fits(cfg: Config, target: Target, known: dict, probed: dict, costs: winner.Costs,
+                  report) -> tuple[dict | None, str]:
   """plan.mode=fit's one compile of the config as written (none where the bytes it certainly needs exceed a device,
-  or what it pins the host): (XLA's measurement or None, why it does not fit as written)."""
+  or what it pins the host; none either where the search chooses from shallow programs and the config's own extend
+  over the usable memory: its estimate is kept in `probed` for the search): (XLA's measurement or None, why it does
+  not fit as written)."""
   certain, short = certain_bytes(cfg, target)["certain"], host_short(cfg, target)
   why = short or f"certainly needs {human_bytes(certain)}"
   if certain > target.usable or short is not None:
     return None, why
-  began = time.monotonic()
-  m = known[tuple(current(cfg).items())] = target.measure(cfg)
+  began, key = time.monotonic(), tuple(current(cfg).items())
+  if shallow_first(cfg, target):
+    est = probed[key] = winner.estimate(cfg, degrees(cfg, target)["pipeline"], target.measure,
+                                        levers.timer(cfg, target), costs)
+    if "oom" in est or est["bytes"] > target.usable:
+      if report is not None:
+        report(f"plan: probed the config as written: {est.get('oom') or human_bytes(est['bytes'])} at "
+               f"{cfg.model.n_layers} layers ({time.monotonic() - began:.0f} s)")
+      return None, (f"ran XLA out of memory at {est['at']} layers" if "oom" in est else
+                    f"is extended to {human_bytes(est['bytes'])} from its {est['depths'][0]}- and "
+                    f"{est['depths'][1]}-layer programs")
+  m = known[key] = winner.spend(costs, "full_compile", target.measure, cfg)
   if report is not None:
     report("plan: compiled the config as written: " + ("XLA ran out of memory" if "oom" in m else
            f"peak {human_bytes(m['device'])} of {human_bytes(target.usable)}") + f" ({time.monotonic() - began:.0f} s)")
@@ -171,13 +195,14 @@ def by_mode(cfg: Config, target: Target | None = None, n_devices: int | None = N
         return Decision(cfg, plan=p, error=no_fit_error(cfg, p, target, report=report))
       return (Decision(p.chosen.plan.cfg, p.chosen.plan.line(), p) if isinstance(p, mesh_search.MeshPlan) else
               Decision(p.cfg, p.line(), p))
-    known = {}
-    m, why = _written_fits(cfg, target, known, report)
+    known, probed, costs = {}, {}, winner.Costs()
+    m, why = _written_fits(cfg, target, known, probed, costs, report)
     if m is not None and "oom" not in m and m["device"] <= target.usable:
+      spent = f"; {costs.line()}" if costs.probe_compiles else ""
       return Decision(cfg, f"plan: the config fits as written (peak {human_bytes(m['device'])} of "
-                           f"{human_bytes(target.usable)} usable per device, measured by XLA; plan.mode=fit keeps it)",
-                      measured=m)
-    p = search(cfg, target, known=known, report=report)
+                           f"{human_bytes(target.usable)} usable per device, measured by XLA; plan.mode=fit keeps it)"
+                           + spent, measured=m)
+    p = search(cfg, target, known=known, report=report, probed=probed, costs=costs)
     if p.chosen is None:
       return Decision(cfg, plan=p, measured=m,
                       error=no_fit_error(cfg, p, target, f"as written the config {why} per device", known, report))

@@ -7,7 +7,9 @@ so, or that nothing fits and what would.
   leaves out a bfloat16 moment the configured decay would make lossy), then lever order.
 * Choice. On the GPUs at hand (one process) the first `plan.timed` candidates that fit are run for a few
   steps each (maxlm/plan/timing.py) and the fastest measured wins; elsewhere (simulated devices, several
-  processes, plan.timed=0) the first that fits, by the estimate, and the line says "estimated". The line
+  processes, plan.timed=0) the first that fits, by the estimate, and the line says "estimated". A deep unrolled
+  model on the GPUs at hand is not searched here: maxlm/plan/winner.py estimates each candidate from its shallow
+  programs and compiles only the winner whole (maxlm/plan/fit.py `search` chooses which). The line
   also says which moment dtypes were chosen, how they are rounded, and which were not tried and why.
 * Budget and progress. Once one candidate fits, plan.budget_s bounds the search: past it nothing more is compiled,
   and nothing more timed once one is (on the GPUs at hand a compile of the 8B's unrolled layers takes about a
@@ -168,6 +170,7 @@ class Row:
   stats: dict | None = None  # everything the measurement returned
   plausible: int | None = None  # what the analytic model took as plausible, where it pruned
   seconds: float | None = None  # the step time measured on the devices at hand (maxlm/plan/timing.py)
+  estimate: dict | None = None  # bytes and seconds extended from two shallow programs (maxlm/plan/winner.py)
 
   @property
   def probed(self) -> bool:
@@ -184,6 +187,7 @@ class Plan:
   moments: str = ""  # what the line says about the moment dtypes (maxlm/plan/moments.py)
   stopped: float | None = None  # seconds into the search when plan.budget_s stopped it
   written: dict = dataclasses.field(default_factory=dict)  # the lever values as the config wrote them
+  costs: dict | None = None  # seconds of each part of the planning (maxlm/plan/winner.py `Costs.line`)
 
   def line(self) -> str:
     """The one line the trainer prints."""
@@ -198,7 +202,11 @@ class Plan:
     p = sum(r.probed for r in self.rows)  # pruned by two shallow compiles (probe.py)
     how = f"measured by {self.target.measured_by}" if c.how == "measured" else f"{c.how}, by {self.target.measured_by}"
     timed = [r for r in self.rows if r.seconds is not None]
+    probed = [r for r in self.rows if r.estimate is not None]
     speed = (f"; step {c.seconds:.3g} s measured, the fastest of {len(timed)} timed" if c.seconds is not None
+             else f"; step {c.estimate['seconds']:.3g} s estimated from its {c.estimate['depths'][0]}- and "
+                  f"{c.estimate['depths'][1]}-layer steps timed, the fastest of {len(probed)} probed"
+             if c.estimate is not None
              else f"; step {c.time['total_s']:.3g} s estimated (roofline), not measured" if self.target.gpu
              else "")  # CPU devices: no roofline, nothing timed
     return (f"plan: {levers} (peak {human_bytes(c.measured)} of {human_bytes(self.target.usable)} "
@@ -206,7 +214,7 @@ class Plan:
             + f"{len(self.rows) - n - p} not"
             + (f"; search stopped by plan.budget_s={self.cfg.plan.budget_s:g} after {self.stopped:.0f} s"
                if self.stopped is not None else "") + ")"
-            + (f"; {self.moments}" if self.moments else ""))
+            + (f"; {self.moments}" if self.moments else "") + (f"; {self.costs['line']}" if self.costs else ""))
 
 
 def _fits(cfg, target, row, need, measured, share: float | None) -> float | None:

@@ -6,7 +6,7 @@ initialized into its shards, the train step with AdamW and explicit shardings, t
 maxlm/build.py `build_step`, as the trainer builds them), a flax-backend model, synthetic batches (unpacked, or
 packed rows of random documents with --packed); the compile time and the median wall time of --steps steps after
 the first, and the last step's loss against the unsharded arm's (they agree to float32 rounding:
-tests/test_sharding.py derives the bound). Arms:
+tests/test_parallel_sharding.py derives the bound). Arms:
   unsharded     1 device
   fsdp8         8 devices, FSDP only (what the split costs on these simulated devices without CP)
   cpN_STRATEGY  mesh.context=N (the rest on fsdp), mesh.context_strategy=STRATEGY
@@ -33,7 +33,7 @@ import numpy as np
 from maxlm.runtime import env as runtime
 from maxlm.build import build_step
 from maxlm.config import CompileConfig, Config, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 
 MODEL = ModelConfig(vocab_size=1024, d_model=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, ffn_dim=384,
                     dtype="float32", remat="none", backend="flax")

@@ -37,7 +37,7 @@ from flax import linen as nn
 from maxlm import train_state
 from maxlm.build import build_step
 from maxlm.config import load_config
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 
 
 def main(argv: list[str]) -> None:

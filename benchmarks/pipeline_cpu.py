@@ -1,4 +1,4 @@
-"""The CPU cost of a pipelined train step against the unsharded one, on 8 simulated devices (maxlm/pipeline.py).
+"""The CPU cost of a pipelined train step against the unsharded one, on 8 simulated devices (maxlm/parallel/pipelining.py).
 
 Not a speed figure: 8 simulated devices share this machine's cores, so a step's wall time follows the work of all
 devices together, not one device's. What it shows is what the pipeline adds: every stage computes at every one of
@@ -40,8 +40,8 @@ import numpy as np  # noqa: E402
 from maxlm.build import build_step  # noqa: E402
 from maxlm.config import CompileConfig, Config, DataConfig, MeshConfig, ModelConfig, OptimConfig  # noqa: E402
 from maxlm.config import TrainConfig  # noqa: E402
-from maxlm.mesh import make_mesh  # noqa: E402
-from maxlm.pipeline import bubble_fraction  # noqa: E402
+from maxlm.parallel.mesh import make_mesh  # noqa: E402
+from maxlm.parallel.pipelining import bubble_fraction  # noqa: E402
 
 ARMS = {"unsharded (1 device)": (MeshConfig(pipeline=1, data=1, fsdp=1, tensor=1), 1),
         "fsdp 8": (MeshConfig(pipeline=1, fsdp=8), DEVICES),

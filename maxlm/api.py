@@ -34,11 +34,12 @@ from maxlm.hf.files import (EXPORT_DTYPES, HF_SIDE_FILES, atomic_dir, checkpoint
                             hf_data_config, is_hf_dir, read_step_config, run_tokenizer_files, write_config_json)
 from maxlm.hf.safetensors_io import MAX_SHARD_BYTES, SafetensorsReader
 from maxlm.hf.transfer import device_reader, export_hf, load_hf_params, source_dtype
-from maxlm.layers import context, resolve_backend
-from maxlm.mesh import make_mesh
+from maxlm.layers import resolve_backend
+from maxlm.parallel import context
+from maxlm.parallel.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.scope import model_scope
-from maxlm.sharding import shardings_from_logical, strip_boxes
+from maxlm.parallel.sharding import shardings_from_logical, strip_boxes
 
 # Of the model, these may differ from the checkpoint's in Model.load (the others are fixed by its weights).
 MODEL_OVERRIDES = ("model.backend", "model.dtype", "model.param_dtype")
@@ -192,7 +193,7 @@ class Model:
       def fn(params, tokens, positions, segment_ids):
         def apply(t, p, s):
           return self._model.apply({"params": params}, t, p, s).astype(jnp.float32)
-        # on a mesh with a context axis: run in its load-balanced order, logits restored (maxlm/layers/context.py)
+        # on a mesh with a context axis: run in its load-balanced order, logits restored (maxlm/parallel/context.py)
         return context.apply_balanced(apply, tokens, positions, segment_ids, strategy=self._model.context_strategy,
                                       window=self.config.model.sliding_window)
       self._logits_fn = jax.jit(fn)

@@ -25,10 +25,10 @@ from maxlm.data.packing import BATCH_KEYS
 from maxlm.layers import resolve_backend
 from maxlm.model import Overrides, Transformer
 from maxlm.optim import make_optimizer
-from maxlm.pipeline import repeats as pipeline_repeats
+from maxlm.parallel.pipelining import repeats as pipeline_repeats
 from maxlm.runtime import warm_start
 from maxlm.scope import model_scope
-from maxlm.sharding import batch_sharding, replicated
+from maxlm.parallel.sharding import batch_sharding, replicated
 from maxlm.step import make_eval_step, make_train_step
 from maxlm.train_state import TrainState, abstract_state, create_train_state
 

@@ -25,7 +25,7 @@ from maxlm.data import DataError, Tokenizer
 from maxlm.layers import resolve_backend
 from maxlm.model import Transformer
 from maxlm.scope import model_scope
-from maxlm.sharding import batch_sharding, replicated
+from maxlm.parallel.sharding import batch_sharding, replicated
 from maxlm.step import make_eval_step
 
 

@@ -127,6 +127,9 @@ def progress_line(step: int, total: int, m: dict, *, flops_known: bool = True) -
     parts.append(f"mem {m['peak_memory_gb']:.1f} GB")
   if m.get("save_s"):
     parts.append(f"save {m['save_s']:.1f} s")
+  if m.get("moe_aux_loss") is not None:  # a mixture of experts: its load-balancing loss (1 = balanced), drops
+    parts.append(f"moe aux {m['moe_aux_loss']:.3f}" + (f", dropped {100 * m['moe_dropped']:.1f}%"
+                                                        if m.get("moe_dropped") is not None else ""))
   if m.get("nonfinite_steps"):
     parts.append(f"skipped {m['nonfinite_steps']}")
   if m.get("loss_scale") is not None:  # fp16: the loss scale, and updates skipped for its overflows

@@ -1,8 +1,13 @@
-"""Llama/Mistral decoder built from the layer backend's few names.
+"""Llama/Mistral/Mixtral decoder built from the layer backend's few names.
 
 token embedding -> N x [RMSNorm -> GQA attention (RoPE, causal / sliding window, packed documents)
--> residual -> RMSNorm -> SwiGLU MLP -> residual] -> final RMSNorm -> LM head (tied or untied).
-The model knows logical axis names only; `maxlm.sharding` maps them onto the mesh.
+-> residual -> RMSNorm -> SwiGLU MLP (or a mixture of SwiGLU experts) -> residual] -> final RMSNorm -> LM head
+(tied or untied). The model knows logical axis names only; `maxlm.parallel.sharding` maps them onto the mesh.
+
+Mixture of experts (`model.moe`, maxlm/layers/moe.py): an MoE block has `moe_norm/scale` and `moe/{router, w1,
+w2, w3}` in place of `mlp/*`, the same on both backends (the experts are pure JAX). Applied with the `moe`
+collection mutable (`moe.COLLECTION`), each MoE block sows its routing statistics there (per layer: the
+auxiliary losses, tokens per expert, the drop rate); maxlm/step.py adds the losses to the training loss.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.config import ModelConfig
 from maxlm.layers import get_backend, remat_policy, resolve_backend
+from maxlm.layers import moe
 from maxlm.layers.kv_cache import attention_with_cache, update_positions
 from maxlm.layers.rope import apply_rope, rope_frequencies
-from maxlm.pipeline import pipeline_stack
+from maxlm.parallel.pipelining import pipeline_stack
 from maxlm.tables import PRECISIONS
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
@@ -51,6 +57,7 @@ class Block(nn.Module):
   max_segments: int = 1
   context_strategy: str = "auto"
   attention: Callable | None = None  # Overrides.attention
+  moe_layer: bool = False  # a mixture of experts in place of the MLP (is_moe_layer)
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, cache_kv=None, cache_pos=None):
@@ -85,10 +92,32 @@ class Block(nn.Module):
     out = be.dense(ctx, features=(m.d_model,), axis=(-2, -1), kernel_axes=("heads", "head_dim", "embed"),
                    param_dtype=pdt, kernel_init=init, name="out")  # [B, T, D]
     x = nn.with_logical_constraint(x + checkpoint_name(out, "out_proj"), BTD)  # [B, T, D]
-    mlp = be.norm_mlp(x, ffn_dim=m.ffn_dim, eps=m.norm_eps, param_dtype=pdt, kernel_init=init,
-                      name="mlp")  # [B, T, D]
+    if self.moe_layer:
+      mlp = self._experts(be.rms_norm(x, eps=m.norm_eps, param_dtype=pdt, name="moe_norm"), pdt, init)
+    else:
+      mlp = be.norm_mlp(x, ffn_dim=m.ffn_dim, eps=m.norm_eps, param_dtype=pdt, kernel_init=init,
+                        name="mlp")  # [B, T, D]
     x = nn.with_logical_constraint(x + mlp, BTD)  # [B, T, D]
     return x, new_kv
+
+  def _experts(self, h, pdt, init):
+    """The mixture of experts on the normed h [B, T, D]; its statistics sown when the collection is mutable."""
+    e = self.cfg.moe
+    y, stats = moe.MoE(experts=e.experts, top_k=e.top_k, ffn_dim=self.cfg.ffn_dim, capacity_factor=e.capacity_factor,
+                       kernel=e.kernel, param_dtype=pdt, kernel_init=init, name="moe")(h)  # [B, T, D]
+    if not self.is_initializing():  # (init makes every collection mutable: no statistics in the variables)
+      self.sow(moe.COLLECTION, "stats", stats)
+    return y
+
+
+def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+  """Block i (from 0) is a mixture of experts: blocks every-1, 2 every-1, ... of a model with experts."""
+  return cfg.moe.experts > 0 and (i + 1) % cfg.moe.every == 0
+
+
+def moe_layers(cfg: ModelConfig) -> list[int]:
+  """The MoE blocks, in order (the layers of the statistics maxlm/step.py reports)."""
+  return [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
 
 
 class Transformer(nn.Module):
@@ -99,13 +128,13 @@ class Transformer(nn.Module):
   valid token [B, 1, V] and the updated cache in the mutable "kv_cache" collection.
 
   `context_strategy` (mesh.context_strategy) is how attention exchanges keys and values where the mesh splits
-  the length (maxlm/layers/context.py); the tokens then come in the order that module gives.
+  the length (maxlm/parallel/context.py); the tokens then come in the order that module gives.
 
   stages > 1: the scanned stack runs as a pipeline of that many stages over `microbatches` micro-batches
-  (maxlm/pipeline.py; the mesh's `pipeline` degree and train.grad_accum), each stage `repeats` chunks of layers
+  (maxlm/parallel/pipelining.py; the mesh's `pipeline` degree and train.grad_accum), each stage `repeats` chunks of layers
   (1: GPipe; more: circular), its weights gathered over fsdp once per step when `gather_once`
   (train.pipeline_gather=step); the parameters are the same.
-  The embedding and the LM head stay outside it, on every stage (see maxlm/pipeline.py).
+  The embedding and the LM head stay outside it, on every stage (see maxlm/parallel/pipelining.py).
   """
   cfg: ModelConfig
   max_segments: int = 1
@@ -141,15 +170,15 @@ class Transformer(nn.Module):
     elif m.scan_layers and self.stages > 1 and not self.is_initializing():
       x = self._pipelined(x, positions, segment_ids, backend, policy, over.attention)  # [B, T, D]
     elif m.scan_layers:  # (also the init of a pipelined model: the same parameters, made the same way)
-      stack = nn.scan(block, variable_axes={"params": 0, "fp8_metas": 0}, split_rngs={"params": True},
-                      in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
-                      metadata_params={nn.PARTITION_NAME: "layers"})
-      x, _ = stack(m, backend, self.max_segments, self.context_strategy, over.attention, name="layers")(
-          x, positions, segment_ids)  # [B, T, D]
+      stack = nn.scan(block, variable_axes={"params": 0, "fp8_metas": 0, moe.COLLECTION: 0},
+                      split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast), length=m.n_layers,
+                      metadata_params={nn.PARTITION_NAME: "layers"})  # (config: moe.every is 1 when scanned)
+      x, _ = stack(m, backend, self.max_segments, self.context_strategy, over.attention,
+                   moe_layer=is_moe_layer(m, 0), name="layers")(x, positions, segment_ids)  # [B, T, D]
     else:
       for i in range(m.n_layers):
-        x, _ = block(m, backend, self.max_segments, self.context_strategy, over.attention, name=f"layers_{i}")(
-            x, positions, segment_ids)  # [B, T, D]
+        x, _ = block(m, backend, self.max_segments, self.context_strategy, over.attention,
+                     moe_layer=is_moe_layer(m, i), name=f"layers_{i}")(x, positions, segment_ids)  # [B, T, D]
 
     init = nn.initializers.normal(m.init_std)
     if hidden:  # the chunked loss (maxlm/step.py) applies the head itself: no [B, T, V] logits here
@@ -167,8 +196,10 @@ class Transformer(nn.Module):
     return nn.with_logical_constraint(logits, BTV)
 
   def _pipelined(self, x, positions, segment_ids, backend, policy, attention):
-    """The scanned stack's own parameters [L, ...] applied by maxlm/pipeline.py's stages, one Block at a time."""
+    """The scanned stack's own parameters [L, ...] applied by maxlm/parallel/pipelining.py's stages, one Block at a time."""
     m = self.cfg
+    if m.moe.experts:  # (the config refuses it: the stages would drop the statistics the loss needs)
+      raise ValueError("a mixture of experts does not run with pipeline stages yet")
     block = Block(m, backend, self.max_segments, self.context_strategy, attention)
 
     def layer(p, h, pos, seg):  # one layer: its params p, h [B/M, T, D]
@@ -187,15 +218,15 @@ class Transformer(nn.Module):
     """The blocks over the KV cache; stores the new cache; returns each row's last valid hidden state."""
     m = self.cfg
     if m.scan_layers:
-      stack = nn.scan(Block, variable_axes={"params": 0, "fp8_metas": 0}, split_rngs={"params": True},
-                      in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=m.n_layers,
-                      metadata_params={nn.PARTITION_NAME: "layers"})
-      x, (k, v) = stack(m, backend, self.max_segments, name="layers")(
+      stack = nn.scan(Block, variable_axes={"params": 0, "fp8_metas": 0, moe.COLLECTION: 0},
+                      split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
+                      length=m.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+      x, (k, v) = stack(m, backend, self.max_segments, moe_layer=is_moe_layer(m, 0), name="layers")(
           x, positions, segment_ids, (cache["k"], cache["v"]), cache["pos"])  # [B, T, D]
     else:
       ks, vs = [], []
       for i in range(m.n_layers):
-        x, (k, v) = Block(m, backend, self.max_segments, name=f"layers_{i}")(
+        x, (k, v) = Block(m, backend, self.max_segments, moe_layer=is_moe_layer(m, i), name=f"layers_{i}")(
             x, positions, segment_ids, (cache["k"][i], cache["v"][i]), cache["pos"])  # [B, T, D]
         ks.append(k)
         vs.append(v)
@@ -209,22 +240,27 @@ class Transformer(nn.Module):
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
-  """Parameter counts by the MFU convention: `matmul` counts every GEMM weight incl. the LM head; `layers` those
-  of the decoder blocks (norms included)."""
+  """Parameter counts by the MFU convention: `matmul` counts every GEMM weight incl. the LM head (every expert's);
+  `active` those a token passes through (of an MoE block: the router and top_k experts; a dense model: all
+  of `matmul`); `layers` those of the decoder blocks (norms included)."""
   d, f, h, kv, dh, v, n = (cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                            cfg.vocab_size, cfg.n_layers)
-  per_layer = d * (h + 2 * kv) * dh + h * dh * d + 3 * d * f
-  matmul = n * per_layer + d * v  # the LM head is a GEMM also when tied
+  e, k, n_moe = cfg.moe.experts, cfg.moe.top_k, len(moe_layers(cfg))
+  attn, mlp = d * (h + 2 * kv) * dh + h * dh * d, 3 * d * f
+  blocks = n * attn + (n - n_moe) * mlp + n_moe * (d * e + e * mlp)  # an MoE block: router [D, E], E experts
+  matmul = blocks + d * v  # the LM head is a GEMM also when tied
+  active = matmul - n_moe * (e - k) * mlp
   norms = (2 * n + 1) * d
   embed = v * d
-  total = n * per_layer + norms + embed + (0 if cfg.tie_embeddings else d * v)
-  layers = n * (per_layer + 2 * d)  # the scanned stack: what the pipeline stages split
-  return {"matmul": matmul, "embedding": embed, "total": total, "layers": layers}
+  total = blocks + norms + embed + (0 if cfg.tie_embeddings else d * v)
+  layers = blocks + 2 * n * d  # the scanned stack: what the pipeline stages split
+  return {"matmul": matmul, "active": active, "embedding": embed, "total": total, "layers": layers}
 
 
 def flops_per_step(cfg: ModelConfig, batch: int, seq_len: int) -> float:
-  """Training FLOPs of one step: 6*N*tokens + causal attention 6*B*S^2*(H*Dh)*layers (MaxText)."""
-  n = count_params(cfg)["matmul"]
+  """Training FLOPs of one step: 6*N*tokens + causal attention 6*B*S^2*(H*Dh)*layers (MaxText), N the active
+  GEMM weights (a mixture of experts counts the router and the top_k experts a token runs, not all E)."""
+  n = count_params(cfg)["active"]
   w = cfg.sliding_window if cfg.sliding_window and cfg.sliding_window < seq_len else seq_len
   pairs = seq_len * w - w * w / 2.0  # attended (query, key) pairs per row; S^2/2 when causal
   attn = 12.0 * batch * pairs * cfg.n_heads * cfg.head_dim * cfg.n_layers

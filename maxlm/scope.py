@@ -15,7 +15,7 @@ import jax
 
 from maxlm.config import ModelConfig
 from maxlm.layers import precision_scope
-from maxlm.sharding import TE_MESH_AXES, axis_rules
+from maxlm.parallel.sharding import TE_MESH_AXES, axis_rules
 
 
 @contextlib.contextmanager

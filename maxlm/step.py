@@ -21,16 +21,19 @@ import jax.numpy as jnp
 import optax
 from flax import linen as nn
 
+from maxlm import moe_loss
 from maxlm.config import ModelConfig
-from maxlm.layers import context
+from maxlm.layers import moe
 from maxlm.loss_scale import update_loss_scale
 from maxlm.model import BTV, compute_dtype
 from maxlm.offload import in_host_memory, to_device_in_turn, to_device_memory, to_host_memory
 from maxlm.optim import LAG, apply_updates
+from maxlm.parallel import context
 from maxlm.tables import PRECISIONS
 from maxlm.train_state import TrainState
 
-MATMUL_WEIGHTS = ("kernel", "wi_kernel", "wo_kernel")  # the parameters that multiply activations
+MATMUL_WEIGHTS = ("kernel", "wi_kernel", "wo_kernel", "w1", "w2", "w3")  # the parameters that multiply activations
+# (w1, w2, w3: the experts of maxlm/layers/moe.py; its router stays in float32)
 
 
 def token_losses(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -190,7 +193,7 @@ _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 
 def load_balanced(batch: dict, model: nn.Module, packed: bool) -> dict:
-  """The batch's [B, T] arrays in the load-balanced order of context parallelism (maxlm/layers/context.py)
+  """The batch's [B, T] arrays in the load-balanced order of context parallelism (maxlm/parallel/context.py)
   where the current mesh splits the length, else as they are. The tokens' segment ids and positions move
   with them; the losses and token counts are sums over tokens, so nothing needs restoring after."""
   if context.axis() is None:
@@ -201,9 +204,16 @@ def load_balanced(batch: dict, model: nn.Module, packed: bool) -> dict:
 
 
 def _forward_loss(model: nn.Module, packed: bool):
-  """`loss_fn(params, model_state, batch, grad_scale=None) -> (summed NLL, valid tokens)`."""
+  """`loss_fn(params, model_state, batch, grad_scale=None) -> (summed NLL, valid tokens)`, and with experts
+  a third element: their statistics as maxlm/moe_loss.py sums them."""
   cfg = model.cfg
-  chunked = use_chunked_loss(cfg)
+  chunked, experts = use_chunked_loss(cfg), moe_loss.enabled(cfg)
+
+  def apply(variables, *args, **kw):
+    if not experts:
+      return model.apply(variables, *args, **kw), ()
+    out, sown = model.apply(variables, *args, mutable=[moe.COLLECTION], **kw)
+    return out, (moe.sown_stats(sown[moe.COLLECTION]),)
 
   def loss_fn(params, model_state, batch, grad_scale=None):
     batch = load_balanced(batch, model, packed)
@@ -211,12 +221,14 @@ def _forward_loss(model: nn.Module, packed: bool):
     variables = {"params": params, **model_state}
     mask = batch["segment_ids"] > 0  # [B, T]
     if chunked:
-      y, kernel = model.apply(variables, batch["inputs"], batch["positions"], seg, hidden=True)  # [B, T, D]
-      return chunked_token_losses(y, kernel, batch["targets"], mask, chunk=cfg.loss_chunk,
-                                  vocab_axis=0 if cfg.tie_embeddings else 1, grad_scale=grad_scale,
-                                  fp8=fp8_chunked_head(cfg))
-    logits = model.apply(variables, batch["inputs"], batch["positions"], seg)  # [B, T, V]
-    return token_losses(logits, batch["targets"], mask)
+      (y, kernel), stats = apply(variables, batch["inputs"], batch["positions"], seg, hidden=True)  # [B, T, D]
+      loss, n = chunked_token_losses(y, kernel, batch["targets"], mask, chunk=cfg.loss_chunk,
+                                     vocab_axis=0 if cfg.tie_embeddings else 1, grad_scale=grad_scale,
+                                     fp8=fp8_chunked_head(cfg))
+    else:
+      logits, stats = apply(variables, batch["inputs"], batch["positions"], seg)  # [B, T, V]
+      loss, n = token_losses(logits, batch["targets"], mask)
+    return (loss, n, *(moe_loss.sums(s, n) for s in stats))
   return loss_fn
 
 
@@ -268,7 +280,7 @@ def forward_params(params, cfg: ModelConfig, cast_once: bool, host_params: bool)
 #   guarded_update  the optimizer's update where the step is finite, else the state as it was ("cond", the run's;
 #                   "select", a what-if for the planner's measurements: a parameter of build_step)
 # and forward_params (the parameters as forward and backward read them: cast once, or brought from host memory).
-# A pipelined model (maxlm/pipeline.py) cuts the batch into its micro-batches itself: in flight together, not
+# A pipelined model (maxlm/parallel/pipelining.py) cuts the batch into its micro-batches itself: in flight together, not
 # accumulated one after the other.
 
 
@@ -276,12 +288,15 @@ def loss_and_grad(model: nn.Module, packed: bool) -> Callable:
   """`fn(cparams, model_state, batch, scale, master) -> ((grads, new_model_state), (loss_sum, count))`: the summed
   next-token loss of `batch` and its gradients with respect to `cparams` (the parameters as the passes read them)
   and the model's state (TE's FP8 state: its "gradient" is its update), the loss times `scale` where one is given
-  (fp16), each gradient in its master parameter's dtype (`master`: the train state's params)."""
+  (fp16), each gradient in its master parameter's dtype (`master`: the train state's params). With experts the
+  loss differentiated includes their weighted auxiliary losses, and a third output holds their statistics
+  (maxlm/moe_loss.py)."""
   loss_fn = _forward_loss(model, packed)
 
   def summed(p, s, b, scale):
-    loss, n = loss_fn(p, s, b, scale)
-    return loss if scale is None else loss * scale, (loss, n)
+    out = loss_fn(p, s, b, scale)
+    loss = out[0] if len(out) == 2 else out[0] + moe_loss.objective(model.cfg, out[2])
+    return loss if scale is None else loss * scale, out
   grad_fn = jax.grad(summed, argnums=(0, 1), has_aux=True)
 
   def fn(cparams, model_state, batch, scale, master):
@@ -290,25 +305,27 @@ def loss_and_grad(model: nn.Module, packed: bool) -> Callable:
   return fn
 
 
-def accumulated(fn: Callable, grad_accum: int, host_params: bool) -> Callable:
+def accumulated(fn: Callable, grad_accum: int, host_params: bool, aux_zeros: tuple | None = None) -> Callable:
   """`fn` (loss_and_grad's form) over `grad_accum` micro-batches of the batch, one after the other: gradients,
-  losses and token counts summed, the model's state threaded through; `fn` itself for one. The gradient sum lives
-  in device memory (host_params: shaped as the parameters on the device, in the master dtype)."""
+  losses and token counts (and any further outputs: `aux_zeros`, maxlm/moe_loss.py `zeros`) summed, the model's
+  state threaded through; `fn` itself for one. The gradient sum lives in device memory (host_params: shaped as
+  the parameters on the device, in the master dtype)."""
   if grad_accum == 1:
     return fn
+  aux_zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)) if aux_zeros is None else aux_zeros
 
   def acc(cparams, model_state, batch, scale, master):
     def one(carry, mb):
-      grad_sum, ms, loss_sum, count = carry
-      (g, new_ms), (loss, n) = fn(cparams, ms, mb, scale, master)
-      return (jax.tree_util.tree_map(jnp.add, grad_sum, g), new_ms, loss_sum + loss, count + n), None
+      grad_sum, ms, aux_sum = carry
+      (g, new_ms), aux = fn(cparams, ms, mb, scale, master)
+      return (jax.tree_util.tree_map(jnp.add, grad_sum, g), new_ms, jax.tree_util.tree_map(jnp.add, aux_sum, aux)
+              ), None
     zeros = (jax.tree_util.tree_map(lambda c, p: jnp.zeros_like(c, p.dtype), cparams, master) if host_params
              else jax.tree_util.tree_map(jnp.zeros_like, master))  # in device memory
-    carry = (zeros, model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     micro_batches = jax.tree_util.tree_map(
         lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)  # [A, B/A, T]
-    (grad_sum, new_ms, loss_sum, count), _ = jax.lax.scan(one, carry, micro_batches)
-    return (grad_sum, new_ms), (loss_sum, count)
+    (grad_sum, new_ms, aux_sum), _ = jax.lax.scan(one, (zeros, model_state, aux_zeros), micro_batches)
+    return (grad_sum, new_ms), aux_sum
   return acc
 
 
@@ -356,8 +373,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     scale = None if ls is None else ls.scale
     host_params = in_host_memory(params)
     cparams = forward_params(params, cfg, cast_once, host_params)
-    fn = accumulated(grads_of, 1 if pipelined else grad_accum, host_params)
-    (grad_sum, new_model_state), (loss_sum, count) = fn(cparams, state.model_state, batch, scale, params)
+    fn = accumulated(grads_of, 1 if pipelined else grad_accum, host_params, moe_loss.zeros(cfg))
+    (grad_sum, new_model_state), (loss_sum, count, *experts) = fn(cparams, state.model_state, batch, scale, params)
     grads, loss, count = averaged(grad_sum, loss_sum, count, scale)
     grad_norm = optax.tree.norm(grads)
     loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
@@ -375,6 +392,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
                "tokens": count, "finite": finite, "nonfinite_steps": new_state.nonfinite_steps}
     if new_ls is not None:
       metrics.update(loss_scale=new_ls.scale, overflow_steps=new_ls.overflow_steps)
+    for sums in experts:  # a mixture of experts: its losses and load (maxlm/moe_loss.py)
+      metrics.update(moe_loss.metrics(cfg, sums, count))
     return new_state, metrics
 
   return step
@@ -384,6 +403,6 @@ def make_eval_step(model: nn.Module, *, packed: bool = False) -> Callable:
   loss_fn = _forward_loss(model, packed)
 
   def step(state: TrainState, batch):
-    loss, n = loss_fn(to_device_memory(state.params), state.model_state, batch)  # host_params: to the device first
+    loss, n, *_ = loss_fn(to_device_memory(state.params), state.model_state, batch)  # host_params: to the device first
     return {"loss_sum": loss, "tokens": n}
   return step

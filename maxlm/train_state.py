@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from maxlm.loss_scale import LossScale, init_loss_scale
 from maxlm.offload import place
-from maxlm.sharding import shardings_from_logical, strip_boxes
+from maxlm.parallel.sharding import shardings_from_logical, strip_boxes
 
 
 @flax.struct.dataclass

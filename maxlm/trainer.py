@@ -27,11 +27,11 @@ from maxlm.checkpoint import start as start_checkpoints
 from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml
 from maxlm.layers import PrecisionError, check_precision, check_remat, resolve_backend
 from maxlm.loop import Run, RunError, subscribe
-from maxlm.mesh import check_context_split, make_mesh
+from maxlm.parallel.mesh import check_context_split, make_mesh
 from maxlm.metrics import echo
 from maxlm.runtime import agree, compile_cache, warm_start, watchdog
 from maxlm.runtime.startup import Startup
-from maxlm.pipeline import check as check_pipeline
+from maxlm.parallel.pipelining import check as check_pipeline
 
 __all__ = ["RunEnd", "RunError", "Trainer", "check_batch_split", "train"]
 

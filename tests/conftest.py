@@ -29,7 +29,7 @@ runtime.size_cpu_pool()
 # writers (xdist workers, the processes of a launch) apart. The workers and every subprocess inherit it.
 # Only compiles over 1 s are kept: under that lock every write lists and reads the whole cache (JAX's LRU
 # eviction check), so keeping the many sub-second compiles too made `make test` slower (719 s instead of
-# ~660 s, with test_sharding.py's 8-device test at 58 s instead of 17 s), though one file alone gained 5-10 %.
+# ~660 s, with test_parallel_sharding.py's 8-device test at 58 s instead of 17 s), though one file alone gained 5-10 %.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE = tempfile.mkdtemp(prefix="maxlm-test-xla-cache-")
   os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1",

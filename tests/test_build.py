@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 from maxlm.build import CompiledStep, Standins, build_step, memory_stats
 from maxlm.cli import dryrun
 from maxlm.config import load_config
-from maxlm.mesh import AXES, make_mesh
+from maxlm.parallel.mesh import AXES, make_mesh
 from maxlm.plan import measure
 from maxlm.runtime import warm_start
 from maxlm.trainer import Trainer

@@ -21,7 +21,7 @@ from maxlm.checkpoint import CheckpointError, Checkpointer, load_params, start
 from maxlm.checkpoint.verify import json_digest, reason
 from maxlm.config import CheckpointConfig, DataConfig, MeshConfig, load_config, to_dict
 from maxlm.data import make_train_iterator, merge_states
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 from maxlm.trainer import Trainer
 
 

@@ -70,7 +70,8 @@ def test_a_config_anywhere_may_build_on_a_shipped_one(tmp_path):
 
 
 @pytest.mark.parametrize("name,billions", [("llama8b", 8.03), ("llama70b", 70.55), ("llama3.2-1b", 1.24),
-                                           ("llama3.2-3b", 3.21), ("llama2-7b", 6.74), ("mistral7b", 7.24)])
+                                           ("llama3.2-3b", 3.21), ("llama2-7b", 6.74), ("mistral7b", 7.24),
+                                           ("mixtral8x7b", 46.70)])
 def test_model_configs_have_the_published_sizes(name, billions):
   cfg = load_config([f"config={name}.yml"])
   assert count_params(cfg.model)["total"] / 1e9 == pytest.approx(billions, abs=0.01)
@@ -78,7 +79,7 @@ def test_model_configs_have_the_published_sizes(name, billions):
 
 # The published Hugging Face config.json of each shipped model (values copied from those files:
 # meta-llama/Meta-Llama-3-8B, Llama-3.1-8B, Meta-Llama-3-70B, Llama-3.2-1B, Llama-3.2-3B, Llama-2-7b-hf,
-# mistralai/Mistral-7B-v0.1). Llama 2's config.json has no rope_theta: transformers' default 10000.0.
+# mistralai/Mistral-7B-v0.1, mistralai/Mixtral-8x7B-v0.1). Llama 2's config.json has no rope_theta: transformers' default 10000.0.
 _L3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192}
 _L32_ROPE = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -110,11 +111,16 @@ PUBLISHED = {
                       "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
                       "rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-05,
                       "tie_word_embeddings": False, "sliding_window": 4096},
+    "mixtral8x7b.yml": {"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+                        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                        "rope_theta": 1e6, "rope_scaling": None, "rms_norm_eps": 1e-05,
+                        "tie_word_embeddings": False, "sliding_window": None},
 }
+MIXTRAL_EXPERTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02}
 
 
 def test_every_shipped_model_config_has_published_values():
-  shipped = {p.name for p in CONFIG_DIR.glob("*.yml")} - {"tiny.yml", "default.yml"}  # not published models
+  shipped = {p.name for p in CONFIG_DIR.glob("*.yml")} - {"tiny.yml", "default.yml", "tiny_moe.yml"}  # unpublished
   assert shipped == set(PUBLISHED), f"no published entry for {sorted(shipped - set(PUBLISHED))}"
 
 
@@ -131,6 +137,20 @@ def test_shipped_config_matches_published_config_json(name):
               "original_max_position_embeddings": m.rope_original_max_position}}
   assert ours == {k: v for k, v in hf.items() if k != "head_dim"}
   assert m.head_dim == hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def test_mixtral_config_has_the_published_experts_and_counts():
+  """Mixtral 8x7B's experts (its config.json) and its published totals: 46,702,792,704 parameters, of which a
+  token uses 12.9B (the 6 experts of 8 it skips, 3 x 4096 x 14336 weights each, in 32 blocks, left out); MFU
+  counts the GEMM weights of those (count_params "active": without the embedding table and the norms)."""
+  m = load_config(["config=mixtral8x7b.yml"]).model
+  assert {"num_local_experts": m.moe.experts, "num_experts_per_tok": m.moe.top_k,
+          "router_aux_loss_coef": m.moe.aux_loss_coef} == MIXTRAL_EXPERTS and m.moe.every == 1
+  counts = count_params(m)
+  assert counts["total"] == 46_702_792_704
+  skipped = 32 * 6 * 3 * 4096 * 14336
+  assert counts["total"] - skipped == 12_879_925_248
+  assert counts["active"] == counts["matmul"] - skipped and counts["matmul"] == counts["total"] - 32000 * 4096 - 65 * 4096
 
 
 def test_every_shipped_config_loads():
@@ -242,11 +262,11 @@ def _outside(within):
 
 def replaced(key, value):
   """Config() with one dotted key set directly, bypassing load_config's coercion."""
-  if "." not in key:
-    return dataclasses.replace(Config(), **{key: value})
-  section, name = key.split(".")
-  changed = dataclasses.replace(getattr(Config(), section), **{name: value})
-  return dataclasses.replace(Config(), **{section: changed})
+  def put(obj, parts):  # one level at a time: sections nest (model.moe.experts)
+    if len(parts) == 1:
+      return dataclasses.replace(obj, **{parts[0]: value})
+    return dataclasses.replace(obj, **{parts[0]: put(getattr(obj, parts[0]), parts[1:])})
+  return put(Config(), key.split("."))
 
 
 @pytest.mark.parametrize("key,field,typ", NUMERIC, ids=[k for k, _, _ in NUMERIC])

@@ -19,16 +19,16 @@ from maxlm.plan import decision as plan_decision
 from maxlm.checkpoint import Checkpointer, abstract_like
 from maxlm.config import MeshConfig, ModelConfig, OptimConfig, load_config, to_dict
 from maxlm.layers import check_precision, precision_scope, supported_precisions
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
 from maxlm.scope import model_scope
-from maxlm.sharding import batch_sharding
+from maxlm.parallel.sharding import batch_sharding
 from maxlm.plan import probe
 from maxlm.plan.measure import measure
 from maxlm.plan.memory import estimate
 from maxlm.step import make_train_step
-from maxlm.sharding import replicated
+from maxlm.parallel.sharding import replicated
 from maxlm.build import CompiledStep
 from maxlm.train_state import create_train_state, threefry_kernel
 from maxlm.trainer import Trainer
@@ -355,7 +355,7 @@ def test_planner_times_the_candidates_that_fit_and_takes_the_fastest(tmp_path):
   assert "s measured, the fastest of 3 timed" in p.line()
 
 
-# ---- context parallelism: TE's fused strategies (maxlm/layers/context.py; needs 2 GPUs: nvidia-h200-x2) ------
+# ---- context parallelism: TE's fused strategies (maxlm/parallel/context.py; needs 2 GPUs: nvidia-h200-x2) ------
 
 def _recorder():
   """An optimizer that leaves the params alone and keeps the step's gradients as its state."""

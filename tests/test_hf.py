@@ -20,7 +20,7 @@ from maxlm.config import MeshConfig, ModelConfig
 from maxlm.hf.config import HFConfigError, from_hf, to_hf
 from maxlm.hf.safetensors_io import ShardedWriter
 from maxlm.hf.weights import table
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "hf"
 NAMES = ["llama3", "llama_tied", "mistral"]

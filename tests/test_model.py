@@ -15,10 +15,11 @@ from flax import linen as nn
 
 import reference as R
 from maxlm.config import MeshConfig, ModelConfig, load_config
-from maxlm.layers import context, precision_scope
-from maxlm.mesh import make_mesh
+from maxlm.layers import precision_scope
+from maxlm.parallel import context
+from maxlm.parallel.mesh import make_mesh
 from maxlm.model import Transformer, count_params, flops_per_step
-from maxlm.sharding import TE_MESH_AXES, axis_rules
+from maxlm.parallel.sharding import TE_MESH_AXES, axis_rules
 
 BACKENDS = [pytest.param("flax"), pytest.param("te", marks=pytest.mark.te)]
 TINY = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,

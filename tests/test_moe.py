@@ -136,3 +136,77 @@ def test_gradients_equal_central_differences_in_float64():
         return f(*jax.tree.unflatten(tree, moved))
       fd = (at(h) - at(-h)) / (2 * h)
       assert float(jnp.sum(g * v)) == pytest.approx(float(fd), rel=1e-6, abs=1e-8), i
+
+
+U_BF16 = 2.0 ** -8  # bfloat16 unit roundoff (8 significant bits)
+
+
+def _bf16_setup(seed):
+  """A layer with float32 master weights, bf16 inputs [2, 8, D], and those inputs exactly in float64."""
+  layer = moe.MoE(experts=E, top_k=K, ffn_dim=F)
+  x = jax.random.normal(jax.random.PRNGKey(seed), (2, 8, D)).astype(jnp.bfloat16)
+  w1, w3, w2 = params(seed + 1)  # O(1) outputs; a router of O(1) logits: decisions far from ties
+  p = {"router": jax.random.normal(jax.random.PRNGKey(seed + 2), (D, E)), "w1": w1, "w3": w3, "w2": w2}
+  return layer, x, p, np.asarray(x.astype(jnp.float32), np.float64)
+
+
+def _top_k_gap(tokens, router):
+  """The least gap between the k-th and (k+1)-th router probability (float64): routing far from ties."""
+  logits = tokens @ np.asarray(router, np.float64)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  ranked = -np.sort(-probs, -1)
+  return probs, float((ranked[:, K - 1] - ranked[:, K]).min())
+
+
+@pytest.mark.parametrize("kernel", moe.KERNELS)
+def test_bf16_forward_against_float64(kernel):
+  """bf16 compute (router in float32) against the per-token loop in float64 on the same bf16 inputs and float32
+  weights. Each output passes ~6 roundings to 8 significant bits (the weights cast to bf16 as operands, the
+  gate and up GEMM outputs, silu(gate) * up, the down GEMM output, the weighted sum cast back), each <= u = 2^-8
+  relative to terms whose magnitudes sum to ~sqrt(F) = 4 times the output scale; in quadrature ~sqrt(6) * 4 u
+  ~ 10 u, so 16 u of the largest output bounds it. A wrong expert, slot or weight normalization moves outputs by
+  a large part of their scale (> 0.2, i.e. > 50 u)."""
+  _, x, p, x64 = _bf16_setup(11)
+  layer = moe.MoE(experts=E, top_k=K, ffn_dim=F, kernel=kernel)
+  y, _ = layer.apply({"params": p}, x)
+  assert y.dtype == jnp.bfloat16
+  tokens = x64.reshape(-1, D)
+  probs, gap = _top_k_gap(tokens, p["router"])
+  assert gap > 1e-5  # float32 router logits (within ~D u32 ~ 1e-6 of float64) cannot flip a decision
+  ex = np.argsort(-probs, -1)[:, :K]
+  top = np.take_along_axis(probs, ex, -1)
+  ref = per_token_reference(tokens, top / top.sum(-1, keepdims=True), ex, p["w1"], p["w3"], p["w2"])
+  err = np.abs(np.asarray(y, np.float64).reshape(-1, D) - ref).max()
+  tol = 16 * U_BF16 * np.abs(ref).max()
+  assert 0 < err <= tol, (err, tol)  # > 0: it computed in bf16
+
+
+def test_bf16_gradients_against_float64():
+  """Gradients of a fixed projection of the output (plus the auxiliary losses) with bf16 compute, against the
+  layer's float64 gradients (which test_gradients_equal_central_differences_in_float64 checks against finite
+  differences). The backward chains about twice the forward's roundings (each GEMM's input gradient and weight
+  gradient rounded to bf16), ~sqrt(12) * 4 u ~ 14 u of each leaf's gradient scale; 32 u of its largest element
+  bounds it. The router's gradient flows through float32 probabilities and bf16 expert outputs: the same bound."""
+  layer, x, params, x64 = _bf16_setup(21)
+  proj = np.asarray(jax.random.normal(jax.random.PRNGKey(5), x.shape), np.float64)
+
+  def f(p, x, proj):
+    y, stats = layer.apply({"params": p}, x)
+    return jnp.sum(y.astype(jnp.float32) * proj.astype(jnp.float32)) + 0.1 * stats["load_balancing"] \
+        + 0.01 * stats["z_loss"]
+  assert _top_k_gap(x64.reshape(-1, D), params["router"])[1] > 1e-5  # as in the forward test
+  got = jax.grad(f, argnums=(0, 1))(params, x, proj)
+  with jax.enable_x64(True):
+    layer64 = moe.MoE(experts=E, top_k=K, ffn_dim=F, param_dtype=jnp.float64)
+
+    def f64(p, x):
+      y, stats = layer64.apply({"params": p}, x)
+      return jnp.sum(y * proj) + 0.1 * stats["load_balancing"] + 0.01 * stats["z_loss"]
+    want = jax.grad(f64, argnums=(0, 1))(jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params),
+                                         jnp.asarray(x64))
+    want = jax.tree.map(np.asarray, want)
+  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    g = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
+    err, tol = np.abs(g - w).max(), 32 * U_BF16 * np.abs(w).max()
+    assert err <= tol, (jax.tree_util.keystr(path), err, tol)

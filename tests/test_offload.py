@@ -14,11 +14,11 @@ import pytest
 from maxlm import step as step_lib
 from maxlm.config import MeshConfig, ModelConfig, OptimConfig
 from maxlm.layers import precision_scope
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.offload import in_host_memory, place, to_device_memory, to_host_memory
 from maxlm.optim import make_optimizer
-from maxlm.sharding import batch_sharding, replicated
+from maxlm.parallel.sharding import batch_sharding, replicated
 from maxlm.build import CompiledStep
 from maxlm.step import make_train_step
 from maxlm.train_state import abstract_state, create_train_state

@@ -144,6 +144,9 @@ def test_fsdp_expectation_by_hand():
   assert collectives.fsdp_expectation(m, 2, {"fsdp": 2, "pipeline": 2}) == {
       "all-gather": 4 * (layer + head) * 2, "reduce-scatter": 2 * (layer + head) * 2}
   assert collectives.fsdp_expectation(m, 1, {"fsdp": 1, "data": 8}) == {"all-gather": 0, "reduce-scatter": 0}
+  # context alone splits the parameters too (maxlm/parallel/sharding.py ZERO): gathered as over fsdp
+  assert collectives.fsdp_expectation(m, 1, {"fsdp": 1, "context": 2}) == {"all-gather": 2 * weights,
+                                                                           "reduce-scatter": weights}
 
 
 # A loop without known_trip_count, as XLA:GPU leaves jax's scan over micro-batches (its first trip peeled): the

@@ -12,7 +12,7 @@ from maxlm.plan import levers as plan_levers
 
 from maxlm.config import load_config
 from maxlm.model import count_params, flops_per_step
-from maxlm.plan.cost import step_time
+from maxlm.plan.cost import context_exchange_bytes as cost_context_exchange, step_time
 from maxlm.plan.target import Target
 
 # Llama 3 8B: d=4096, ffn=14336, 32 heads / 8 kv heads of 128, vocab 128256, 32 layers, untied.
@@ -82,7 +82,7 @@ def test_accumulation_reads_the_weights_again_and_the_gradient_sum():
   assert four["compute_s"] == one["compute_s"]
 
 
-# ---- pipeline stages (maxlm/pipeline.py): Llama 3 70B on 64 H200s, 8 nodes of 8 ----
+# ---- pipeline stages (maxlm/parallel/pipelining.py): Llama 3 70B on 64 H200s, 8 nodes of 8 ----
 H200_64 = Target(64, 8, "NVIDIA H200", 141 * 10**9, None, True)
 NVLINK, NET = 450e9, 50e9  # H200 NVLink and network bytes/s (maxlm/plan/cost.py)
 # Llama 3 70B (llama70b.yml) at batch 256 x 8192, no recomputation (remat none), scanned
@@ -147,3 +147,17 @@ def test_a_circular_schedule_cuts_the_bubble_and_a_gather_once_the_fsdp_traffic(
   for gather, passes in (("tick", 11 / 2), ("step", 1)):
     c = step_time(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pipeline_gather=gather)), H200_64)
     assert c["comm_s"] == pytest.approx(3 * (layers * passes + other) * 2 * 15 / 16 / NVLINK, rel=1e-12), gather
+
+
+@pytest.mark.parametrize("strategy,grad_bytes", [("all_gather", 4), ("ring", 2)])
+def test_context_exchange_bytes_by_hand(strategy, grad_bytes):
+  """The 8B at 131,072 tokens on context 8, one row: per layer each device receives the other 7 devices' K and V
+  blocks [1, 16384, 8 KV heads, 128] twice in bf16 (the forward and the backward's recomputation), and their
+  gradients once: bf16 around the ring, float32 through the all-gather's reduce-scatter."""
+  cfg = load_config(["config=llama8b.yml", "data.seq_len=131072", "data.global_batch_size=1", "mesh.context=8",
+                     "mesh.fsdp=1", f"mesh.context_strategy={strategy}"])
+  block = 16384 * 8 * 128  # elements of one device's K (or V) block
+  per_layer = 2 * 7 * block * (2 * 2 + grad_bytes)  # K and V, 7 other devices
+  assert cost_context_exchange(cfg, {"context": 8, "pipeline": 1, "data": 1, "fsdp": 1}) == 32 * per_layer
+  one = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, context=1))
+  assert cost_context_exchange(one, {"context": 1, "pipeline": 1, "data": 1, "fsdp": 1}) == 0

@@ -73,14 +73,14 @@ def test_standin_attention_has_attentions_shapes_and_gradients():
 
 # In a child on 8 simulated CPU devices: the context exchange of a tiny model's step, as the planner compiles it
 # (`compile_step(fused_attention=True)`: the stand-in, bf16 kept) and, with "real", as the trainer does (the
-# pure-JAX context-parallel attention, maxlm/layers/context.py; XLA:CPU computes its bf16 in f32): the
+# pure-JAX context-parallel attention, maxlm/parallel/context.py; XLA:CPU computes its bf16 in f32): the
 # collectives over the context axis (groups of cp devices; a permute's pairs) that move K or V (4-D) or their segment ids and
 # positions (s32), by "kind dtype[shape]", counted per step (scanned layers times their trip count).
 EXCHANGE_CHILD = r"""
 import collections, json, re, sys
 from maxlm.build import build_step
 from maxlm.config import load_config
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 from maxlm.plan import collectives
 from maxlm.plan import measure as plan_measure
 
@@ -112,11 +112,10 @@ def exchange_by_hand(strategy: str, cp: int, layers=2, batch=8, seq=128, kv=2, d
   if strategy == "ring":
     # cp - 1 passes of the bf16 K and V blocks forward (x 2, above), and of their bf16 cotangents backward
     return {f"collective-permute bf16[{b},{seq // cp},{kv},{dh}]": layers * 2 * (cp - 1) * 3}
-  # K and V gathered in bf16 (x 2, above), their float32 cotangents reduce-scattered once. Per device the whole
-  # batch: XLA partitions the gather inside the shard_map (only the context axis manual) with the batch
-  # replicated over fsdp, in the real attention as in the stand-in (the ring's permutes keep it split)
-  return {f"all-gather bf16[{batch},{seq},{kv},{dh}]": layers * 2 * 2,
-          f"reduce-scatter f32[{batch},{seq // cp},{kv},{dh}]": layers * 2}
+  # K and V gathered in bf16 (x 2, above), their float32 cotangents reduce-scattered once, each device's own rows
+  # only (the batch axes manual in the shard_map; left automatic, XLA gathered the whole batch on every device)
+  return {f"all-gather bf16[{b},{seq},{kv},{dh}]": layers * 2 * 2,
+          f"reduce-scatter f32[{b},{seq // cp},{kv},{dh}]": layers * 2}
 
 
 def _kv_only(counts: dict) -> dict:

@@ -8,8 +8,8 @@ import pytest
 
 from maxlm.config import load_config
 from maxlm.plan import timing
-from maxlm.sharding import batch_sharding
-from maxlm.mesh import make_mesh
+from maxlm.parallel.sharding import batch_sharding
+from maxlm.parallel.mesh import make_mesh
 
 TINY = ["model.backend=flax", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
         "model.ffn_dim=64", "model.n_layers=1", "model.vocab_size=128", "data.type=synthetic", "data.seq_len=16",

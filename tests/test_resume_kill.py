@@ -208,7 +208,7 @@ def test_kill9_then_resume_is_bit_identical_with_context_parallelism(reference, 
   assert want["batches"] == reference["batches"]  # the same data
   # The first step (the same initial parameters; later steps may drift further through Adam): a mean over 4 x 32
   # tokens of logsumexp over V = 8192, sums of positive terms whose order the split changes, so at most
-  # (V + tokens) ulps apart (the derivation of tests/test_sharding.py's LOSS_DIFF).
+  # (V + tokens) ulps apart (the derivation of tests/test_parallel_sharding.py's LOSS_DIFF).
   first, ref_first = want["losses"][1][0], reference["losses"][1][0]
   assert abs(first - ref_first) <= (ModelConfig().vocab_size + 4 * 32) * 2.0 ** -24 * ref_first
   run = Run(tmp_path / "killed", extra=levers, step_sleep=0.1, **kw)

@@ -7,9 +7,9 @@ import pytest
 from flax import linen as nn
 
 from maxlm.config import MeshConfig, ModelConfig
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 from maxlm.scope import model_scope
-from maxlm.sharding import LOGICAL_RULES
+from maxlm.parallel.sharding import LOGICAL_RULES
 
 
 def test_scope_sets_the_mesh_and_the_rules_only_with_a_mesh():

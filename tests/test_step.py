@@ -15,7 +15,7 @@ import pytest
 import reference as R
 from maxlm.config import MeshConfig, ModelConfig, OptimConfig
 from maxlm.layers import FP8_COLLECTION, PrecisionError, check_precision, precision_scope
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
 from maxlm.step import (accumulated, averaged, cast_matmul_weights, chunked_token_losses, forward_params,
@@ -785,7 +785,7 @@ def test_gradient_accumulation_runs_the_model_on_micro_batches():
 
 
 def test_a_pipelined_model_gets_the_whole_batch_and_cuts_its_micro_batches_itself():
-  """model.stages > 1 (maxlm/pipeline.py): the micro-batches must be in flight together, so the step applies the
+  """model.stages > 1 (maxlm/parallel/pipelining.py): the micro-batches must be in flight together, so the step applies the
   model once to the whole batch, whatever grad_accum says; the model pipelines its `microbatches`."""
   cfg = dataclasses.replace(MODEL, n_layers=2)
   state, _, model = setup(cfg, b=8)

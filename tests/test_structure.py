@@ -1,10 +1,13 @@
 """Guards on the package's shape, read from the source with `ast` (nothing is imported):
 
 * `maxlm/layers/` and `maxlm/data/` import no higher module: only themselves, the config modules and
-  `maxlm.errors` (so the data pipeline never pulls in model code, and the layers stay the bottom of the model);
+  `maxlm.errors` (so the data pipeline never pulls in model code, and the layers stay the bottom of the model),
+  the layers also the parallel wing (context parallelism's exchanges, under the attention kernels);
 * only `maxlm/layers/` imports Transformer Engine, lazily or not;
 * the trainer does not plan (`maxlm/trainer.py` imports nothing of `maxlm/plan/`);
-* the wings `maxlm/config/` and `maxlm/runtime/` import only themselves and the floors below them (WINGS);
+* the wings `maxlm/config/`, `maxlm/runtime/` and `maxlm/parallel/` import only themselves and the floors below them
+  (WINGS);
+* a name that would confuse (UNIQUE_NAMES: `pipeline` the data's or the stages'?) names one module only;
 * `maxlm/errors.py` imports nothing of maxlm (every layer may raise its errors), nor does `maxlm/tables.py` (the
   facts every floor reads: precisions, remat policies, GPU models, the byte formatter);
 * the core never imports the commands (`maxlm/cli/`) or the tools (`maxlm/tools/`); they import the core;
@@ -46,7 +49,13 @@ FACES = ("maxlm.plan",)
 # The wings, each importing only itself and what lies below it: config/ (the schema, files, sections, names) sits
 # on maxlm.errors and maxlm.tables; runtime/ (process start-up, XLA settings, caches, distributed, watchdog) on
 # config/, tables and errors.
-WINGS = {"maxlm.config": {"maxlm.errors", "maxlm.tables"}, "maxlm.runtime": BOTTOM}
+WINGS = {"maxlm.config": {"maxlm.errors", "maxlm.tables"}, "maxlm.runtime": BOTTOM, "maxlm.parallel": BOTTOM}
+# The floors at the bottom of the model and data, each importing only itself and these (issue 59: the parallel wing
+# sits under the layers, whose context-parallel attention runs over its exchanges; data/ never sees it).
+FLOORS = {"maxlm.layers": BOTTOM | {"maxlm.parallel"}, "maxlm.data": BOTTOM}
+# Module names that would say two things at once: each may name one module of the package (issue 59: the pipeline
+# schedules beside the data pipeline).
+UNIQUE_NAMES = ("pipeline", "context", "mesh", "sharding")
 
 # Calls that make a mutable container (by the called name: `dict()`, `collections.defaultdict()`), and calls that
 # make an object whose state lives in attributes or outside the module's sight (`threading.local()`, weak
@@ -112,6 +121,22 @@ def _maxlm(name: str) -> bool:
   return name == "maxlm" or name.startswith("maxlm.")
 
 
+def _within(name: str, tops) -> bool:
+  """Whether module `name` is one of `tops` or inside one of them."""
+  return any(name == top or name.startswith(top + ".") for top in tops)
+
+
+def test_names_that_would_confuse_name_one_module():
+  found = {}
+  for name, path, _ in _modules():
+    base = name.rsplit(".", 1)[-1] if path.name != "__init__.py" else None
+    if base in UNIQUE_NAMES:
+      found.setdefault(base, []).append(name)
+  twice = {base: names for base, names in found.items() if len(names) > 1}
+  assert not twice, f"one module per name: {twice}"
+  assert set(found) == set(UNIQUE_NAMES), f"stale UNIQUE_NAMES: {sorted(set(UNIQUE_NAMES) - set(found))}"
+
+
 def _above(name: str) -> bool:
   return any(name == top or name.startswith(top + ".") for top in ABOVE)
 
@@ -119,10 +144,10 @@ def _above(name: str) -> bool:
 def test_layers_and_data_import_no_higher_module():
   checked = 0
   for name, path, tree in _modules():
-    for floor in ("maxlm.layers", "maxlm.data"):
+    for floor, below in FLOORS.items():
       if name == floor or name.startswith(floor + "."):
-        higher = sorted(m for m in _imports(tree) if _maxlm(m) and m not in BOTTOM and m != "maxlm"
-                        and not (m == floor or m.startswith(floor + ".")))
+        higher = sorted(m for m in _imports(tree) if _maxlm(m) and m != "maxlm" and not _within(m, below)
+                        and not _within(m, {floor}))
         assert not higher, f"{path}: {floor} must not import {higher}"
         checked += 1
   assert checked >= 15
@@ -185,7 +210,7 @@ def test_the_wings_import_only_what_lies_below_them():
       if name == wing or name.startswith(wing + "."):
         seen.add(wing)
         up = sorted(m for m in _imports(tree) if _maxlm(m) and m != "maxlm" and m not in below
-                    and not (m == wing or m.startswith(wing + ".")))
+                    and not _within(m, {wing}))
         assert not up, f"{path}: the {wing} wing must not import {up}"
   assert seen == set(WINGS)
 

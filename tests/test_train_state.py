@@ -11,7 +11,7 @@ import pytest
 from flax import linen as nn
 
 from maxlm.config import MeshConfig, ModelConfig, OptimConfig
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
 from maxlm.scope import model_scope

@@ -36,14 +36,14 @@ from maxlm.data.readers import META_NAME, file_format, resolve_files, split_list
 from maxlm.data.shards import read_meta
 from maxlm.data.sources import resolve_type
 from maxlm.runtime import watchdog, xla_presets
-from maxlm.layers import context
+from maxlm.parallel import context
 from maxlm.layers import check_remat, resolve_backend, supported_precisions
-from maxlm.mesh import AXES, check_context_split, mesh_shape
+from maxlm.parallel.mesh import AXES, check_context_split, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
 from maxlm.optim import warmup_warning
 from maxlm.runtime.env import HOST_SHARE, apply_mem_fraction
-from maxlm.pipeline import bubble_fraction, check as check_pipeline, repeats as pipeline_repeats
+from maxlm.parallel.pipelining import bubble_fraction, check as check_pipeline, repeats as pipeline_repeats
 from maxlm.tables import PRECISIONS, human_bytes
 from maxlm.trainer import check_batch_split
 
@@ -264,7 +264,7 @@ def render(p: dict) -> str:
   ]
   piped = ms["pipeline"] > 1
   off = c["optim"]["offload"]
-  rows = [("params", f"{m['param_dtype']}, sharded over fsdp x tensor" + (", the layers also over pipeline" if piped
+  rows = [("params", f"{m['param_dtype']}, sharded over fsdp x context x tensor" + (", the layers also over pipeline" if piped
                                                                           else "")
            + ("; in host memory (optim.offload=host_params)" if off == "host_params" else "")),
           ("optimizer", f"AdamW mu in {c['optim']['mu_dtype']}, nu in {c['optim']['nu_dtype']}, the params' "

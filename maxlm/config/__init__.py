@@ -19,11 +19,11 @@ import yaml
 from maxlm.config import names as config_names
 from maxlm.config import schema
 from maxlm.config.files import free_levers, is_shipped, leaf_keys, parse_overrides, resolve_config_path, yaml_layers
-from maxlm.config.rules import check_distributed, check_run_name
+from maxlm.config.rules import check_distributed, check_moe, check_run_name
 from maxlm.config.schema import ConfigError, option
 from maxlm.tables import PRECISIONS, REMATS
 from maxlm.config.sections import (  # the process and tool sections, re-exported
-    LEVERS, CompileConfig, PlanConfig, ProfileConfig, XlaConfig)
+    LEVERS, CompileConfig, MoEConfig, PlanConfig, ProfileConfig, XlaConfig)
 
 SEED_RANGE = "[0, 2**32-1]"  # jax.random.PRNGKey and Grain take 32-bit seeds
 
@@ -81,6 +81,7 @@ class ModelConfig:
   remat: str = option("full", "rematerialization policy (what the backward pass keeps vs recomputes)",
                       choices=tuple(REMATS))
   init_std: float = option(0.02, "standard deviation of the normal weight initializer", within="(0, inf)")
+  moe: MoEConfig = MoEConfig()
 
   @property
   def te_fp8_lm_head(self) -> bool:
@@ -376,6 +377,7 @@ def validate(cfg: Config) -> None:
   for key, tok in (("data.bos_id", d.bos_id), ("data.eos_id", d.eos_id)):
     if tok >= m.vocab_size:
       raise ConfigError(f"config key '{key}' ({tok}) must be below model.vocab_size ({m.vocab_size})")
+  check_moe(m, cfg.mesh)
   check_run_name(cfg.output_dir, cfg.run_name)
   check_distributed(cfg.distributed)
   p = cfg.profile

@@ -1,5 +1,6 @@
 """The config checks on single values that need more than a range or a choice (maxlm/config/schema.py): the run
-name as one directory inside output_dir, and the distributed section's address and device ids."""
+name as one directory inside output_dir, the distributed section's address and device ids, and the model's
+mixture of experts against the rest of the model and the mesh."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from maxlm.config import schema
 from maxlm.config.schema import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the section is defined in maxlm/config/__init__.py, which imports this
-  from maxlm.config import DistributedConfig
+  from maxlm.config import DistributedConfig, MeshConfig, ModelConfig
 
 
 def check_run_name(output_dir: str, name: str) -> None:
@@ -52,3 +53,21 @@ def check_distributed(d: DistributedConfig) -> None:
     raise ConfigError(f"config key 'distributed.process_id' ({d.process_id}) must be below "
                       f"distributed.num_processes ({d.num_processes})")
   local_device_ids(d.local_device_ids)
+
+
+def check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
+  """model.moe: k <= E; the MoE layers exist; what the scanned stack and the pipeline cannot run yet."""
+  e = m.moe
+  if not e.experts:
+    return
+  if e.top_k > e.experts:
+    raise ConfigError(f"config key 'model.moe.top_k' ({e.top_k}) must be at most model.moe.experts ({e.experts})")
+  if e.every > m.n_layers:
+    raise ConfigError(f"config key 'model.moe.every' ({e.every}) must be at most model.n_layers ({m.n_layers}): "
+                      "no block would be MoE")
+  if e.every > 1 and m.scan_layers:
+    raise ConfigError(f"config key 'model.moe.every' ({e.every}) > 1 needs model.scan_layers=false (the scanned "
+                      "stack repeats one block; mixing dense and MoE blocks in it is not built yet)")
+  if mesh.pipeline > 1 or mesh.dcn_pipeline > 1:
+    raise ConfigError("config key 'model.moe.experts' > 0 does not run with pipeline stages yet "
+                      f"(mesh.pipeline={mesh.pipeline}, mesh.dcn_pipeline={mesh.dcn_pipeline})")

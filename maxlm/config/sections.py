@@ -1,5 +1,6 @@
 """The config sections of the process and its tools (profiling, XLA flags, the planner, compilation and its
-cache); maxlm/config/__init__.py holds the model and run sections, the whole `Config`, and re-exports these."""
+cache) and the model's mixture-of-experts subsection; maxlm/config/__init__.py holds the model and run sections,
+the whole `Config`, and re-exports these."""
 
 from __future__ import annotations
 
@@ -9,6 +10,27 @@ from maxlm.config.schema import option
 
 # The planner's memory levers (maxlm/plan/levers.py): the config keys plan.levers may hand it, in search order.
 LEVERS = ("model.remat", "train.grad_accum", "optim.offload", "optim.mu_dtype", "optim.nu_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Mixture of experts (Mixtral-style, maxlm/layers/moe.py): `experts` SwiGLU experts of width model.ffn_dim in
+  place of the MLP of every `every`-th decoder block, each token routed to `top_k` of them."""
+  experts: int = option(0, "experts per MoE layer (E); 0 = a dense model", within="[0, 2**31-1]")
+  top_k: int = option(2, "experts each token is routed to (k <= experts); their router probabilities, softmax "
+                      "over all experts, renormalized to sum to 1 (Mixtral)", within="[1, 2**31-1]")
+  every: int = option(1, "blocks N-1, 2N-1, ... (counted from 0) are MoE, the others dense; 1 = every block "
+                      "(Mixtral); above 1 needs model.scan_layers=false", within="[1, 2**31-1]")
+  aux_loss_coef: float = option(0.01, "weight of the load-balancing loss (Switch: E * sum_e f_e P_e, 1 when "
+                                "balanced; the mean over the MoE layers) in the training loss", within="[0, inf)")
+  z_loss_coef: float = option(0.0, "weight of the router z-loss (ST-MoE: mean logsumexp(logits)^2; the mean over "
+                              "the MoE layers) in the training loss; 0 = off", within="[0, inf)")
+  capacity_factor: float = option(0.0, "0 = dropless (every assignment computed); c > 0: each expert takes at "
+                                  "most ceil(c * tokens * k / E) assignments, the rest dropped (rate logged)",
+                                  within="[0, inf)")
+  kernel: str = option("grouped", "the experts' computation: grouped (jax.lax.ragged_dot over the tokens "
+                       "sorted by expert) or dense (every expert on every token, masked: E/k times the work, "
+                       "a reference)", choices=("grouped", "dense"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Hugging Face Llama/Mistral import and export: config mapping (`config`), the one weight table
+"""Hugging Face Llama/Mistral/Mixtral import and export: config mapping (`config`), the one weight table
 (`weights`), streaming safetensors and Orbax I/O (`safetensors_io`, `orbax_io`) and the transfers
 between them (`transfer`)."""
 

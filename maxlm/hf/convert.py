@@ -44,6 +44,7 @@ def hf_to_maxlm(src: Path, out: Path, dtype: str, scan: bool = True) -> str:
     raise CheckpointError(f"{src}: no *.safetensors files")
   side = [(src / n, n) for n in HF_SIDE_FILES + ("config.json",) if (src / n).is_file()]
   keys = {f: getattr(m, f) for f in hf_config.ARCH_FIELDS + ("scan_layers",)}  # every architecture key
+  keys["moe"] = dataclasses.asdict(m.moe)  # (a subsection)
   # Fine-tunes of different converted models get their own run directories (runs/<out's name>-finetune), not
   # one shared by the config file's name, model.yml (nor <out> itself, were it converted into runs/).
   model_yml = {"run_name": f"{out.absolute().name}-finetune", "model": keys}

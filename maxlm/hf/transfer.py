@@ -30,7 +30,7 @@ def check_tensors(reader: SafetensorsReader, m: ModelConfig) -> None:
   for name in sorted(set(reader.tensors) - wanted):
     if name.endswith(_IGNORED_SUFFIXES) or (m.tie_embeddings and name == "lm_head.weight"):
       continue  # a tied head saved anyway is the embedding again
-    raise CheckpointError(f"{reader.dir}: unexpected tensor {name!r} (no place for it in a Llama/Mistral "
+    raise CheckpointError(f"{reader.dir}: unexpected tensor {name!r} (no place for it in a Llama/Mistral/Mixtral "
                           f"model with this config.json)")
   for name in sorted(wanted - set(reader.tensors)):
     reader.get(name)  # raises, naming the missing tensor
@@ -42,6 +42,12 @@ def source_dtype(reader: SafetensorsReader, m: ModelConfig) -> str:
   float64 files, which maxlm holds in float32 at most, give float32 too)."""
   dtypes = {reader.dtype(name) for name, _ in hf_tensor_list(m)}
   return dtypes.pop() if len(dtypes) == 1 and dtypes <= {"float16", "bfloat16"} else "float32"
+
+
+def _dtype(name: str, e: Entry) -> np.dtype:
+  """The dtype `name` holds the entry's parameter in: float32 at least where the entry says so (the router)."""
+  dt = np.dtype(jax.numpy.dtype(name))
+  return np.promote_types(dt, np.float32) if e.float32 else dt
 
 
 def _reader(src: Path | SafetensorsReader) -> SafetensorsReader:
@@ -69,9 +75,9 @@ def load_hf_params(src: Path | SafetensorsReader, m: ModelConfig, shardings) -> 
   its reader), placed with `shardings` (a tree like the params) in `m.param_dtype`."""
   reader = _reader(src)
   check_tensors(reader, m)
-  pdt = np.dtype(jax.numpy.dtype(m.param_dtype))
   params: dict = {}
   for e in table(m):
+    pdt = _dtype(m.param_dtype, e)
     layers = range(m.n_layers) if e.per_layer else [None]
     if e.per_layer and m.scan_layers:
       host = np.empty((m.n_layers, *e.shape), pdt)  # [L, ...] one stacked parameter at a time
@@ -94,8 +100,9 @@ def hf_to_orbax(src: Path | SafetensorsReader, out_params: Path, m: ModelConfig,
   reader = _reader(src)
   check_tensors(reader, m)
   writer = OrbaxWriter(out_params)
-  dt, total = np.dtype(jax.numpy.dtype(dtype)), 0
+  total = 0
   for e in table(m):
+    dt = _dtype(dtype, e)
     if e.per_layer and scan:
       arr = writer.create(param_path(e, None, True), (m.n_layers, *e.shape), dt, stacked=True)
       for i in range(m.n_layers):

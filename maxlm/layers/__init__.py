@@ -160,7 +160,7 @@ def remat_policy(name: str, backend: str):
     if r.te_recomputed:
       redone = tuple(primitives[p].outer_primitive for p in r.te_recomputed)
       return lambda prim, *_, **__: prim not in redone
-    # cuDNN's forward, alone or inside one of TE's context-parallel strategies (maxlm/layers/context.py)
+    # cuDNN's forward, alone or inside one of TE's context-parallel strategies (maxlm/parallel/context.py)
     fused = {getattr(attention, n).outer_primitive for n in (
         "FusedAttnFwdPrimitive", "FusedAttnCPWithAllGatherFwdPrimitive", "FusedAttnCPStripedWithAllGatherFwdPrimitive",
         "FusedRingAttnFwdPrimitive", "FusedRingAttnStripedFwdPrimitive")}

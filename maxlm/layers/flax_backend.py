@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from maxlm.layers import context
+from maxlm.layers import cp_attention
+from maxlm.parallel import context
 
 NORM_AXES = ("norm",)
 
@@ -135,7 +136,7 @@ def attention_mask(segment_ids, window: int, length: int):
 def attention(q, k, v, *, segment_ids=None, positions=None, window: int = 0, max_segments: int = 1,
               name: str = "attention", context_strategy: str = "auto"):
   """Causal GQA attention. q [B, T, H, Dh], k/v [B, T, KV, Dh] -> [B, T, H, Dh]. With the length split over a
-  context axis, the pure-JAX context-parallel attention of maxlm/layers/context.py (`context_strategy`)."""
+  context axis, the pure-JAX context-parallel attention of maxlm/layers/cp_attention.py (`context_strategy`)."""
   del max_segments, name  # the mask carries the document structure here
   t, dtype = q.shape[1], q.dtype
   if dtype == jnp.float16 and jax.default_backend() == "cpu":
@@ -145,7 +146,7 @@ def attention(q, k, v, *, segment_ids=None, positions=None, window: int = 0, max
   cp = context.axis()
   if cp is not None:
     strategy = context.resolve_strategy(context_strategy, cp[1], t, segment_ids is not None or bool(window))
-    return context.attention(q, k, v, segment_ids, positions, window=window, strategy=strategy, name=cp[0],
+    return cp_attention.attention(q, k, v, segment_ids, positions, window=window, strategy=strategy, name=cp[0],
                              cp=cp[1]).astype(dtype)
   if segment_ids is None and not window:
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H, Dh]

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+COLLECTION = "moe"  # the Flax collection the decoder's MoE blocks sow their statistics into (maxlm/model.py)
 EXPERT_AXES = ("expert", "embed", "mlp")  # w1, w3 [E, D, F]
 DOWN_AXES = ("expert", "mlp", "embed")  # w2 [E, F, D]
 ROUTER_AXES = ("embed", "expert_logits")  # router [D, E]
@@ -146,3 +147,12 @@ class MoE(nn.Module):
              "tokens_per_expert": jnp.bincount(chosen.reshape(-1), length=e),
              "dropped": 1.0 - jnp.mean(kept.astype(weights.dtype))}
     return y.reshape(b, t, d), stats
+
+
+def sown_stats(collection: dict) -> dict[str, jnp.ndarray]:
+  """The statistics the MoE blocks sowed into COLLECTION, stacked over the MoE layers in layer order: each
+  [Lm, ...] (the scanned stack sows them stacked; unrolled blocks `layers_<i>` one by one)."""
+  if "layers" in collection:
+    return collection["layers"]["stats"][0]
+  names = sorted(collection, key=lambda name: int(name.rsplit("_", 1)[1]))
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *(collection[name]["stats"][0] for name in names))

@@ -12,7 +12,8 @@ import math
 
 import jax.numpy as jnp
 
-from maxlm.layers import context, flax_backend
+from maxlm.layers import cp_attention, flax_backend
+from maxlm.parallel import context
 from maxlm.layers.te_env import import_te, on_gpu
 
 NORM_AXES = flax_backend.NORM_AXES
@@ -56,7 +57,7 @@ def norm_mlp(x, *, ffn_dim: int, eps: float, param_dtype, kernel_init, name: str
 def attention(q, k, v, *, segment_ids=None, positions=None, window: int = 0, max_segments: int = 1,
               name: str = "attention", context_strategy: str = "auto"):
   """Causal GQA attention. q [B, T, H, Dh], k/v [B, T, KV, Dh] -> [B, T, H, Dh]. With the length split over a
-  context axis (maxlm/layers/context.py), cuDNN's fused attention runs TE's context-parallel strategy over it."""
+  context axis (maxlm/parallel/context.py), cuDNN's fused attention runs TE's context-parallel strategy over it."""
   te = import_te()
   b, t, h, dh = q.shape
   common = dict(head_dim=dh, num_attention_heads=h, num_gqa_groups=k.shape[2], attention_dropout=0.0,
@@ -100,7 +101,7 @@ def _context_parallel(te, q, k, v, segment_ids, positions, window, max_segments,
   strategy = context.resolve_strategy(strategy, cp[1], t, packed)
   if not (on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)):
     seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids  # [B, T]
-    masked = ~context.keep_mask(seg, positions, seg, positions, window)  # [B, 1, T, T]
+    masked = ~cp_attention.keep_mask(seg, positions, seg, positions, window)  # [B, 1, T, T]
     # the window is in the mask: TE's unfused path would add its own by index, wrong in the reordered order
     mod = te.flax.DotProductAttention(attn_mask_type="padding_causal", qkv_layout="bshd_bshd_bshd",
                                       **{**common, "window_size": None})

@@ -316,8 +316,8 @@ def inventory(text: str, devices_per_node: int | None = None, n_devices: int | N
 def fsdp_expectation(m: ModelConfig, grad_accum: int, degrees: dict[str, int]) -> dict[str, int]:
   """Bytes per step FSDP should gather and reduce-scatter (see the module doc): the GEMM weights of the layers
   (one pipeline stage's) and the LM head, as one tensor-parallel shard holds them, in the compute dtype; none
-  where the fsdp degree is 1."""
-  if degrees.get("fsdp", 1) <= 1:
+  where the fsdp x context degree is 1 (`embed` is split over both: maxlm/parallel/sharding.py ZERO)."""
+  if degrees.get("fsdp", 1) * degrees.get("context", 1) <= 1:
     return {"all-gather": 0, "reduce-scatter": 0}
   counts = count_params(m)
   weights = (counts["matmul"] - m.d_model * m.vocab_size) // degrees.get("pipeline", 1) + m.d_model * m.vocab_size

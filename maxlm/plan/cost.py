@@ -18,7 +18,7 @@ fitted to a run:
 A roofline is a bound: real steps are slower (the 8B on one H200 ran at 57% of the compute term) and by
 different factors for different settings; the times are for ordering, and the GPUs at hand measure.
 
-With pipeline stages (maxlm/pipeline.py; V = 1 for GPipe, train.pipeline_repeats for circular): every stage
+With pipeline stages (maxlm/parallel/pipelining.py; V = 1 for GPipe, train.pipeline_repeats for circular): every stage
 computes 1/V of its layers at each of the V M + S - 1 ticks, V M of them useful (the bubble, `bubble_s`); the LM
 head runs on every stage for the whole batch; a stage's FSDP gathers the layers of each tick
 (train.pipeline_gather=tick) or its own layers once (step); and each tick hands one micro-batch's activations to
@@ -29,10 +29,11 @@ network bandwidth when the stages span nodes), on the critical path between tick
 from __future__ import annotations
 
 from maxlm.config import Config
-from maxlm.mesh import AXES, mesh_shape
+from maxlm.parallel.context import resolve_strategy
+from maxlm.parallel.mesh import AXES, mesh_shape
 from maxlm.model import count_params, flops_per_step
 from maxlm.plan import memory
-from maxlm.pipeline import repeats as pipeline_repeats
+from maxlm.parallel.pipelining import repeats as pipeline_repeats
 from maxlm.plan.target import Target
 from maxlm.tables import DEFAULT_GPU, REMATS, gpu, gpu_named
 
@@ -46,7 +47,7 @@ TIE = 0.02
 
 
 def degrees(cfg: Config, target: Target) -> dict:
-  """Total degrees of the mesh's axes (maxlm.mesh.AXES) on the target's devices (intra x inter node)."""
+  """Total degrees of the mesh's axes (maxlm.parallel.mesh.AXES) on the target's devices (intra x inter node)."""
   ici, dcn = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)
   return dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
 
@@ -81,7 +82,8 @@ def step_time(cfg: Config, target: Target) -> dict:
   deg = degrees(cfg, target)
   params = count_params(m)
   work = flops_per_step(m, d.global_batch_size, d.seq_len) + _recompute_flops(cfg)
-  shards = deg["fsdp"] * deg["tensor"]
+  zero = deg["fsdp"] * deg["context"]  # the parameters' embed split (maxlm/parallel/sharding.py ZERO)
+  shards = zero * deg["tensor"]
   a, stages = cfg.train.grad_accum, deg["pipeline"]
   # per stage and device: the parameters a micro-batch (a tick) passes through, and those kept (all of them
   # without a pipeline; the stage's layers and the embedding, head and final norm with one)
@@ -104,7 +106,7 @@ def step_time(cfg: Config, target: Target) -> dict:
   compute = work / (n * peak)
   once = stages > 1 and cfg.train.pipeline_gather == "step"
   gathered = (layers * (1 if once else passes) + other * (1 if stages > 1 else a)) / deg["tensor"]  # per device
-  fsdp = 3 * gathered * 2 * (deg["fsdp"] - 1) / deg["fsdp"] / link  # 2 gathers (bf16) + scatter
+  fsdp = 3 * gathered * 2 * (zero - 1) / zero / link  # 2 gathers (bf16) + scatter, over fsdp x context
   bw = net if target.n_nodes > 1 else link
   data = 2 * 4 * held / shards * (deg["data"] - 1) / deg["data"] / bw  # fp32 all-reduce
   if stages > 1:  # the stage's weights read again and its gradients summed at every tick
@@ -127,11 +129,12 @@ def step_time(cfg: Config, target: Target) -> dict:
 
 
 def context_exchange_bytes(cfg: Config, deg: dict) -> float:
-  """Bytes one device receives per step for context-parallel attention (maxlm/layers/context.py), either
-  strategy: per layer and micro-batch, the K and V blocks [rows, T / cp, KV, Dh] of the other cp - 1 devices
-  (gathered, or passed around the ring) in the compute dtype, and in the backward twice that (the blocks again
-  and their gradients going back), so 3x. Overlapped with compute like the other traffic. With pipeline stages
-  a device runs its L / stages layers at each of the M + stages - 1 ticks (maxlm/pipeline.py)."""
+  """Bytes one device receives per step for context-parallel attention (maxlm/parallel/context.py): per layer
+  and micro-batch, the K and V blocks [rows, T / cp, KV, Dh] of the other cp - 1 devices, gathered or passed
+  around the ring in the compute dtype, twice (the forward, and again in the backward, which recomputes it), and
+  their gradients going back once: in the compute dtype around the ring, reduce-scattered in float32 by the
+  all-gather (`gather_kv`'s transpose). Overlapped with compute like the other traffic. With pipeline stages a
+  device runs its L / stages layers at each of the M + stages - 1 ticks (maxlm/parallel/pipelining.py)."""
   cp = deg["context"]
   if cp == 1:
     return 0.0
@@ -139,5 +142,8 @@ def context_exchange_bytes(cfg: Config, deg: dict) -> float:
   stages = deg["pipeline"]
   passes = cfg.train.grad_accum + stages - 1
   rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
-  block = rows * (d.seq_len // cp) * m.n_kv_heads * m.head_dim * (4 if m.dtype == "float32" else 2)
-  return 3 * passes * (m.n_layers // stages) * 2 * block * (cp - 1)
+  c = 4 if m.dtype == "float32" else 2
+  block = rows * (d.seq_len // cp) * m.n_kv_heads * m.head_dim  # elements
+  packed = d.type != "synthetic" or bool(m.sliding_window)  # as maxlm/build.py and the attention layers see rows
+  grads = c if resolve_strategy(cfg.mesh.context_strategy, cp, d.seq_len, packed) == "ring" else 4
+  return passes * (m.n_layers // stages) * 2 * block * (2 * c + grads) * (cp - 1)

@@ -92,7 +92,7 @@ def lever_values(cfg: Config, target: Target, backend: str) -> dict[str, tuple]:
   deg = degrees(cfg, target)
   dp, batch = deg["data"] * deg["fsdp"], cfg.data.global_batch_size
   powers = (2 ** i for i in range(int(math.log2(batch)) + 1))
-  # a pipeline of S stages needs S micro-batches at least (maxlm/pipeline.py)
+  # a pipeline of S stages needs S micro-batches at least (maxlm/parallel/pipelining.py)
   accums = tuple(a for a in powers if batch % a == 0 and (batch // a) % dp == 0 and a >= deg["pipeline"])
   # from the most kept to the least (maxlm/tables.py REMATS: what each keeps per layer)
   remats = tuple(name for name, r in REMATS.items() if not r.te_only or backend == "te")

@@ -39,9 +39,9 @@ import jax
 
 from maxlm.build import Built, build_step, memory_stats
 from maxlm.config import Config, ConfigError, from_dict
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 from maxlm.optim import LAG
-from maxlm.pipeline import check as check_pipeline
+from maxlm.parallel.pipelining import check as check_pipeline
 from maxlm.plan import collectives, xla_gpu, xla_log
 from maxlm.plan.kinds import KINDS
 from maxlm.plan.standins import GPU_DTYPE_OPTIONS, for_gpu_step

@@ -40,14 +40,15 @@
 `estimate(..., state=...)` takes params / optimizer / fp8_meta bytes per device measured elsewhere
 (`maxlm.cli.dryrun` reads them off the abstract train state and its shardings) instead of the formulas.
 
-Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x tensor
-degree (rounded up), those of the layer stack also by the pipeline degree (its stages split the layers);
+Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x context x tensor
+degree (rounded up; `embed` is split over fsdp and context: maxlm/parallel/sharding.py ZERO), those of the
+layer stack also by the pipeline degree (its stages split the layers);
 the logits' batch by data x fsdp, their positions by context and their vocabulary by tensor (each rounded
 up). A dimension that does not divide its mesh axes is replicated in practice, so `lower_bound` stays a
 lower bound. Activations are divided by the batch and context degrees only. With pipeline stages
-(maxlm/pipeline.py) the LM head runs once on the whole batch (its micro-batches are all in flight) and a
+(maxlm/parallel/pipelining.py) the LM head runs once on the whole batch (its micro-batches are all in flight) and a
 stage keeps its L / stages layers' activations for every micro-batch (GPipe). Degrees are the products of
-the intra- and inter-node degrees, -1 filled from the device count as `maxlm.mesh` does.
+the intra- and inter-node degrees, -1 filled from the device count as `maxlm.parallel.mesh` does.
 
 `check_fits(cfg, n_devices, bytes_per_device)` raises `ConfigError` when `lower_bound` exceeds the
 device memory (no guessed activations). All of it is arithmetic on Python ints: microseconds even
@@ -70,14 +71,14 @@ def moment_bytes(optim: OptimConfig) -> int:
 
 
 def _fill(degrees: list[int], total: int) -> list[int]:
-  """The -1 entry (at most one) gets total / product(the others); `maxlm.mesh` checks the rest."""
+  """The -1 entry (at most one) gets total / product(the others); `maxlm.parallel.mesh` checks the rest."""
   known = math.prod(d for d in degrees if d != -1)
   return [max(1, total // known) if d == -1 else d for d in degrees]
 
 
 def mesh_degrees(mesh: MeshConfig, n_devices: int, n_nodes: int = 1) -> dict[str, int]:
   """Total pipeline / data / fsdp / context / tensor degrees (intra-node x inter-node) on n_devices over n_nodes."""
-  axes = ("pipeline", "data", "fsdp", "context", "tensor")  # maxlm.mesh.AXES (which imports JAX)
+  axes = ("pipeline", "data", "fsdp", "context", "tensor")  # maxlm.parallel.mesh.AXES (which imports JAX)
   dcn = _fill([getattr(mesh, f"dcn_{a}") for a in axes], n_nodes)
   ici = _fill([getattr(mesh, a) for a in axes], max(1, n_devices // n_nodes))
   return {a: i * j for a, i, j in zip(axes, ici, dcn)}
@@ -140,7 +141,7 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
   counts, stages = count_params(m), deg["pipeline"]
   n_params = counts["total"] - counts["layers"] + -(-counts["layers"] // stages)  # per pipeline stage
   p_bytes, c_bytes = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[PRECISIONS[m.precision].compute_dtype or m.dtype]
-  shards = deg["fsdp"] * deg["tensor"]
+  shards = deg["fsdp"] * deg["context"] * deg["tensor"]
   params = -(-n_params * p_bytes // shards)  # ceil
   micro = d.global_batch_size // (1 if stages > 1 else cfg.train.grad_accum)  # pipelined: all micro-batches at once
   rows = -(-micro // (deg["data"] * deg["fsdp"]))

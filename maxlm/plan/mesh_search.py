@@ -8,7 +8,7 @@ path: NVLink), powers of two dividing the node's devices, tensor dividing the he
 dividing data.seq_len into 2 x context chunks; pipeline stages across nodes (point to point, the least traffic:
 mesh.dcn_pipeline), dividing the nodes and the layers (the stack is then scanned, as the pipeline needs); the
 devices left in a node go to fsdp or to data, those left across nodes the same; context and pipeline are not
-combined (maxlm/pipeline.py refuses them together). The global batch must split over data x fsdp.
+combined (maxlm/parallel/pipelining.py refuses them together). The global batch must split over data x fsdp.
 
 Order: an analytic estimate (`estimate`: the planner's step time (cost.py, which counts the context axis's
 exchange and the pipeline's bubble) for the mesh's first plausible lever setting, with the tensor-parallel
@@ -25,7 +25,7 @@ import time
 
 from maxlm.config import Config, ConfigError
 from maxlm.layers import resolve_backend
-from maxlm.mesh import mesh_shape
+from maxlm.parallel.mesh import mesh_shape
 from maxlm.plan import heartbeat, moments
 from maxlm.plan.levers import apply, candidates, certain_bytes, most_saving
 from maxlm.plan.cost import TIE, degrees, hardware, step_time  # TIE: predictions closer are a tie

@@ -19,7 +19,7 @@ result is a bound: real steps are slower, by factors that differ between setting
   the longer of their wire bytes at NVLink and their bytes through each GPU's NIC at the network's rate. This
   replaces cost.py's analytic FSDP, data-parallel, context and pipeline traffic: the compiled step has them all.
   The context exchange is there because the planner's attention stand-in makes it (maxlm/plan/standins.py): the
-  pure-JAX context-parallel attention's collectives (maxlm/layers/context.py: the ring's permutes of K/V, the
+  pure-JAX context-parallel attention's collectives (maxlm/parallel/context.py: the ring's permutes of K/V, the
   all-gather's gathers and float32 reduce-scatters, each forward exchange run again in the backward as JAX's AD
   of the shard_map recomputes it; tests/test_plan_standins.py counts them), not TE's cuDNN strategies, whose
   exchange was never compiled here (before 2026-12-07 the stand-in had none: the ring's 0 permutes).

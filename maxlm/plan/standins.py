@@ -2,7 +2,7 @@
 attention's memory footprint in place of CPU attention's [B, H, T, T] scores, and bf16 kept as bf16 where
 XLA:CPU would compute it (and gather FSDP's weights) in f32. Measurements only: these programs are never run.
 
-Where the activations' length is split over a context axis (maxlm/layers/context.py), the attention stand-in
+Where the activations' length is split over a context axis (maxlm/parallel/context.py), the attention stand-in
 runs in the same shard_map and makes the same exchange as the pure-JAX context-parallel attention (context.py's
 `gather_exchange`, `ring_exchange`: the same collectives on K, V, segment ids and positions, the same dtypes
 and shapes, forward and backward), so a planned program compiles the context traffic and its buffers; only the
@@ -23,7 +23,7 @@ from jax._src.lax import lax as _lax_internal  # jnp.dot and jnp.matmul call its
 from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.build import Standins
-from maxlm.layers import context
+from maxlm.parallel import context
 from maxlm.model import Overrides
 
 

@@ -22,13 +22,13 @@ import numpy as np
 from maxlm.config import Config
 from maxlm.data.packing import BATCH_KEYS
 from maxlm.layers import resolve_backend
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
 from maxlm.plan.measure import compile_step
 from maxlm.runtime.devices import is_oom
 from maxlm.scope import model_scope
-from maxlm.sharding import batch_sharding
+from maxlm.parallel.sharding import batch_sharding
 from maxlm.train_state import create_train_state
 
 STEPS = 3  # timed steps per candidate, after one warm-up step

@@ -2,7 +2,7 @@
 
 JAX's CUDA plugin makes compile-only devices from a GPU description (`jax.experimental.topologies.
 get_topology_desc(platform="cuda", target_config=<GpuTargetConfigProto text>, topology="1xMxK")`: M hosts of K
-GPUs, each host a process, so maxlm.mesh lays the mesh's dcn axes over them as over the nodes of a cluster).
+GPUs, each host a process, so maxlm.parallel.mesh lays the mesh's dcn axes over them as over the nodes of a cluster).
 XLA:GPU then compiles maxlm's step for them on a CPU machine, no driver needed, and its `memory_analysis()` is
 XLA:GPU's own buffer assignment. Against an H200 measuring itself (docs/plan.md, "Compiled for XLA:GPU without
 a GPU"): within -5.3% to +1.8% with jax 0.10.2 and the guard compiled as a select, and within 3% with jax 0.11.2

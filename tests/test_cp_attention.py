@@ -1,9 +1,8 @@
-"""Context parallelism's layer module (maxlm/layers/context.py): the load-balanced orders written out by hand and
-against Transformer Engine's own reorder functions, the strategy and layout choices, and the all-gather and ring
-attention on simulated devices against the float64 reference attention (tests/reference.py), values and
-gradients, with packed documents, padding, grouped-query heads and sliding windows."""
+"""Context-parallel attention (maxlm/layers/cp_attention.py): the all-gather and ring attention on simulated devices
+against the float64 reference attention (tests/reference.py), values and gradients, with packed documents,
+padding, grouped-query heads and sliding windows; bf16 against one device; only the visible tiles computed; and
+the train command's bf16 context-parallel run."""
 
-import contextlib
 import json
 import os
 import subprocess
@@ -16,103 +15,11 @@ import numpy as np
 import pytest
 
 import reference as R
-from maxlm.config import MeshConfig
-from maxlm.layers import context
-from maxlm.layers.te_env import import_te
-from maxlm.mesh import make_mesh
-from maxlm.sharding import axis_rules
+from maxlm.layers import cp_attention
+from maxlm.parallel import context
+from meshes import on_mesh
 
 U32 = 2.0 ** -24  # float32 unit roundoff
-
-
-@contextlib.contextmanager
-def on_mesh(cp: int, **mesh_kw):
-  """The trainer's scope (maxlm/scope.py) without TE: mesh with `cp` devices on the context axis + the rules."""
-  mesh = make_mesh(MeshConfig(context=cp, fsdp=-1, **mesh_kw))
-  with jax.set_mesh(mesh), axis_rules():
-    yield mesh
-
-
-# ---- orders ------------------------------------------------------------------------------------------------
-
-def test_orders_written_out():
-  dual = context.Layout("dual_chunk", 2)  # T=8 in 4 chunks of 2: device 0 holds chunks 0 and 3, device 1 1 and 2
-  assert context.order(8, dual).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
-  assert context.order(16, context.Layout("dual_chunk", 4)).tolist() == [
-      0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
-  assert context.order(8, context.Layout("striped", 2)).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
-  assert context.order(8, context.Layout("striped", 2, stripe=2)).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
-  x = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
-  for lay in (context.Layout("dual_chunk", 4), context.Layout("striped", 4, 2), context.Layout("striped", 2)):
-    np.testing.assert_array_equal(context.restore(context.reorder(x, lay), lay), x)
-    np.testing.assert_array_equal(context.reorder(x, lay)[0, :, 0], 3 * context.order(16, lay))
-
-
-def test_each_device_gets_an_equal_share_of_causal_work():
-  """Causal work of a query at original position i: i + 1 keys. Contiguous blocks of 16 give the last of 4
-  devices 904 / 136 = 6.6x the first's; the dual-chunk order gives every device the same; stripes of 1 give
-  device r (T/cp)(r) more than device 0's ~T^2 / (2cp): within 1 + 2cp / T."""
-  t, cp = 64, 4
-  def work(order):
-    return [int((order.reshape(cp, -1) + 1)[r].sum()) for r in range(cp)]
-  assert work(np.arange(t)) == [136, 392, 648, 904]
-  assert work(context.order(t, context.Layout("dual_chunk", cp))) == [520] * 4
-  striped = work(context.order(t, context.Layout("striped", cp)))
-  assert max(striped) / min(striped) <= 1 + 2 * cp / t
-
-
-@pytest.mark.te
-@pytest.mark.parametrize("cp", [2, 4])
-def test_orders_are_transformer_engines(cp):
-  """TE's fused context-parallel attention expects its own orders (context_parallel_causal_load_balanced):
-  DualChunkSwap for its BSHD layout, Striped (with the stripe size passed to fused_attn) for THD."""
-  import_te()
-  from transformer_engine.jax.attention import ReorderStrategy, reorder_causal_load_balancing
-  x = jnp.arange(3 * 32).reshape(1, 32, 3)
-  got = context.reorder(x, context.Layout("dual_chunk", cp))
-  np.testing.assert_array_equal(got, reorder_causal_load_balancing(x, ReorderStrategy.DualChunkSwap, cp, 1))
-  for stripe in (1, 2, 4):
-    got = context.reorder(x, context.Layout("striped", cp, stripe))
-    want = reorder_causal_load_balancing(x, ReorderStrategy.Striped, cp, 1, stripe_size=stripe)
-    np.testing.assert_array_equal(got, want)
-
-
-def test_strategy_and_layout_choices():
-  assert context.resolve_strategy("all_gather", 8, 131072, True) == "all_gather"  # an explicit choice stands
-  assert context.resolve_strategy("auto", 2, 8192, False) == "all_gather"
-  assert context.resolve_strategy("auto", 4, 4 * context.RING_FROM, False) == "ring"
-  assert context.resolve_strategy("auto", 4, 8192, True) == "ring"  # packed rows / window: TE's THD ring
-  assert context.layout("all_gather", 4, 8192, False) == context.Layout("dual_chunk", 4)
-  assert context.layout("ring", 4, 8192, True) == context.Layout("striped", 4, 1)
-  assert context.layout("all_gather", 4, 8192, True) == context.Layout("striped", 4, 128)
-  assert context.layout("all_gather", 4, 16, True) == context.Layout("striped", 4, 2)  # two stripes per device
-
-
-def test_axis_found_from_the_mesh_and_rules():
-  assert context.axis() is None  # no mesh
-  with on_mesh(1):
-    assert context.axis() is None  # a context axis of one device splits nothing
-  with on_mesh(4):
-    assert context.axis() == ("context", 4)
-    with pytest.raises(ValueError, match="sequences of 12 tokens do not split into 2 x 4 chunks"):
-      context.current_layout("auto", 12, False)
-  mesh = make_mesh(MeshConfig(context=2, fsdp=-1))
-  with jax.set_mesh(mesh):
-    assert context.axis() is None  # a mesh without the rules: nothing maps the length to it
-
-
-def test_apply_balanced_restores_the_order():
-  pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
-  def fn(tokens, positions, segment_ids):
-    assert segment_ids is None
-    return jnp.stack([tokens, positions], axis=-1)  # [B, T, 2], per token
-  toks = jnp.arange(32).reshape(2, 16)
-  with on_mesh(4):
-    seen = []
-    out = jax.jit(lambda t: context.apply_balanced(lambda *a: seen.append(a[1]) or fn(*a), t, None, None,
-                                                   strategy="auto", window=0))(toks)
-    np.testing.assert_array_equal(out, jnp.stack([toks, pos], axis=-1))
-  assert seen and seen[0].shape == (2, 16)  # fn saw positions made for it, in the reordered order
 
 
 # ---- attention ---------------------------------------------------------------------------------------------
@@ -136,11 +43,11 @@ def reference_attention(q, k, v, seg, window, xp=np):
 
 
 def split_attention(q, k, v, seg, pos, *, cp, strategy, window):
-  """context.attention on a mesh with cp devices on the context axis, the tokens in the load-balanced order
+  """cp_attention.attention on a mesh with cp devices on the context axis, the tokens in the load-balanced order
   (as the train step gives them), the result restored to the original order."""
   lay = context.layout(strategy, cp, T, True)
   args = [context.reorder(jnp.asarray(a), lay) for a in (q, k, v, seg, pos)]
-  out = context.attention(*args, window=window, strategy=strategy, name="context", cp=cp)
+  out = cp_attention.attention(*args, window=window, strategy=strategy, name="context", cp=cp)
   return context.restore(out, lay)
 
 
@@ -184,10 +91,10 @@ ROWS = {"unpacked": (False, 0), "packed": (True, 0), "window": (True, 3)}
 
 
 def balanced_attention(q, k, v, seg, pos, *, cp, strategy, window):
-  """context.attention as the model calls it: seg None for unpacked rows, the tokens in the layout's order."""
+  """cp_attention.attention as the model calls it: seg None for unpacked rows, the tokens in the layout's order."""
   lay = context.layout(strategy, cp, T, seg is not None or bool(window))
   args = [None if a is None else context.reorder(jnp.asarray(a), lay) for a in (q, k, v, seg, pos)]
-  return context.restore(context.attention(*args, window=window, strategy=strategy, name="context", cp=cp), lay)
+  return context.restore(cp_attention.attention(*args, window=window, strategy=strategy, name="context", cp=cp), lay)
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
@@ -269,7 +176,7 @@ def test_only_visible_blocks_are_computed(strategy, rows):
   q, k = jax.ShapeDtypeStruct((b, t, h, dh), jnp.bfloat16), jax.ShapeDtypeStruct((b, t, kv, dh), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
   def fn(q, k, v, seg, pos):
-    return context.attention(q, k, v, seg if rows == "packed" else None, pos, window=0, strategy=strategy,
+    return cp_attention.attention(q, k, v, seg if rows == "packed" else None, pos, window=0, strategy=strategy,
                              name="context", cp=cp)
   with jax.set_mesh(mesh):
     cost = jax.jit(fn).lower(q, k, k, ids, ids).compile().cost_analysis()

@@ -69,7 +69,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
 
 def check_context_split(seq_len: int, context: int) -> None:
   """ConfigError unless data.seq_len splits into 2 x context equal chunks: the causal load balancing gives
-  each device of the context axis two chunks (maxlm/layers/context.py)."""
+  each device of the context axis two chunks (maxlm/parallel/context.py)."""
   if context > 1 and seq_len % (2 * context):
     raise ConfigError(f"data.seq_len={seq_len} is not divisible by 2 x the context-parallel degree {context} "
                       f"(mesh.context x mesh.dcn_context): each device holds two chunks of the sequence; use a "

@@ -13,11 +13,11 @@ import pytest
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, OptimConfig
 from maxlm.data import BATCH_KEYS as BATCH
 from maxlm.layers import precision_scope
-from maxlm.mesh import make_mesh, mesh_shape
+from maxlm.parallel.mesh import make_mesh, mesh_shape
 from maxlm.model import Transformer
 from maxlm.scope import model_scope
 from maxlm.optim import make_optimizer
-from maxlm.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
+from maxlm.parallel.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
 from maxlm.build import CompiledStep
 from maxlm.step import make_train_step
 from maxlm.train_state import create_train_state
@@ -290,10 +290,23 @@ def test_params_are_actually_sharded():
   _, _, state = one_step(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices(), optimizer=optimizer)
   qkv = state.params["layers"]["qkv"]["kernel"]  # [L, D, KV, G+2, Dh]
   spec = qkv.sharding.spec
-  assert spec[1] == "fsdp" and spec[2] == "tensor"
-  assert qkv.addressable_shards[0].data.shape == (2, 32, 2, 4, 8)
+  assert spec[1] == ("fsdp", "context") and spec[2] == "tensor"
+  assert qkv.addressable_shards[0].data.shape == (2, 32, 2, 4, 8)  # D = 64 over fsdp 2
   moments = moment_trees(state.opt_state, state.params)
   assert len(moments) == 2  # AdamW's first and second moments follow the params' shardings
   for tree in moments:
     for m, p in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(state.params)):
       assert m.sharding.is_equivalent_to(p.sharding, p.ndim), (m.sharding, p.sharding)
+
+
+def test_params_are_split_over_the_context_axis_too():
+  """A context group's devices sum their gradients of the same weights anyway: the parameters and the optimizer
+  state are split over fsdp x context (maxlm/parallel/sharding.py ZERO), a quarter of D = 64 each on fsdp 2 x
+  context 2, not half (fsdp alone, every context device holding the same half)."""
+  optimizer, _ = make_optimizer(OptimConfig(warmup_steps=0, learning_rate=1e-2), 10)
+  _, _, state = one_step(MeshConfig(fsdp=2, context=2, tensor=2), jax.devices(), optimizer=optimizer)
+  qkv = state.params["layers"]["qkv"]["kernel"]  # [L, D, KV, G+2, Dh]
+  assert qkv.addressable_shards[0].data.shape == (2, 16, 2, 4, 8)
+  for tree in moment_trees(state.opt_state, state.params):
+    mu = tree["layers"]["qkv"]["kernel"]
+    assert mu.addressable_shards[0].data.shape == (2, 16, 2, 4, 8)

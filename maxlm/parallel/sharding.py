@@ -16,16 +16,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 log = logging.getLogger(__name__)
 
 BATCH = ("data", "fsdp")
+# The axes a parameter's `embed` dimension is split over: fsdp and context together (ZeRO-3 over both, as MaxText's
+# rules shard `embed` over its context axis and Megatron's distributed optimizer over data x context). The devices
+# of a context group compute gradients of the same weights on different tokens, so those gradients are summed over
+# `context` anyway: split over it, the sum is a reduce-scatter and the parameters and optimizer state a cp-th each,
+# instead of every context device holding them whole (the 8B at 131k tokens on context 8: 96 GiB of state each).
+ZERO = ("fsdp", "context")
 
-# logical axis -> mesh axes. Parameters are FSDP-sharded on `embed` and tensor-parallel
+# logical axis -> mesh axes. Parameters are FSDP-sharded on `embed` (over fsdp x context: ZERO) and tensor-parallel
 # (Megatron-style) on heads / mlp / vocab; activations are sharded on batch, on length over `context`
-# (context parallelism: maxlm/layers/context.py) and on heads/mlp. The scanned
+# (context parallelism: maxlm/parallel/context.py) and on heads/mlp. The scanned
 # layer stack [L, ...] is split over `pipeline` in contiguous blocks: stage s holds layers s*L/S .. (s+1)*L/S - 1
-# (maxlm/pipeline.py); the stored tree stays per layer, whatever the pipeline degree.
+# (maxlm/parallel/pipelining.py); the stored tree stays per layer, whatever the pipeline degree.
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ZERO),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -34,9 +40,11 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act", None),
     ("norm", None),
     ("layers", "pipeline"),
+    ("expert", None),  # the experts of an MoE block [E, ...] (maxlm/layers/moe.py): no expert axis yet
+    ("expert_logits", None),  # the router's output dimension [D, E]
     # activations
     ("activation_batch", BATCH),
-    ("stages", "pipeline"),  # the pipeline's stage axis of its activations (maxlm/pipeline.py)
+    ("stages", "pipeline"),  # the pipeline's stage axis of its activations (maxlm/parallel/pipelining.py)
     ("activation_length", "context"),
     ("activation_embed", None),
     ("activation_heads", "tensor"),

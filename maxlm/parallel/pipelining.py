@@ -2,7 +2,7 @@
 the layers, whose code knows nothing of it.
 
 Stages: the stack's parameters [L, ...] are split over the `pipeline` mesh axis in contiguous blocks (the
-logical axis `layers`, maxlm/sharding.py). The stored tree (the train state, checkpoints) stays per layer
+logical axis `layers`, maxlm/parallel/sharding.py). The stored tree (the train state, checkpoints) stays per layer
 [L, ...], so a checkpoint restores at any pipeline degree and schedule, as it does on any other mesh.
 
 Schedules (`train.pipeline_schedule`): the batch [B, T, D] is cut into M micro-batches (`train.grad_accum`);
@@ -47,10 +47,10 @@ from flax import linen as nn
 
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig
 
-AXIS = "pipeline"  # the mesh axis of the stages (maxlm/mesh.py)
-# logical names of the stage state [S, micro-batch, T, D] (maxlm/sharding.py maps "stages" to AXIS)
+AXIS = "pipeline"  # the mesh axis of the stages (maxlm/parallel/mesh.py)
+# logical names of the stage state [S, micro-batch, T, D] (maxlm/parallel/sharding.py maps "stages" to AXIS)
 STAGE_BTD = ("stages", "activation_batch", "activation_length", "activation_embed")
-FSDP_NAME = "embed"  # the parameters' logical axis that maxlm/sharding.py splits over fsdp
+FSDP_NAME = "embed"  # the parameters' logical axis that maxlm/parallel/sharding.py splits over fsdp
 
 
 def repeats(t: TrainConfig) -> int:

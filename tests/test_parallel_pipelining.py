@@ -1,4 +1,4 @@
-"""Pipeline parallelism (maxlm/pipeline.py): the GPipe schedule against a plain loop over the layers, exactly;
+"""Pipeline parallelism (maxlm/parallel/pipelining.py): the GPipe schedule against a plain loop over the layers, exactly;
 pipelined training (pipeline 2 and 4, with fsdp, data and tensor) against one device over several optimizer
 steps; the configurations it cannot run, refused in one line naming the keys."""
 
@@ -17,11 +17,11 @@ from resume_launcher import compile_cache
 from maxlm.checkpoint import Checkpointer
 from maxlm.cli.train import main
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig, load_config, to_dict
-from maxlm.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh
 from maxlm.model import Transformer
-from maxlm.pipeline import bubble_fraction, check, micro_batches, pipeline_stack, schedule_table, whole_batch
+from maxlm.parallel.pipelining import bubble_fraction, check, micro_batches, pipeline_stack, schedule_table, whole_batch
 from maxlm.scope import model_scope
-from maxlm.sharding import batch_sharding, replicated
+from maxlm.parallel.sharding import batch_sharding, replicated
 from maxlm.build import CompiledStep
 from maxlm.step import make_train_step
 from maxlm.train_state import create_train_state
@@ -361,7 +361,7 @@ def test_pipelined_training_equals_one_device_on_te_layers():
 # ---- bfloat16 -----------------------------------------------------------------------------------------------
 
 U16 = 2.0 ** -8  # bfloat16 unit roundoff (8 significant bits, round to nearest)
-# The bf16 error model of tests/test_sharding.py (its bfloat16 section says why): the reductions accumulate in
+# The bf16 error model of tests/test_parallel_sharding.py (its bfloat16 section says why): the reductions accumulate in
 # float32 (the d_model contraction 64, the 16 keys of an attention row, the 16 x 16 tokens of a weight
 # gradient; the pipeline's sum of a weight's gradient over the ticks is of float32 cotangents, the per-use
 # casts' transposes, as is the step's sum over micro-batches): sqrt(n) 2^-24 relative, negligible. What

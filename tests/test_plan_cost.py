@@ -9,12 +9,12 @@ import dataclasses
 
 import pytest
 
-from maxlm import plan
+from maxlm.plan import levers as plan_levers
 
 from maxlm.config import load_config
 from maxlm.model import count_params, flops_per_step
 from maxlm.plan.cost import context_exchange_bytes as cost_context_exchange, step_time
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 
 # Llama 3 8B: d=4096, ffn=14336, 32 heads / 8 kv heads of 128, vocab 128256, 32 layers, untied.
 D, F, H, KV, HD, V, L = 4096, 14336, 32, 8, 128, 128256, 32
@@ -123,7 +123,7 @@ def test_more_micro_batches_shrink_the_bubble_and_no_pipeline_has_none():
 def test_the_planner_offers_no_fewer_micro_batches_than_stages():
   cfg = load_config([*BASE, "mesh.dcn_pipeline=4", "mesh.dcn_data=1", "train.grad_accum=4",
                      "plan.levers=train.grad_accum"])
-  values = plan.lever_values(cfg, H200_64, "te")["train.grad_accum"]
+  values = plan_levers.lever_values(cfg, H200_64, "te")["train.grad_accum"]
   assert values == (4, 8, 16)  # 256 rows over fsdp 16: up to 16 micro-batches; a pipeline of 4 needs 4 at least
 
 

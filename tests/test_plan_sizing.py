@@ -7,7 +7,7 @@ import pytest
 
 from maxlm.config import ConfigError, load_config
 from maxlm.plan.measure import measure
-from maxlm.plan.sizing import check_fits, estimate
+from maxlm.plan.memory import check_fits, estimate
 from maxlm.tables import human_bytes
 
 GiB = 2**30

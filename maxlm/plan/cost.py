@@ -34,9 +34,9 @@ from maxlm.config import Config
 from maxlm.parallel.context import resolve_strategy
 from maxlm.parallel.mesh import AXES, mesh_shape
 from maxlm.model import count_params, flops_per_step
-from maxlm.plan import sizing
+from maxlm.plan import memory
 from maxlm.parallel.pipelining import repeats as pipeline_repeats
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 from maxlm.tables import DEFAULT_GPU, REMATS, gpu, gpu_named
 
 # The estimate is a bound that real steps miss by factors that differ between settings (datasheet peaks, no
@@ -118,8 +118,8 @@ def step_time(cfg: Config, target: Target) -> dict:
   else:
     accum = (a - 1) * (3 * 2 * params["matmul"] / deg["tensor"] + 2 * 4 * params["total"] / shards) / hbm
   per_device = held / shards  # parameters per device
-  p_bytes = sizing.DTYPE_BYTES[m.param_dtype]
-  moment_bytes = sizing.moment_bytes(cfg.optim)  # mu's and nu's, per parameter
+  p_bytes = memory.DTYPE_BYTES[m.param_dtype]
+  moment_bytes = memory.moment_bytes(cfg.optim)  # mu's and nu's, per parameter
   host_trip = cfg.optim.offload in ("host", "host_params")
   optimizer = per_device * (3 * p_bytes + (0 if host_trip else 2 * moment_bytes)) / hbm  # read p, g; write p (+ moments)
   # over the host link: the moments in and out; host_params: the parameters in (forward), in and out (update)

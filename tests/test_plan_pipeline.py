@@ -1,17 +1,17 @@
-"""The planner's model of the pipeline schedules (maxlm/plan/sizing.py, cost.py, mesh_search.py) against hand
+"""The planner's model of the pipeline schedules (maxlm/plan/memory.py, cost.py, mesh_search.py) against hand
 numbers: the activations each schedule keeps in flight, the stage weights gathered once per step, the bubble and
 1f1b's recomputation, and the meshes whose layers do not split into S x V chunks left out."""
 
 import pytest
 from test_plan_cost import BASE, D70, H200_64, PEAK, TOKENS, V70
 from test_plan_mesh_search import _degrees
-from test_plan_sizing import L8_LAYER
+from test_plan_memory import L8_LAYER
 
 from maxlm.config import load_config
 from maxlm.model import flops_per_step
 from maxlm.plan import mesh_search
 from maxlm.plan.cost import step_time
-from maxlm.plan.sizing import estimate
+from maxlm.plan.memory import estimate
 
 # Llama 3 8B (d 4096, ffn 14336, 32 heads, 8 KV heads of 128), 8192 tokens a row in bf16, remat full: each layer
 # keeps its input (4096 per token), and one layer's backward everything it reads: 6 d + qkv (48 x 128) + context

@@ -40,6 +40,7 @@ from maxlm.plan.target import cond_copies
 from maxlm.runtime import watchdog, xla_presets
 from maxlm.parallel import context
 from maxlm.layers import check_remat, resolve_backend, supported_precisions
+from maxlm.config.rules import check_expert_degree
 from maxlm.parallel.mesh import AXES, check_context_split, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
@@ -113,6 +114,7 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
   ici, dcn = mesh_shape(cfg.mesh, n_devices, n_nodes)
   degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
   check_pipeline(m, t, cfg.mesh, degrees["pipeline"], degrees["context"])
+  check_expert_degree(m.moe.experts, degrees["expert"])
   check_batch_split(d, t, degrees)
   check_context_split(d.seq_len, degrees["context"])
   backend = resolve_backend(m.backend)
@@ -228,7 +230,8 @@ def render(p: dict) -> str:
       f"{c['optim']['learning_rate']:g} {c['optim']['schedule']}, warmup {c['optim']['warmup_steps']}; run dir "
       f"{c['run_dir']}",
       f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): "
-      + " x ".join(f"{a} {ms[a]}" for a in AXES) + f" (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
+      + " x ".join(f"{a} {ms[a]}" for a in AXES if a != "expert" or ms[a] > 1)
+      + f" (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
       + (f"; attention over the context axis: {ms['context_strategy']}" if ms["context"] > 1 else "")
       + (f"; {ms['pipeline']} stages of {m['n_layers'] // ms['pipeline']} layers over {c['train']['grad_accum']} "
          + ("micro-batches (GPipe)" if ms["repeats"] == 1 else

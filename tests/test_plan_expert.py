@@ -1,0 +1,64 @@
+"""The planner with expert parallelism (maxlm/plan/sizing.py, cost.py): Mixtral 8 x 7B's memory per device and its
+all-to-all traffic per step against numbers written out here from its published shape and the H200's datasheet."""
+
+import pytest
+
+from maxlm.config import load_config
+from maxlm.plan import sizing
+from maxlm.plan.cost import expert_exchange_bytes, step_time
+from maxlm.plan.measure import Target
+
+# Mixtral 8 x 7B (mistralai/Mixtral-8x7B-v0.1's config.json): d 4096, 8 experts of width 14336, top 2, 32 blocks;
+# 46,702,792,704 parameters. mistral7b.yml's batch: 8 rows of 8192 tokens (one micro-batch).
+D, F, E, K, L, TOTAL = 4096, 14336, 8, 2, 32, 46_702_792_704
+B, S = 8, 8192
+NVLINK = 450e9  # H200: NVLink bytes/s one way, as maxlm/tables.py has it (datasheet 900 GB/s both ways)
+H200x8 = Target(8, 1, "NVIDIA H200", 141 * 10**9, 0.95, True)
+
+
+def mixtral(*extra):
+  return load_config(["config=mixtral8x7b.yml", "model.loss_chunk=0", *extra])
+
+
+@pytest.mark.parametrize("mesh", [["mesh.expert=8", "mesh.fsdp=1"], ["mesh.expert=2", "mesh.fsdp=4"],
+                                  ["mesh.expert=1", "mesh.fsdp=8"]])
+def test_memory_of_mixtral_on_8_devices(mesh):
+  """Each device holds E / ep experts with their D over fsdp, and a fsdp x expert-th of the dense weights (ZeRO
+  over the expert group too): an 8th of the 46.7B float32 parameters whatever the split, its gradients, and Adam's
+  two float32 moments. The exchange: send and receive buffers of ep slots of N k rows of D in bf16, N = 8 x 8192
+  / 8 tokens per device."""
+  est = sizing.estimate(mixtral(*mesh), 8)
+  ep = int(mesh[0].split("=")[1])
+  assert est["params"] == est["gradients"] == TOTAL * 4 // 8
+  assert est["optimizer"] == TOTAL * 8 // 8
+  n = B * S // 8
+  assert est["exchange"] == (2 * ep * n * K * D * 2 if ep > 1 else 0)  # ep 8: 2 x 8 x 8192 x 2 x 4096 x 2 = 2 GiB
+  assert est["total"] - est["exchange"] == sizing.estimate(mixtral("mesh.expert=1", "mesh.fsdp=8"), 8)["total"]
+
+
+def test_all_to_all_bytes_and_time_of_mixtral_on_8_devices():
+  """4 all-to-alls per MoE layer (2 forward, 2 backward), each of ep slots of N k rows of D in bf16, 7/8 of it
+  leaving the device: 32 x 4 x 8 x 8192 x 2 x 4096 x 2 x 7 / 8 bytes, at NVLink bandwidth, on the critical path."""
+  cfg = mixtral("mesh.expert=8", "mesh.fsdp=1")
+  n = B * S // 8
+  want = L * 4 * 8 * n * K * D * 2 * 7 / 8  # 481 GB
+  assert expert_exchange_bytes(cfg, {"data": 1, "fsdp": 1, "expert": 8, "context": 1}) == want
+  t = step_time(cfg, H200x8)
+  assert t["expert_s"] == pytest.approx(want / NVLINK, rel=1e-12)
+  dense = step_time(mixtral("mesh.expert=1", "mesh.fsdp=8"), H200x8)
+  assert dense["expert_s"] == 0
+  # twice the batch in two micro-batches: twice the exchanges, each of the same rows
+  acc = mixtral("mesh.expert=8", "mesh.fsdp=1", "data.global_batch_size=16", "train.grad_accum=2")
+  assert expert_exchange_bytes(acc, {"data": 1, "fsdp": 1, "expert": 8, "context": 1}) == 2 * want
+
+
+def test_expert_parallel_fsdp_traffic_gathers_only_the_local_experts():
+  """expert 8: every dense weight's D is split over the 8 devices of the expert axis (gathered, 3 x 2 B x 7/8 per
+  weight), the experts not at all (each device holds its one expert whole): against expert 1 x fsdp 8, where
+  every device gathers all 8 experts."""
+  blocks = L * (D * (32 + 2 * 8) * 128 + 32 * 128 * D + D * E)  # attention and router weights
+  other = TOTAL - L * E * 3 * D * F - blocks  # norms, embedding, head
+  t = step_time(mixtral("mesh.expert=8", "mesh.fsdp=1"), H200x8)
+  want = 3 * 2 * (blocks + other) * 7 / 8 / NVLINK
+  data = 0.0  # data 1: no all-reduce
+  assert t["comm_s"] == pytest.approx(want + data, rel=1e-9)

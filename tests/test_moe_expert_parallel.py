@@ -50,7 +50,8 @@ def step_batch(i: int) -> dict:
 
 
 def train_steps(mesh_cfg: MeshConfig, n_devices: int, steps: int = 2, optimizer=None, **model_kw):
-  """`steps` jitted, sharded train steps: ([(loss, grad_norm, aux loss)], [gradients on the host], final state)."""
+  """`steps` jitted, sharded train steps: ([(loss, grad_norm, aux loss, drop rate or -1)], [gradients on the host],
+  final state)."""
   mesh = make_mesh(mesh_cfg, jax.devices()[:n_devices])
   model = Transformer(dataclasses.replace(TINY, **model_kw), max_segments=16)
   _, schedule = make_optimizer(OptimConfig(warmup_steps=0, learning_rate=1e-2), 10)
@@ -69,7 +70,7 @@ def train_steps(mesh_cfg: MeshConfig, n_devices: int, steps: int = 2, optimizer=
   metrics, grads = [], []
   for i in range(steps):
     state, m = step(state, {k: jax.device_put(v, bs) for k, v in step_batch(i).items()})
-    metrics.append((float(m["loss"]), float(m["grad_norm"]), float(m["moe_aux_loss"])))
+    metrics.append((float(m["loss"]), float(m["grad_norm"]), float(m["moe_aux_loss"]), float(m.get("moe_dropped", -1))))
     grads.append(jax.tree_util.tree_map(np.asarray, state.opt_state))
   return metrics, grads, state
 
@@ -92,12 +93,14 @@ def one_device(**model_kw):
 GRAD_DIFF = 2 * (5 * np.sqrt(512) + np.sqrt(B * T)) * U32
 LOSS_DIFF = (TINY.vocab_size + B * T) * U32
 
-MESHES = {  # name: (mesh, devices)
-    "expert2": (MeshConfig(expert=2, fsdp=1), 2),
-    "expert4": (MeshConfig(expert=4, fsdp=1), 4),
-    "expert2_fsdp2": (MeshConfig(expert=2, fsdp=2), 4),
-    "expert2_data2_fsdp2": (MeshConfig(expert=2, data=2, fsdp=2), 8),
-    "expert2_context2": (MeshConfig(expert=2, context=2, fsdp=1), 4),  # the sequence split too
+CAPACITY = {"moe": dataclasses.replace(TINY.moe, capacity_factor=1.0)}  # drops: the first-come order is global
+MESHES = {  # name: (mesh, devices, model changes)
+    "expert2": (MeshConfig(expert=2, fsdp=1), 2, {}),
+    "expert4": (MeshConfig(expert=4, fsdp=1), 4, {}),
+    "expert2_fsdp2": (MeshConfig(expert=2, fsdp=2), 4, {}),
+    "expert2_data2_fsdp2": (MeshConfig(expert=2, data=2, fsdp=2), 8, {}),
+    "expert2_context2": (MeshConfig(expert=2, context=2, fsdp=1), 4, {}),  # the sequence split too
+    "expert4_capacity": (MeshConfig(expert=4, fsdp=1), 4, CAPACITY),
 }
 
 
@@ -108,11 +111,15 @@ def leaf_names(state) -> list[str]:
 @pytest.mark.parametrize("case", list(MESHES))
 def test_expert_parallel_train_steps_equal_one_device(case):
   """Loss, gradient norm, the load-balancing loss and every gradient of two train steps (the second on the first's
-  batch 1, a different routing) with the experts split equal one device's within the float32 bounds above."""
-  ref_metrics, ref_grads, ref_state = one_device()
-  metrics, grads, state = train_steps(*MESHES[case])
+  batch 1, a different routing) with the experts split equal one device's within the float32 bounds above; in
+  capacity mode too (factor 1: each expert takes at most N k / E of the batch's assignments, the rest dropped,
+  the same ones as on one device)."""
+  mesh_cfg, n_devices, model_kw = MESHES[case]
+  ref_metrics, ref_grads, ref_state = one_device(**model_kw)
+  metrics, grads, state = train_steps(mesh_cfg, n_devices, **model_kw)
   n = sum(x.size for x in jax.tree_util.tree_leaves(ref_state.params))
-  for i, ((loss, norm, aux), (r_loss, r_norm, r_aux)) in enumerate(zip(metrics, ref_metrics)):
+  for i, ((loss, norm, aux, dropped), (r_loss, r_norm, r_aux, r_dropped)) in enumerate(zip(metrics, ref_metrics)):
+    assert dropped == r_dropped and (dropped > 0) == bool(model_kw), (case, i, dropped, r_dropped)
     np.testing.assert_allclose(loss, r_loss, rtol=LOSS_DIFF, err_msg=f"{case} step {i}")
     np.testing.assert_allclose(aux, r_aux, rtol=LOSS_DIFF, err_msg=f"{case} step {i} aux loss")
     np.testing.assert_allclose(norm, r_norm, rtol=GRAD_DIFF + np.sqrt(n) * U32, err_msg=f"{case} step {i}")
@@ -146,7 +153,7 @@ def max_logit_norm(params, i: int) -> float:
 
 def assert_within_bf16_error(got, ref, logit_norms, label):
   (metrics, grads, _), (ref_metrics, ref_grads, ref_state) = got, ref
-  for i, ((loss, norm, _), (r_loss, r_norm, _)) in enumerate(zip(metrics, ref_metrics)):
+  for i, ((loss, norm, *_), (r_loss, r_norm, *_)) in enumerate(zip(metrics, ref_metrics)):
     assert abs(loss - r_loss) <= np.sqrt(2 * K_FWD) * U16 * logit_norms[i], (label, i, loss, r_loss)
     assert abs(norm - r_norm) <= np.sqrt(K_BF16) * U16 * r_norm, (label, i, norm, r_norm)
     for name, g, r in zip(leaf_names(ref_state), *map(jax.tree_util.tree_leaves, (grads[i], ref_grads[i]))):

@@ -1,10 +1,17 @@
 """The planner with expert parallelism (maxlm/plan/sizing.py, cost.py): Mixtral 8 x 7B's memory per device and its
-all-to-all traffic per step against numbers written out here from its published shape and the H200's datasheet."""
+all-to-all traffic per step against numbers written out here from its published shape and the H200's datasheet; the
+collectives inventory of a compiled exchange."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxlm.config import load_config
-from maxlm.plan import sizing
+from maxlm.parallel import experts
+from maxlm.plan import collectives, sizing
 from maxlm.plan.cost import expert_exchange_bytes, step_time
 from maxlm.plan.measure import Target
 
@@ -62,3 +69,26 @@ def test_expert_parallel_fsdp_traffic_gathers_only_the_local_experts():
   want = 3 * 2 * (blocks + other) * 7 / 8 / NVLINK
   data = 0.0  # data 1: no all-reduce
   assert t["comm_s"] == pytest.approx(want + data, rel=1e-9)
+
+
+def test_the_collectives_inventory_reads_the_exchange_compiled_by_xla_cpu():
+  """The gradient of a loss through the exchange on 4 devices of an expert axis, compiled by XLA:CPU: 4 all-to-alls
+  of ep slots of N k rows of D (N = 32 / 4 = 8 tokens a device, k = 2, D = 8, float32: 4 x 16 x 8 x 4 = 2048 B
+  each; dispatch and combine forward, their transposes backward) and one of the counts per (device, local
+  expert) (4 x 2 int32 = 32 B); (ep - 1) / ep of each leaves the device."""
+  n, d, e, k, ep = 32, 8, 8, 2, 4
+  mesh = Mesh(np.array(jax.devices()[:ep]), ("expert",))  # axis types Auto, as maxlm's meshes
+  rows = lambda rows, p, sizes: jax.lax.ragged_dot(rows, p, sizes)  # one linear expert each: [L, D, D]
+
+  def loss(x, w, weights, chosen):
+    return jnp.sum(experts.apply(rows, x, weights, chosen, w, n_experts=e, name="expert", ep=ep) ** 2)
+
+  with jax.set_mesh(mesh), nn.logical_axis_rules([("activation_batch", "expert"), ("expert", "expert")]):
+    args = (jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((e, d, d), jnp.float32),
+            jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32))
+    shardings = tuple(NamedSharding(mesh, P("expert")) for _ in args)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1)), in_shardings=shardings).lower(*args).compile().as_text()
+  inv = collectives.inventory(text, devices_per_node=ep, n_devices=ep)["all-to-all"]
+  slots = ep * (n // ep) * k * d * 4
+  assert inv["count"] == 5 and inv["bytes"] == 4 * slots + ep * (e // ep) * 4
+  assert inv["wire"] == pytest.approx((4 * slots + 32) * (ep - 1) / ep) and inv["dcn_wire"] == 0

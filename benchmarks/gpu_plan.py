@@ -35,12 +35,13 @@ from pathlib import Path
 
 import jax
 
-from maxlm import plan
+from maxlm.plan import levers as plan_levers
 from maxlm.config import load_config, to_dict
 from maxlm.layers import resolve_backend
-from maxlm.plan import collectives, predict, target
+from maxlm.plan import collectives, predict
+from maxlm.plan import xla_gpu as target
 from maxlm.plan.cost import degrees
-from maxlm.plan.measure import make_target
+from maxlm.plan.target import make_target
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2 ** 30
@@ -117,7 +118,7 @@ def run_case(name: str, case: dict, cache_dir: Path) -> dict:
   cache = Cache(cache_dir, t)
   t0 = time.time()
   try:
-    p = plan.search(cfg, t, cache.measure, resolve_backend(cfg.model.backend))
+    p = plan_levers.search(cfg, t, cache.measure, resolve_backend(cfg.model.backend))
   finally:
     t.close()
   guard = "select (what-if)" if os.environ.get(target.GUARD_AS_SELECT) == "1" else "lax.cond (as shipped)"

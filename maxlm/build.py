@@ -173,7 +173,7 @@ def build_step(cfg: Config, mesh, *, abstract: bool = False, quantized: bool = T
   model = Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row,
                       context_strategy=cfg.mesh.context_strategy, stages=mesh.shape["pipeline"],
                       microbatches=cfg.train.grad_accum, repeats=pipeline_repeats(cfg.train),
-                      gather_once=cfg.train.pipeline_gather == "step",
+                      gather_once=cfg.train.pipeline_gather == "step", schedule=cfg.train.pipeline_schedule,
                       overrides=standins.overrides if standins is not None else None)
   # an offloaded state streams the scanned stack a layer at a time where no pipeline stages split it
   optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps, split_layers=mesh.shape["pipeline"] == 1)

@@ -25,12 +25,17 @@ from maxlm.layers import get_backend, remat_policy, resolve_backend
 from maxlm.layers import moe
 from maxlm.layers.kv_cache import attention_with_cache, update_positions
 from maxlm.layers.rope import apply_rope, rope_frequencies
+from maxlm.parallel.onefoneb import pipeline_loss
 from maxlm.parallel.pipelining import pipeline_stack
 from maxlm.tables import PRECISIONS
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
 BTHD = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
 BTV = ("activation_batch", "activation_length", "activation_vocab")
+# With pipeline stages, outside them (the embedding, the head, the loss): the length split over the stages, so that
+# those run once over the batch, each stage its 1/S of the tokens, not S times (maxlm/parallel/pipelining.py).
+STAGED_BTD = ("activation_batch", "stage_length", "activation_embed")
+STAGED_BTV = ("activation_batch", "stage_length", "activation_vocab")
 
 
 def _dtype(name: str):
@@ -120,6 +125,30 @@ def moe_layers(cfg: ModelConfig) -> list[int]:
   return [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
 
 
+def head_logits(x, m: ModelConfig, backend: str, embedding=None):
+  """The final norm and the LM head over x [B, T, D], creating their modules (final_norm / lm_head) in the calling
+  module's scope: logits [B, T, V] (compute dtype); `embedding` [V, D] the tied head's kernel."""
+  be, pdt = get_backend(backend), _dtype(m.param_dtype)
+  if m.tie_embeddings:
+    y = be.rms_norm(x, eps=m.norm_eps, param_dtype=pdt, name="final_norm")  # [B, T, D]
+    y, e = nn.dtypes.promote_dtype(y, embedding, dtype=compute_dtype(m))  # nn.Embed.attend's
+    return jnp.dot(y, e.T)  # [B, T, V]
+  return be.norm_dense(x, features=(m.vocab_size,), kernel_axes=("embed", "vocab"), eps=m.norm_eps, param_dtype=pdt,
+                       kernel_init=nn.initializers.normal(m.init_std), name="lm_head",
+                       quantize=m.te_fp8_lm_head)  # [B, T, V]
+
+
+class Head(nn.Module):
+  """`head_logits` as a module of its own: what the 1F1B pipeline's last stage applies to each micro-batch, with
+  the Transformer's final_norm / lm_head parameters."""
+  cfg: ModelConfig
+  backend: str
+
+  @nn.compact
+  def __call__(self, x, embedding=None):
+    return head_logits(x, self.cfg, self.backend, embedding)
+
+
 class Transformer(nn.Module):
   """Decoder-only LM. `__call__(tokens, positions, segment_ids) -> logits [B, T, V]` (compute dtype).
 
@@ -134,7 +163,9 @@ class Transformer(nn.Module):
   (maxlm/parallel/pipelining.py; the mesh's `pipeline` degree and train.grad_accum), each stage `repeats` chunks of layers
   (1: GPipe; more: circular), its weights gathered over fsdp once per step when `gather_once`
   (train.pipeline_gather=step); the parameters are the same.
-  The embedding and the LM head stay outside it, on every stage (see maxlm/parallel/pipelining.py).
+  The embedding and the LM head stay outside it, run once over the batch, its length split over the stages
+  (see maxlm/parallel/pipelining.py). schedule 1f1b: `__call__(..., loss=, targets=, mask=)` returns the summed
+  loss and the token count, the head applied per micro-batch inside the schedule (maxlm/parallel/onefoneb.py).
   """
   cfg: ModelConfig
   max_segments: int = 1
@@ -144,9 +175,11 @@ class Transformer(nn.Module):
   repeats: int = 1
   gather_once: bool = False
   overrides: Overrides | None = None  # measurements only
+  schedule: str = "gpipe"  # train.pipeline_schedule; 1f1b: __call__ with `loss` returns the loss itself
 
   @nn.compact
-  def __call__(self, tokens, positions=None, segment_ids=None, cache=None, hidden: bool = False):
+  def __call__(self, tokens, positions=None, segment_ids=None, cache=None, hidden: bool = False, loss=None,
+               targets=None, mask=None):
     m = self.cfg
     backend = resolve_backend(m.backend)
     be = get_backend(backend)
@@ -157,7 +190,9 @@ class Transformer(nn.Module):
     embed = nn.Embed(m.vocab_size, m.d_model, dtype=cdt, param_dtype=pdt, name="embed",
                      embedding_init=nn.with_logical_partitioning(nn.initializers.normal(m.init_std),
                                                                  ("vocab", "embed")))
-    x = nn.with_logical_constraint(embed(tokens), BTD)  # [B, T, D]
+    staged = self.stages > 1 and cache is None and m.scan_layers
+    btd, btv = (STAGED_BTD, STAGED_BTV) if staged else (BTD, BTV)
+    x = nn.with_logical_constraint(embed(tokens), btd)  # [B, T, D]
 
     block, over = Block, self.overrides or Overrides()
     policy = remat_policy(m.remat, backend)
@@ -167,6 +202,8 @@ class Transformer(nn.Module):
       block = nn.remat(Block, policy=policy, prevent_cse=not m.scan_layers)
     if cache is not None:  # generation
       x = self._cached_layers(x, positions, segment_ids, cache, backend)  # [B, 1, D]
+    elif m.scan_layers and self.stages > 1 and not self.is_initializing() and self.schedule == "1f1b" and loss:
+      return self._onefoneb(x, positions, segment_ids, backend, policy, over.attention, (loss, targets, mask))
     elif m.scan_layers and self.stages > 1 and not self.is_initializing():
       x = self._pipelined(x, positions, segment_ids, backend, policy, over.attention)  # [B, T, D]
     elif m.scan_layers:  # (also the init of a pipelined model: the same parameters, made the same way)
@@ -180,23 +217,17 @@ class Transformer(nn.Module):
         x, _ = block(m, backend, self.max_segments, self.context_strategy, over.attention,
                      moe_layer=is_moe_layer(m, i), name=f"layers_{i}")(x, positions, segment_ids)  # [B, T, D]
 
-    init = nn.initializers.normal(m.init_std)
+    x = nn.with_logical_constraint(x, btd)
     if hidden:  # the chunked loss (maxlm/step.py) applies the head itself: no [B, T, V] logits here
       y = be.rms_norm(x, eps=m.norm_eps, param_dtype=pdt,
                       name="final_norm" if m.tie_embeddings else "lm_head")  # [B, T, D]
       kernel = embed.embedding if m.tie_embeddings else nn.unbox(self.variables["params"]["lm_head"]["kernel"])
-      return nn.with_logical_constraint(y, BTD), kernel  # kernel [V, D] tied, [D, V] untied
-    if m.tie_embeddings:
-      y = be.rms_norm(x, eps=m.norm_eps, param_dtype=pdt, name="final_norm")  # [B, T, D]
-      logits = embed.attend(y)  # [B, T, V]
-    else:
-      logits = be.norm_dense(x, features=(m.vocab_size,), kernel_axes=("embed", "vocab"), eps=m.norm_eps,
-                             param_dtype=pdt, kernel_init=init, name="lm_head",
-                             quantize=m.te_fp8_lm_head)  # [B, T, V]
-    return nn.with_logical_constraint(logits, BTV)
+      return nn.with_logical_constraint(y, btd), kernel  # kernel [V, D] tied, [D, V] untied
+    logits = head_logits(x, m, backend, embed.embedding if m.tie_embeddings else None)  # [B, T, V]
+    return nn.with_logical_constraint(logits, btv)
 
-  def _pipelined(self, x, positions, segment_ids, backend, policy, attention):
-    """The scanned stack's own parameters [L, ...] applied by maxlm/parallel/pipelining.py's stages, one Block at a time."""
+  def _stack(self, backend, policy, attention):
+    """(layer(p, h, pos, seg) applying one Block, the stack's parameters [L, ...], their logical names)."""
     m = self.cfg
     if m.moe.experts:  # (the config refuses it: the stages would drop the statistics the loss needs)
       raise ValueError("a mixture of experts does not run with pipeline stages yet")
@@ -207,9 +238,29 @@ class Transformer(nn.Module):
     if m.remat != "none":
       layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     boxed = self.variables["params"]["layers"]
-    params = nn.unbox(boxed)  # every leaf [L, ...]
     axes = jax.tree_util.tree_map(tuple, nn.get_partition_spec(boxed),
                                   is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))  # logical names
+    return layer, nn.unbox(boxed), axes
+
+  def _onefoneb(self, x, positions, segment_ids, backend, policy, attention, loss_args):
+    """train.pipeline_schedule=1f1b: (summed loss, token count) of `loss(logits, targets, mask)` over the
+    micro-batches, the head applied to each on the last stage (maxlm/parallel/onefoneb.py)."""
+    m, (loss, targets, mask) = self.cfg, loss_args
+    layer, params, axes = self._stack(backend, policy, attention)
+    head, names = Head(m, backend), ("final_norm",) if m.tie_embeddings else ("lm_head",)
+    tail_params = {"head": {n: nn.unbox(self.variables["params"][n]) for n in names},
+                   "embedding": nn.unbox(self.variables["params"]["embed"]["embedding"]) if m.tie_embeddings else None}
+
+    def tail(tp, h, tgt, msk):  # h [B/M, T, D] -> (summed loss, count)
+      h = nn.with_logical_constraint(h, STAGED_BTD)
+      logits = nn.with_logical_constraint(head.apply({"params": tp["head"]}, h, tp["embedding"]), STAGED_BTV)
+      return loss(logits, tgt, msk)
+    return pipeline_loss(layer, tail, params, tail_params, x, positions, segment_ids, (targets, mask),
+                         stages=self.stages, microbatches=self.microbatches, axes=axes, gather=self.gather_once)
+
+  def _pipelined(self, x, positions, segment_ids, backend, policy, attention):
+    """The scanned stack's own parameters [L, ...] applied by maxlm/parallel/pipelining.py's stages, one Block at a time."""
+    layer, params, axes = self._stack(backend, policy, attention)
     return pipeline_stack(layer, params, x, positions, segment_ids, stages=self.stages,
                           microbatches=self.microbatches, repeats=self.repeats, axes=axes,
                           gather=self.gather_once)  # [B, T, D]
@@ -245,7 +296,9 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
   of `matmul`); `layers` those of the decoder blocks (norms included)."""
   d, f, h, kv, dh, v, n = (cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                            cfg.vocab_size, cfg.n_layers)
-  e, k, n_moe = cfg.moe.experts, cfg.moe.top_k, len(moe_layers(cfg))
+  # the MoE blocks' count, as moe_layers would list them (counted, not listed: sizes are checked before they are
+  # built, absurd ones included)
+  e, k, n_moe = cfg.moe.experts, cfg.moe.top_k, (n // cfg.moe.every if cfg.moe.experts > 0 else 0)
   attn, mlp = d * (h + 2 * kv) * dh + h * dh * d, 3 * d * f
   blocks = n * attn + (n - n_moe) * mlp + n_moe * (d * e + e * mlp)  # an MoE block: router [D, E], E experts
   matmul = blocks + d * v  # the LM head is a GEMM also when tied

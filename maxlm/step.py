@@ -208,6 +208,7 @@ def _forward_loss(model: nn.Module, packed: bool):
   a third element: their statistics as maxlm/moe_loss.py sums them."""
   cfg = model.cfg
   chunked, experts = use_chunked_loss(cfg), moe_loss.enabled(cfg)
+  onefoneb = getattr(model, "stages", 1) > 1 and getattr(model, "schedule", "gpipe") == "1f1b"
 
   def apply(variables, *args, **kw):
     if not experts:
@@ -220,6 +221,9 @@ def _forward_loss(model: nn.Module, packed: bool):
     seg = batch["segment_ids"] if packed else None
     variables = {"params": params, **model_state}
     mask = batch["segment_ids"] > 0  # [B, T]
+    if onefoneb:  # the pipeline applies the head and the loss to each micro-batch itself (grad_scale: fp16, refused)
+      return model.apply(variables, batch["inputs"], batch["positions"], seg, loss=token_losses,
+                         targets=batch["targets"], mask=mask)
     if chunked:
       (y, kernel), stats = apply(variables, batch["inputs"], batch["positions"], seg, hidden=True)  # [B, T, D]
       loss, n = chunked_token_losses(y, kernel, batch["targets"], mask, chunk=cfg.loss_chunk,

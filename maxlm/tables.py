@@ -52,7 +52,7 @@ class Remat:
   te_recomputed: TE primitives recomputed while everything else is saved (TE backend only).
   recomputed: the forward parts of a layer the backward redoes (qkv, out, mlp, attn), for the step-time
   estimate (maxlm/plan/cost.py). kept / redone: per token, the activation terms it keeps of every layer, and
-  those one layer's backward recomputes at once, for the memory estimate (maxlm/plan/sizing.py; a term with a
+  those one layer's backward recomputes at once, for the memory estimate (maxlm/plan/memory.py; a term with a
   leading '-' is subtracted)."""
   name: str
   saves: str

@@ -239,7 +239,7 @@ def plan_compiles(seconds: list) -> None:
   """MAXLM_TEST_PLAN_COMPILES: the planner's measurements take the given times (None: forever) and report made-up
   peaks, the first too big, the others fitting; the clock and the start-up watchdog's phase around them are the
   planner's own (Target.measure's hook and timing)."""
-  from maxlm.plan import measure as plan_measure
+  from maxlm.plan import target as plan_target
   made: list[int] = []
 
   def slow_measure(self, cfg):
@@ -255,7 +255,7 @@ def plan_compiles(seconds: list) -> None:
     time.sleep(wait)
     self.clock.add(cfg, time.monotonic() - began)
     return {"device": self.usable + 1 if i == 1 else self.usable // 2, "how": "measured"}
-  plan_measure.Target.measure = slow_measure
+  plan_target.Target.measure = slow_measure
 
 
 def install_hooks(argv: list[str]) -> None:

@@ -9,12 +9,12 @@ import sys
 import jax
 import pytest
 
-from maxlm import plan as planner
+from maxlm.plan import fit as plan_fit
+from maxlm.plan import target as plan_target
 from maxlm.cli.dryrun import FLAGS, plan
 from maxlm.cli.grammar import SIZING, parse_options
 from maxlm.cli.train import main
 from maxlm.config import load_config
-from maxlm.plan import measure as plan_measure
 from maxlm.layers import RECIPES
 from maxlm.model import count_params
 from maxlm.tables import PRECISIONS
@@ -132,7 +132,7 @@ def test_fp8_sized_on_a_machine_without_fp8(capsys):
   code, out, _ = dry(capsys, "model.precision=fp8_delayed", "model.backend=te", "--json")
   p = json.loads(out)
   assert code == 0 and p["memory"]["per_device_bytes"]["fp8_meta"] == 2 * 4 * 3 * 1025 * 4
-  assert p["memory"]["fp8_meta_from"] == "the formula in maxlm/plan/sizing.py"
+  assert p["memory"]["fp8_meta_from"] == "the formula in maxlm/plan/memory.py"
   anywhere = [n for n in PRECISIONS if n not in RECIPES]  # bf16 (and fp16): no TE recipe, any device
   assert p["precision_here"] == {"supported": anywhere, "ok": False}
   _, out, _ = dry(capsys, "model.precision=fp8_delayed", "model.backend=te")
@@ -271,9 +271,9 @@ def test_the_dry_run_prints_the_start_up_limits_the_planners_compiles_give(monke
     self.on_measure(self.clock.expect(c))
     self.clock.add(c, 5.0 if not self.clock.seen else 7.0)
     return {"device": self.usable + 1 if len(self.clock.seen) == 1 else self.usable // 2, "how": "measured"}
-  monkeypatch.setattr(plan_measure, "_local_memory", lambda dev: 2**30)
-  monkeypatch.setattr(planner, "gpu_here", lambda: True)
-  monkeypatch.setattr(plan_measure.Target, "measure", made_up)
+  monkeypatch.setattr(plan_target, "_local_memory", lambda dev: 2**30)
+  monkeypatch.setattr(plan_fit, "gpu_here", lambda: True)
+  monkeypatch.setattr(plan_target.Target, "measure", made_up)
   code = main(["--dry-run", "--json", "model.backend=flax", "data.type=synthetic", "data.global_batch_size=16",
                      "plan.levers=train.grad_accum", "plan.timed=0", "train.watchdog_factor=10",
                      "train.watchdog_floor_s=1", "train.watchdog_first_step_s=1800"])

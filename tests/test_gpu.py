@@ -15,7 +15,7 @@ import optax
 import pytest
 from flax import linen as nn
 
-from maxlm import plan
+from maxlm.plan import decision as plan_decision
 from maxlm.checkpoint import Checkpointer, abstract_like
 from maxlm.config import MeshConfig, ModelConfig, OptimConfig, load_config, to_dict
 from maxlm.layers import check_precision, precision_scope, supported_precisions
@@ -26,7 +26,7 @@ from maxlm.scope import model_scope
 from maxlm.parallel.sharding import batch_sharding
 from maxlm.plan import probe
 from maxlm.plan.measure import measure
-from maxlm.plan.sizing import estimate
+from maxlm.plan.memory import estimate
 from maxlm.step import make_train_step
 from maxlm.parallel.sharding import replicated
 from maxlm.build import CompiledStep
@@ -349,7 +349,7 @@ def test_planner_times_the_candidates_that_fit_and_takes_the_fastest(tmp_path):
   only, in a memory (the allocator's limit) where all of them fit."""
   cfg = load_config(["config=llama8b.yml", "model.n_layers=4", "data.global_batch_size=2", "plan.levers=model.remat",
                      "plan.timed=3", f"output_dir={tmp_path}"])
-  p = plan.choose(cfg)
+  p = plan_decision.choose(cfg)
   timed = [r for r in p.rows if r.seconds is not None]
   assert len(timed) == 3 and p.chosen is min(timed, key=lambda r: r.seconds)
   assert "s measured, the fastest of 3 timed" in p.line()

@@ -256,12 +256,12 @@ def _batch(step: int) -> dict:
 
 
 def _train(mesh_cfg: MeshConfig, n_devices: int, grad_accum: int, model_cfg: ModelConfig = MODEL,
-           steps: int = STEPS, repeats: int = 1, gather: bool = False):
+           steps: int = STEPS, repeats: int = 1, gather: bool = False, schedule: str = "gpipe"):
   """`steps` real (jitted, sharded, donating) train steps with SGD: (initial params, [(loss, grad_norm)],
   [gradients], final params), all on the host. repeats > 1: the circular schedule; gather: FSDP once a step."""
   mesh = make_mesh(mesh_cfg, jax.devices()[:n_devices])
   model = Transformer(model_cfg, max_segments=2, stages=mesh.shape["pipeline"], microbatches=grad_accum,
-                      repeats=repeats, gather_once=gather)
+                      repeats=repeats, gather_once=gather, schedule=schedule)
   optimizer = optax.chain(_recorder(), optax.sgd(LR))
   schedule = optax.constant_schedule(LR)
 

@@ -12,6 +12,11 @@ import numpy as np
 import processes
 import pytest
 
+from maxlm.plan import decision as plan_decision
+from maxlm.plan import fit as plan_fit
+from maxlm.plan import levers as plan_levers
+from maxlm.plan import no_fit as plan_no_fit
+from maxlm.plan import target as plan_target
 from maxlm import plan
 from maxlm.cli import main as cli_main
 from maxlm.cli.train import main as train_main
@@ -20,7 +25,7 @@ from maxlm.config import ConfigError, load_config
 from maxlm.optim import LAG
 from maxlm.plan import measure as plan_measure
 from maxlm.plan.cost import TIE, step_time
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 from maxlm.plan.oom import oom_message
 from maxlm.tables import DEFAULT_GPU, gpu_named, human_bytes
 from maxlm.trainer import Trainer
@@ -67,7 +72,7 @@ def test_measure_equals_the_trainers_compiled_memory_analysis(reference):
 
 def midpoint_gb(reference) -> float:
   """A device memory (GB) whose usable part (x 0.98) lies halfway between the two measured peaks."""
-  return (reference[1] + reference[2]) / 2 / (1 - plan_measure.MARGIN) / 1e9
+  return (reference[1] + reference[2]) / 2 / (1 - plan_target.MARGIN) / 1e9
 
 
 def test_cli_table_chooses_the_lever_that_fits(reference, capsys):
@@ -90,7 +95,7 @@ def test_cli_table_chooses_the_lever_that_fits(reference, capsys):
 
 def test_trainer_and_dry_run_apply_the_plan(reference, tmp_path, monkeypatch, capsys):
   usable = (reference[1] + reference[2]) // 2
-  monkeypatch.setattr(plan_measure, "_local_memory", lambda dev: int(usable / (1 - plan_measure.MARGIN)) + 1)
+  monkeypatch.setattr(plan_target, "_local_memory", lambda dev: int(usable / (1 - plan_target.MARGIN)) + 1)
   auto = [*BASE, "plan.mode=auto", "plan.levers=train.grad_accum", f"output_dir={tmp_path}"]
   cfg = load_config(auto)
   decided, how = plan.for_run(cfg, print)  # as the train command does, before it builds the trainer
@@ -115,10 +120,10 @@ def test_fit_keeps_a_config_that_fits_and_plans_one_that_does_not(reference, whe
   # plan.mode=fit (the default) on a GPU (faked): one compile of the config as written; kept when it fits,
   # else the search's choice, the as-written measurement not compiled again
   usable = {"midpoint": (reference[1] + reference[2]) // 2, "roomy": 2 * reference[1]}[where]
-  monkeypatch.setattr(plan_measure, "_local_memory", lambda dev: int(usable / (1 - plan_measure.MARGIN)) + 1)
-  monkeypatch.setattr(plan, "gpu_here", lambda: True)
+  monkeypatch.setattr(plan_target, "_local_memory", lambda dev: int(usable / (1 - plan_target.MARGIN)) + 1)
+  monkeypatch.setattr(plan_fit, "gpu_here", lambda: True)
   compiled = []
-  monkeypatch.setattr(Target, "measure", lambda self, c: compiled.append(plan.current(c))
+  monkeypatch.setattr(Target, "measure", lambda self, c: compiled.append(plan_levers.current(c))
                       or plan_measure.measure(c, self.devices))
   cfg = load_config([*BASE, "plan.levers=train.grad_accum", f"output_dir={tmp_path}"])
   assert cfg.plan.mode == "fit"
@@ -137,7 +142,7 @@ def test_fit_keeps_a_config_that_fits_and_plans_one_that_does_not(reference, whe
     assert out[2].startswith("maxlm: plan: set train.grad_accum=2; kept as written: model.remat=none, ")
     assert out[2].endswith(f"2 compiled, 0 not); as written the config peaks at {h(reference[1])} per device")
   assert out[0].startswith(f"maxlm: plan: compiled the config as written: peak {h(reference[1])} of {h(usable)} (")
-  monkeypatch.setattr(plan, "gpu_here", lambda: False)  # on a CPU fit does nothing: no compile
+  monkeypatch.setattr(plan_fit, "gpu_here", lambda: False)  # on a CPU fit does nothing: no compile
   compiled.clear()
   assert plan.for_run(cfg, print) == (cfg, "plan.mode=fit") and compiled == [] and capsys.readouterr().out == ""
 
@@ -163,7 +168,7 @@ def test_llama70b_bytes_per_device_match_a_small_compile():
   # gradient sum its 8 micro-batches accumulate (the params' size), less what the planner's split of every
   # parameter leaves out (the replicated norms: 7/8 of their bytes in each of those 4 copies); at most XLA's peak.
   target = Target(8, 1, "NVIDIA H200", 150 * 10**9, 0.95, True)
-  need = plan.certain_bytes(cfg, target)["certain"]
+  need = plan_levers.certain_bytes(cfg, target)["certain"]
   left_out = 4 * (norms * 4 - norms * 4 // 8)
   assert 2 * got["params"] + got["opt_state"] - 8 - left_out <= need <= got["device"], (need, got)
 
@@ -174,13 +179,13 @@ def test_llama70b_on_one_gpu_names_the_smallest_device_count(tmp_path, monkeypat
   # host memory (offload=host_params, the levers' most saving values) 4 do not fit and 8 do (with the moments
   # alone, offload=host, 8 would not: 16 was the answer before host_params)
   h200 = Target(1, 1, "NVIDIA H200", gpu_named(DEFAULT_GPU).memory, 0.95, False)
-  monkeypatch.setattr(plan, "gpu_here", lambda: True)
-  monkeypatch.setattr(plan, "make_target", lambda *a, **k: h200)
+  monkeypatch.setattr(plan_fit, "gpu_here", lambda: True)
+  monkeypatch.setattr(plan_fit, "make_target", lambda *a, **k: h200)
   seen = []
 
   def fake_measure(self, c):
     seen.append(self.n_devices)
-    return {"device": plan.certain_bytes(c, self)["certain"] + 70 * 2**30, "how": "measured"}
+    return {"device": plan_levers.certain_bytes(c, self)["certain"] + 70 * 2**30, "how": "measured"}
   monkeypatch.setattr(Target, "measure", fake_measure)
   assert train_main(["config=llama70b.yml", f"output_dir={tmp_path}", "model.backend=flax"]) == 2
   err = capsys.readouterr().err
@@ -190,8 +195,10 @@ def test_llama70b_on_one_gpu_names_the_smallest_device_count(tmp_path, monkeypat
   assert seen == [4, 8] and not any(tmp_path.iterdir())  # nothing written
   eight = Target(8, 1, "NVIDIA H200", gpu_named(DEFAULT_GPU).memory, 0.95, True)
   cfg = load_config(["config=llama70b.yml", "model.backend=flax", "model.remat=full", "train.grad_accum=8"])
-  assert plan.certain_bytes(plan.apply(cfg, {"optim.offload": "host"}), eight)["certain"] + 70 * 2**30 > eight.usable
-  assert plan.certain_bytes(plan.apply(cfg, {"optim.offload": "host_params"}), eight)["certain"] + 70 * 2**30 <= eight.usable
+  assert (plan_levers.certain_bytes(plan_levers.apply(cfg, {"optim.offload": "host"}), eight)["certain"] + 70 * 2**30
+          > eight.usable)
+  assert (plan_levers.certain_bytes(plan_levers.apply(cfg, {"optim.offload": "host_params"}), eight)["certain"]
+          + 70 * 2**30 <= eight.usable)
 
 
 
@@ -206,14 +213,14 @@ def test_a_config_too_big_for_this_cpu_says_how_to_size_it_for_gpus(tmp_path, ca
   assert not any(tmp_path.iterdir())
 
 def fake_target(usable: int) -> Target:
-  return Target(8, 1, "NVIDIA H200", int(usable / 0.95 / (1 - plan_measure.MARGIN)) + 1, 0.95, True)
+  return Target(8, 1, "NVIDIA H200", int(usable / 0.95 / (1 - plan_target.MARGIN)) + 1, 0.95, True)
 
 
 def test_search_is_deterministic_and_compiles_only_what_it_must():
   cfg = load_config([*BASE, "plan.levers=all"])  # BASE writes model.remat: handed to the planner here
   probe = fake_target(2**30)
-  first = plan.candidates(cfg, probe, "flax")[0]  # the first tried
-  base = plan.certain_bytes(plan.apply(cfg, first), probe)["certain"]
+  first = plan_levers.candidates(cfg, probe, "flax")[0]  # the first tried
+  base = plan_levers.certain_bytes(plan_levers.apply(cfg, first), probe)["certain"]
   target = fake_target(base + 5 * 2**20)
   # Made-up peaks above each candidate's certain bytes (MiB): none and save_dots_attn never fit, save_dots
   # runs XLA out of memory, the others fit; an offloaded state costs 1 MiB more.
@@ -221,15 +228,15 @@ def test_search_is_deterministic_and_compiles_only_what_it_must():
   seen = []
 
   def measure(c):
-    seen.append(plan.current(c))
+    seen.append(plan_levers.current(c))
     if c.model.remat == "save_dots":
       return {"oom": "RESOURCE_EXHAUSTED"}
     mib = extra[c.model.remat] + (c.optim.offload != "none")
-    return {"device": plan.certain_bytes(c, target)["certain"] + int(mib * 2**20), "how": "measured"}
+    return {"device": plan_levers.certain_bytes(c, target)["certain"] + int(mib * 2**20), "how": "measured"}
 
-  p1 = plan.search(cfg, target, measure, "flax")
+  p1 = plan_levers.search(cfg, target, measure, "flax")
   first = list(seen)
-  p2 = plan.search(cfg, target, measure, "flax")
+  p2 = plan_levers.search(cfg, target, measure, "flax")
   assert seen[len(first):] == first and [r.overrides for r in p1.rows] == [r.overrides for r in p2.rows]
   assert p1.chosen is not None and p1.chosen.overrides == p2.chosen.overrides
   order = [r.overrides for r in p1.rows]
@@ -250,7 +257,7 @@ def test_search_is_deterministic_and_compiles_only_what_it_must():
   # for that policy, at most 1
   shares = {}
   for r in p1.rows[:i + 1]:
-    need = plan.certain_bytes(plan.apply(cfg, r.overrides), target)
+    need = plan_levers.certain_bytes(plan_levers.apply(cfg, r.overrides), target)
     remat = r.overrides["model.remat"]
     share = min([0.5] if remat not in shares else [1.0, *shares[remat]])
     assert (r.status == "pruned") == (need["certain"] + int(share * need["activations"]) > target.usable)
@@ -262,15 +269,15 @@ def test_search_is_deterministic_and_compiles_only_what_it_must():
   assert [r.overrides["model.remat"] for r in p1.rows[:i + 1]] == ["none", "save_dots_attn", "save_dots",
                                                                   "save_qkv_attn"]
   expected = next(o for o in order if o["model.remat"] not in ("none", "save_dots_attn", "save_dots")
-                  and plan.certain_bytes(plan.apply(cfg, o), target)["certain"]
+                  and plan_levers.certain_bytes(plan_levers.apply(cfg, o), target)["certain"]
                   + int((extra[o["model.remat"]] + (o["optim.offload"] != "none")) * 2**20) <= target.usable)
   assert p1.chosen.overrides == expected  # the first that fits, nothing earlier that would have
   # a measurement made already (plan.mode=fit's of the config as written) is used, not pruned nor compiled again
   pruned = p1.rows[1].overrides
   seen.clear()
-  p3 = plan.search(cfg, target, measure, "flax", known={tuple(pruned.items()): {"device": 1, "how": "measured"}})
+  p3 = plan_levers.search(cfg, target, measure, "flax", known={tuple(pruned.items()): {"device": 1, "how": "measured"}})
   assert p3.rows[1].status == "fits" and p3.rows[1].measured == 1 and p3.chosen is p3.rows[1]
-  assert seen == [plan.current(plan.apply(cfg, p1.rows[0].overrides))]  # only the first row was compiled
+  assert seen == [plan_levers.current(plan_levers.apply(cfg, p1.rows[0].overrides))]  # only the first row was compiled
 
 
 def test_step_time_counts_the_context_exchange():
@@ -289,15 +296,15 @@ def test_step_time_counts_the_context_exchange():
 
 def test_lever_values_split_the_batch_and_stay_in_plan_levers():
   cfg = load_config(["model.backend=flax", "data.global_batch_size=24", "plan.levers=train.grad_accum,model.remat"])
-  v = plan.lever_values(cfg, fake_target(2**30), "flax")
+  v = plan_levers.lever_values(cfg, fake_target(2**30), "flax")
   assert v["train.grad_accum"] == (1,)  # 24 rows over 8 devices: halves (12 rows) no longer split evenly
   assert v["optim.offload"] == ("none",) and v["optim.mu_dtype"] == v["optim.nu_dtype"] == ("float32",)  # not in
   # plan.levers
   assert "recompute_norm_act" not in v["model.remat"] and v["model.remat"][0] == "none"
   cfg = load_config(["data.global_batch_size=64"])
-  assert plan.lever_values(cfg, fake_target(2**30), "te")["train.grad_accum"] == (1, 2, 4, 8)
+  assert plan_levers.lever_values(cfg, fake_target(2**30), "te")["train.grad_accum"] == (1, 2, 4, 8)
   with pytest.raises(ConfigError, match="unknown lever 'model.bogus'"):
-    plan.parse_levers("model.remat, model.bogus")
+    plan_levers.parse_levers("model.remat, model.bogus")
 
 
 def _streamed_peak(leaves: list[int], lag: int, arrays: int = 2) -> int:
@@ -338,17 +345,17 @@ def test_offload_arithmetic_for_simulated_gpus():
 def test_simulated_devices_in_a_child_measure_like_here():
   cfg = load_config(["model.backend=flax", "data.type=synthetic"])
   here = plan_measure.measure(cfg, gpu_footprint=True)
-  sim = plan_measure.Simulator(8)
+  sim = plan_target.Simulator(8)
   try:
     got = sim.measure(cfg)
-    assert sim.measure(plan.apply(cfg, {"optim.offload": "host"}))["how"].startswith("arithmetic")
-    both = sim.measure(plan.apply(cfg, {"optim.offload": "host_params"}))
+    assert sim.measure(plan_levers.apply(cfg, {"optim.offload": "host"}))["how"].startswith("arithmetic")
+    both = sim.measure(plan_levers.apply(cfg, {"optim.offload": "host_params"}))
   finally:
     sim.close()
   assert got["device"] == here["device"]
   # host_params: the program of offload=none holding the parameters' compute copy (model.cast_params_once), less
   # the parameters and the optimizer state, plus the streamed parameters and moments
-  once = plan_measure.measure(plan.apply(cfg, {"model.cast_params_once": True}), gpu_footprint=True)
+  once = plan_measure.measure(plan_levers.apply(cfg, {"model.cast_params_once": True}), gpu_footprint=True)
   assert both["device"] == plan_measure.offloaded(once, "host_params")["device"]
   assert "parameters and the optimizer state" in both["how"]
   # the stand-in keeps fused attention's footprint: no [B, H, T, T] scores, so less than real CPU attention
@@ -411,12 +418,12 @@ def test_the_choice_follows_measured_step_times():
   memory when run (timer: None) does not fit after all; nothing after the timed ones is compiled or timed."""
   cfg = load_config([*BASE, "plan.levers=model.remat"])
   target = fake_target(2**40)  # everything fits
-  order = [o["model.remat"] for o in plan.candidates(cfg, target, "flax")]
+  order = [o["model.remat"] for o in plan_levers.candidates(cfg, target, "flax")]
   compiled, timed = [], []
 
   def measure(c):
     compiled.append(c.model.remat)
-    return {"device": plan.certain_bytes(c, target)["certain"], "how": "measured"}
+    return {"device": plan_levers.certain_bytes(c, target)["certain"], "how": "measured"}
 
   def timer_for(seconds):
     def timer(c):
@@ -426,18 +433,18 @@ def test_the_choice_follows_measured_step_times():
 
   # measured times the reverse of the estimate: the third is fastest
   seconds = {r: 1.0 + 0.1 * (3 - i) for i, r in enumerate(order)}
-  p = plan.search(cfg, target, measure, "flax", timer=timer_for(seconds), timed=3)
+  p = plan_levers.search(cfg, target, measure, "flax", timer=timer_for(seconds), timed=3)
   assert compiled == timed == order[:3] and p.chosen.overrides == {**p.chosen.overrides, "model.remat": order[2]}
   assert [r.seconds for r in p.rows[:3]] == [seconds[r] for r in order[:3]] and p.rows[3].status == "not tried"
   assert f"step {seconds[order[2]]:.3g} s measured, the fastest of 3 timed" in p.line()
   # the second is fastest; the first ran out of memory running
   compiled.clear(), timed.clear()
   seconds = {**seconds, order[0]: None, order[1]: 0.5}
-  p = plan.search(cfg, target, measure, "flax", timer=timer_for(seconds), timed=2)
+  p = plan_levers.search(cfg, target, measure, "flax", timer=timer_for(seconds), timed=2)
   assert timed == order[:2] and p.chosen is p.rows[1] and p.rows[0].status == "too big"
   assert p.rows[0].note == "ran out of device memory running the step"
   # without a timer: the first that fits by the estimate, and the line says so
-  p = plan.search(cfg, target, measure, "flax")
+  p = plan_levers.search(cfg, target, measure, "flax")
   assert p.chosen is p.rows[0] and p.rows[0].seconds is None
   assert "estimated (roofline), not measured" in p.line()
 
@@ -445,10 +452,10 @@ def test_the_choice_follows_measured_step_times():
 def test_only_the_gpus_at_hand_of_one_process_are_timed():
   cfg = load_config(BASE)
   here = Target(1, 1, "NVIDIA H200", 141 * 10**9, 0.95, False, jax.devices()[:1])
-  assert plan.timer(cfg, here) is not None
-  assert plan.timer(plan.apply(cfg, {"plan.timed": 0}), here) is None
-  assert plan.timer(cfg, fake_target(2**30)) is None  # simulated
-  assert plan.timer(cfg, Target(8, 1, "cpu", 2**30, None, False, jax.devices())) is None  # CPU devices
+  assert plan_levers.timer(cfg, here) is not None
+  assert plan_levers.timer(plan_levers.apply(cfg, {"plan.timed": 0}), here) is None
+  assert plan_levers.timer(cfg, fake_target(2**30)) is None  # simulated
+  assert plan_levers.timer(cfg, Target(8, 1, "cpu", 2**30, None, False, jax.devices())) is None  # CPU devices
 
 
 def test_every_candidate_pruned_says_nothing_was_compiled():
@@ -458,8 +465,8 @@ def test_every_candidate_pruned_says_nothing_was_compiled():
 
   def measure(c):
     raise AssertionError("nothing may be compiled")
-  p = plan.search(cfg, target, measure, "flax")
-  msg = plan.no_fit_message(cfg, p)
+  p = plan_levers.search(cfg, target, measure, "flax")
+  msg = plan_no_fit.no_fit_message(cfg, p)
   assert p.chosen is None and all(r.status == "pruned" for r in p.rows)
   assert "usable per device; pruned by the analytic model, nothing compiled; the least of the 2 candidates pruned " \
          "is remat=none, grad_accum=" in msg
@@ -513,15 +520,15 @@ def test_less_exact_moments_come_first_only_when_the_estimate_gains_more_than_it
   that and the loss of precision is certain; where they gain more (moments crossing the host link), they do."""
   target = fake_target(2**40)  # everything fits
   levers = {"plan.levers": "optim.mu_dtype,optim.nu_dtype"}
-  on_device = plan.apply(load_config(BASE), levers)
-  est = {o["optim.nu_dtype"] + o["optim.mu_dtype"]: step_time(plan.apply(on_device, o), target)["total_s"]
-         for o in plan.candidates(on_device, target, "flax")}
+  on_device = plan_levers.apply(load_config(BASE), levers)
+  est = {o["optim.nu_dtype"] + o["optim.mu_dtype"]: step_time(plan_levers.apply(on_device, o), target)["total_s"]
+         for o in plan_levers.candidates(on_device, target, "flax")}
   assert est["bfloat16bfloat16"] < est["float32float32"] < est["bfloat16bfloat16"] * (1 + TIE)  # the premise
-  first = plan.candidates(on_device, target, "flax")[0]
+  first = plan_levers.candidates(on_device, target, "flax")[0]
   assert (first["optim.mu_dtype"], first["optim.nu_dtype"]) == ("float32", "float32")
-  offloaded = plan.apply(on_device, {"optim.offload": "host"})
-  times = [step_time(plan.apply(offloaded, o), target)["total_s"] for o in plan.candidates(offloaded, target, "flax")]
-  first = plan.candidates(offloaded, target, "flax")[0]
+  offloaded = plan_levers.apply(on_device, {"optim.offload": "host"})
+  times = [step_time(plan_levers.apply(offloaded, o), target)["total_s"] for o in plan_levers.candidates(offloaded, target, "flax")]
+  first = plan_levers.candidates(offloaded, target, "flax")[0]
   assert (first["optim.mu_dtype"], first["optim.nu_dtype"]) == ("bfloat16", "bfloat16")
   assert times[0] * (1 + TIE) < times[-1]  # more than the resolution faster than float32 moments
 
@@ -535,13 +542,13 @@ MINE = ["model.backend=flax", "data.type=synthetic", "data.seq_len=64", "data.gl
 def made_up_xla(fits):
   """Target.measure for a made-up XLA: half the usable memory where `fits(levers)`, else one byte over it."""
   def measure(self, c):
-    return {"device": self.usable // 2 if fits(plan.current(c)) else self.usable + 1, "how": "measured"}
+    return {"device": self.usable // 2 if fits(plan_levers.current(c)) else self.usable + 1, "how": "measured"}
   return measure
 
 
 def on_faked_gpu(monkeypatch, fits):
-  monkeypatch.setattr(plan_measure, "_local_memory", lambda dev: 2**30)
-  monkeypatch.setattr(plan, "gpu_here", lambda: True)
+  monkeypatch.setattr(plan_target, "_local_memory", lambda dev: 2**30)
+  monkeypatch.setattr(plan_fit, "gpu_here", lambda: True)
   monkeypatch.setattr(Target, "measure", made_up_xla(fits))
 
 
@@ -569,7 +576,7 @@ def test_lever_keys_the_user_wrote_are_kept(mode, where, tmp_path, monkeypatch, 
   assert "; kept as written: optim.mu_dtype=bfloat16, optim.nu_dtype=float32 (peak " in line
   assert line.startswith(f"maxlm: plan: set model.remat={decided.model.remat}, train.grad_accum="
                          f"{decided.train.grad_accum}, optim.offload=none; kept")
-  handed, _ = plan.for_run(plan.apply(cfg, {"plan.levers": "all"}), print)
+  handed, _ = plan.for_run(plan_levers.apply(cfg, {"plan.levers": "all"}), print)
   assert (handed.train.grad_accum, handed.optim.nu_dtype) == (1, "bfloat16")
 
 
@@ -605,9 +612,9 @@ def test_simulated_devices_keep_the_users_keys_too(monkeypatch):
   """`maxlm plan --devices 16` (simulated GPUs): the same constraint, and the same line when nothing fits."""
   monkeypatch.setattr(Target, "measure", made_up_xla(one_micro_batch_needs_a_bf16_nu))
   cfg = load_config(["optim.mu_dtype=bfloat16", "optim.nu_dtype=float32", *MINE])
-  p = plan.choose(cfg, n_devices=16)
+  p = plan_decision.choose(cfg, n_devices=16)
   assert p.target.simulated and (p.cfg.optim.mu_dtype, p.cfg.optim.nu_dtype) == ("bfloat16", "float32")
   assert p.cfg.train.grad_accum > 1
   monkeypatch.setattr(Target, "measure", made_up_xla(lambda o: o["optim.nu_dtype"] == "bfloat16"))
   with pytest.raises(ConfigError, match="; change optim.nu_dtype=float32 to bfloat16: the fastest setting"):
-    plan.choose(cfg, n_devices=16)
+    plan_decision.choose(cfg, n_devices=16)

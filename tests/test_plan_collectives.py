@@ -16,7 +16,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from maxlm.config import load_config
-from maxlm.plan import collectives, target
+from maxlm.plan import collectives
+from maxlm.plan import xla_gpu as target
 
 # Written in XLA's text form: a while loop (5 trips) holding an asynchronous all-gather and a reduce-scatter
 # wrapped in an async computation (groups of 4 within a node of 4 devices); a conditional whose branch
@@ -253,7 +254,8 @@ GPU_CHILD = """
 import json, sys
 import numpy as np
 from jax.sharding import Mesh
-from maxlm.plan import collectives, target
+from maxlm.plan import collectives
+from maxlm.plan import xla_gpu as target
 from tests.test_plan_collectives import _program
 devices = target.compile_only_devices(target.KINDS["h200"], 8, 2)
 mesh = Mesh(np.array(devices).reshape(2, 4), ("a", "b"))

@@ -1,4 +1,4 @@
-"""The planner with expert parallelism (maxlm/plan/sizing.py, cost.py): Mixtral 8 x 7B's memory per device and its
+"""The planner with expert parallelism (maxlm/plan/memory.py, cost.py): Mixtral 8 x 7B's memory per device and its
 all-to-all traffic per step against numbers written out here from its published shape and the H200's datasheet; the
 collectives inventory of a compiled exchange."""
 
@@ -11,9 +11,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxlm.config import load_config
 from maxlm.parallel import experts
-from maxlm.plan import collectives, sizing
+from maxlm.plan import collectives, memory
 from maxlm.plan.cost import expert_exchange_bytes, step_time
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 
 # Mixtral 8 x 7B (mistralai/Mixtral-8x7B-v0.1's config.json): d 4096, 8 experts of width 14336, top 2, 32 blocks;
 # 46,702,792,704 parameters. mistral7b.yml's batch: 8 rows of 8192 tokens (one micro-batch).
@@ -34,13 +34,13 @@ def test_memory_of_mixtral_on_8_devices(mesh):
   over the expert group too): an 8th of the 46.7B float32 parameters whatever the split, its gradients, and Adam's
   two float32 moments. The exchange: send and receive buffers of ep slots of N k rows of D in bf16, N = 8 x 8192
   / 8 tokens per device."""
-  est = sizing.estimate(mixtral(*mesh), 8)
+  est = memory.estimate(mixtral(*mesh), 8)
   ep = int(mesh[0].split("=")[1])
   assert est["params"] == est["gradients"] == TOTAL * 4 // 8
   assert est["optimizer"] == TOTAL * 8 // 8
   n = B * S // 8
   assert est["exchange"] == (2 * ep * n * K * D * 2 if ep > 1 else 0)  # ep 8: 2 x 8 x 8192 x 2 x 4096 x 2 = 2 GiB
-  assert est["total"] - est["exchange"] == sizing.estimate(mixtral("mesh.expert=1", "mesh.fsdp=8"), 8)["total"]
+  assert est["total"] - est["exchange"] == memory.estimate(mixtral("mesh.expert=1", "mesh.fsdp=8"), 8)["total"]
 
 
 def test_all_to_all_bytes_and_time_of_mixtral_on_8_devices():

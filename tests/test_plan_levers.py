@@ -7,11 +7,13 @@ import jax
 import processes
 import pytest
 
-from maxlm import plan
+from maxlm.plan import decision as plan_decision
+from maxlm.plan import levers as plan_levers
+from maxlm.plan import no_fit as plan_no_fit
 from maxlm.cli.train import main as train_main
 from maxlm.config import ConfigError, load_config
 from maxlm.plan import levers
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 
 # Counted by hand for these dimensions (flax, untied embedding, float32 parameters):
 #   embedding 256 x 64 = 16,384; per layer q 64 x 4 x 16 = 4,096, k and v 64 x 2 x 16 = 2,048 each,
@@ -65,22 +67,22 @@ def test_the_search_compiles_no_candidate_the_host_cannot_hold():
     measured.append(c.optim.offload)
     return {"device": 2**41 if c.optim.offload == "none" else 2**20, "how": "measured"}
 
-  p = plan.search(cfg, gpu_target(moments_only * 10 // 9 + 10), measure, "flax", everything=True)
+  p = plan_levers.search(cfg, gpu_target(moments_only * 10 // 9 + 10), measure, "flax", everything=True)
   assert measured == ["none", "host"]
   rows = {r.overrides["optim.offload"]: r for r in p.rows}
   assert rows["host_params"].status == "too big" and rows["host_params"].measured is None
   assert rows["host_params"].note.startswith("pinned host memory ")
   assert p.chosen is rows["host"]
   measured.clear()
-  plan.search(cfg, gpu_target(None), measure, "flax", everything=True)
+  plan_levers.search(cfg, gpu_target(None), measure, "flax", everything=True)
   assert sorted(measured) == ["host", "host_params", "none"]
 
 
 def test_the_no_fit_line_names_the_host():
   cfg = load_config([*DIMS, "plan.levers=optim.offload"])
-  p = plan.search(cfg, gpu_target(1), lambda c: {"device": 2**41, "how": "measured"}, "flax")
+  p = plan_levers.search(cfg, gpu_target(1), lambda c: {"device": 2**41, "how": "measured"}, "flax")
   assert p.chosen is None
-  msg = plan.no_fit_message(cfg, p)
+  msg = plan_no_fit.no_fit_message(cfg, p)
   assert ("; remat=full, grad_accum=1, offload=host, mu_dtype=float32, nu_dtype=float32, the fastest held in "
           "host memory, was not compiled: pinned host memory ") in msg, msg
   assert "the smallest device count" not in msg  # a host of 1 byte per device holds nothing on any count
@@ -94,7 +96,7 @@ def test_a_config_written_to_pin_more_than_the_host_has_stops_at_start(tmp_path,
   cfg = load_config([*DIMS, "plan.mode=off", "optim.offload=host_params"])
   with pytest.raises(ConfigError, match=r"^config key 'optim.offload': pinned host memory .* per device "
                                         r"\(this node's RAM over its devices\); use more devices"):
-    plan.decide(cfg)
+    plan_decision.decide(cfg)
   rc = train_main([*DIMS, "plan.mode=off", "optim.offload=host_params", f"output_dir={tmp_path}", "run_name=r"])
   err = capsys.readouterr().err
   lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -102,7 +104,7 @@ def test_a_config_written_to_pin_more_than_the_host_has_stops_at_start(tmp_path,
   assert not (tmp_path / "r").exists()
   # the same config on a host of 1 TiB plans as written
   monkeypatch.setenv("MAXLM_TEST_HOST_BYTES", str(2**40))
-  assert plan.decide(cfg)["levers"]["optim.offload"] == "host_params"
+  assert plan_decision.decide(cfg)["levers"]["optim.offload"] == "host_params"
 
 
 def test_two_processes_stop_on_process_0s_host_check_in_one_line_each(tmp_path):
@@ -193,7 +195,7 @@ def test_candidates_are_ordered_by_the_estimate_then_exact_moments_then_lever_or
       "total_s": hand[(c.train.grad_accum, c.optim.mu_dtype, c.optim.nu_dtype)]})
   cfg = load_config([*DIMS, "data.global_batch_size=2", "plan.levers=train.grad_accum,optim.mu_dtype,optim.nu_dtype"])
   order = [(o["train.grad_accum"], o["optim.mu_dtype"], o["optim.nu_dtype"])
-           for o in plan.candidates(cfg, gpu_target(None), "flax")]
+           for o in plan_levers.candidates(cfg, gpu_target(None), "flax")]
   assert order == [(1, "bfloat16", "bfloat16"),
                    (2, "float32", "float32"), (2, "bfloat16", "float32"), (2, "bfloat16", "bfloat16"),
                    (1, "float32", "float32"), (1, "bfloat16", "float32")]

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from maxlm.config import load_config
-from maxlm.plan.measure import Simulator, Target
+from maxlm.plan.target import Simulator, Target
 
 TINY = load_config(["config=tiny.yml", "model.remat=save_dots"])
 # a child answering each config after `delay` seconds with a made-up measurement (and, if asked, XLA's summary)

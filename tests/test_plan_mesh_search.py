@@ -3,10 +3,11 @@ with made-up estimates, plans and predictions (no compile), the fastest predicte
 
 import pytest
 
+from maxlm.plan import levers as plan_levers
 from maxlm import plan
 from maxlm.config import load_config
 from maxlm.plan import mesh_search
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 
 GIB = 2 ** 30
 TINY = load_config(["config=tiny.yml"])  # 4 heads, 2 KV heads, 2 layers, seq 128, batch 8
@@ -62,8 +63,8 @@ class Fakes:
     key = self.key(cfg)
     self.compiled.append(key)
     levers = self.levers.get(key, {"model.remat": "full"})
-    row = plan.Row(levers, "fits", 1, measured=GIB, stats={"mesh": key})
-    return plan.Plan(H200, [row], row if key in self.fits else None, plan.apply(cfg, levers))
+    row = plan_levers.Row(levers, "fits", 1, measured=GIB, stats={"mesh": key})
+    return plan.Plan(H200, [row], row if key in self.fits else None, plan_levers.apply(cfg, levers))
 
   def predict(self, cfg, stats):
     return {"step_s": self.predicted[stats["mesh"]], "tokens_per_s_per_gpu": 1.0}
@@ -87,13 +88,13 @@ def test_the_choice_follows_the_predicted_step_time():
   mp = _search(f, budget=3)
   assert f.compiled == [A, B, C]  # the estimate's order; D beyond the budget (tiny.yml's own mesh, fsdp 4 in a
   # node and data 2 across, has no made-up estimate here: not a candidate to compile)
-  assert Fakes.key(plan.apply(TINY, mp.chosen.overrides)) == C and mp.chosen.status == "chosen"
-  assert Fakes.key(plan.apply(TINY, mp.runner_up.overrides)) == B and mp.runner_up.status == "runner-up"
+  assert Fakes.key(plan_levers.apply(TINY, mp.chosen.overrides)) == C and mp.chosen.status == "chosen"
+  assert Fakes.key(plan_levers.apply(TINY, mp.runner_up.overrides)) == B and mp.runner_up.status == "runner-up"
   assert D not in f.compiled  # faster as predicted, but not compiled: the estimate ruled it out
   # with the predictions swapped, the choice swaps
   f = Fakes({A: 1.0, B: 2.0, C: 3.0, D: 4.0}, {A: 1.0, B: 2.0, C: 3.0}, fits={A, B, C})
   mp = _search(f, budget=3)
-  assert (Fakes.key(plan.apply(TINY, mp.chosen.overrides)), Fakes.key(plan.apply(TINY, mp.runner_up.overrides))) \
+  assert (Fakes.key(plan_levers.apply(TINY, mp.chosen.overrides)), Fakes.key(plan_levers.apply(TINY, mp.runner_up.overrides))) \
       == (A, B)
 
 
@@ -101,7 +102,7 @@ def test_a_mesh_whose_levers_do_not_fit_is_never_chosen_and_the_budget_counts_fi
   f = Fakes({A: 1.0, B: 2.0, C: 3.0, D: 4.0}, {A: 0.1, B: 2.0, C: 3.0, D: 4.0}, fits={B, C, D})
   mp = _search(f, budget=2)
   assert f.compiled == [A, B, C]  # A does not fit: the next until two fit
-  status = {Fakes.key(plan.apply(TINY, r.overrides)): r.status for r in mp.rows if r.plan is not None}
+  status = {Fakes.key(plan_levers.apply(TINY, r.overrides)): r.status for r in mp.rows if r.plan is not None}
   assert status == {A: "nothing fits", B: "chosen", C: "runner-up"}
   f = Fakes({A: 1.0, B: 2.0}, {}, fits=set())
   mp = _search(f, budget=2)
@@ -113,7 +114,7 @@ def test_the_config_mesh_is_compiled_beyond_the_budget():
   f = Fakes({A: 1.0, C: 2.0, B: 3.0}, {A: 2.0, C: 3.0, B: 1.0}, fits={A, B, C})
   mp = _search(f, budget=1, cfg=cfg)
   assert f.compiled == [A, B]  # A by the budget, B as the config's own mesh
-  assert Fakes.key(plan.apply(cfg, mp.chosen.overrides)) == B and mp.chosen.written
+  assert Fakes.key(plan_levers.apply(cfg, mp.chosen.overrides)) == B and mp.chosen.written
 
 
 def test_meshes_the_certain_bytes_rule_out_are_not_estimated():
@@ -126,13 +127,13 @@ def test_meshes_the_certain_bytes_rule_out_are_not_estimated():
 def test_within_two_percent_the_config_mesh_and_float32_moments_win():
   w = (1, 4, 1, 1, 1, 2, 1)  # tiny.yml's own mesh: fsdp 4 in a node, data 2 across
   f = Fakes({A: 1.0, w: 2.0, B: 3.0}, {A: 0.99, w: 1.0, B: 0.5}, fits={A, w, B})
-  assert Fakes.key(plan.apply(TINY, _search(f, budget=3).chosen.overrides)) == B  # 50% faster: not a tie
+  assert Fakes.key(plan_levers.apply(TINY, _search(f, budget=3).chosen.overrides)) == B  # 50% faster: not a tie
   f = Fakes({A: 1.0, w: 2.0}, {A: 0.99, w: 1.0}, fits={A, w})  # A 1% faster: a tie, the config's mesh stays
   mp = _search(f, budget=3)
-  assert Fakes.key(plan.apply(TINY, mp.chosen.overrides)) == w and mp.chosen.written
-  assert Fakes.key(plan.apply(TINY, mp.runner_up.overrides)) == A
+  assert Fakes.key(plan_levers.apply(TINY, mp.chosen.overrides)) == w and mp.chosen.written
+  assert Fakes.key(plan_levers.apply(TINY, mp.runner_up.overrides)) == A
   f = Fakes({A: 1.0, w: 2.0}, {A: 0.97, w: 1.0}, fits={A, w})  # 3% faster: A
-  assert Fakes.key(plan.apply(TINY, _search(f, budget=3).chosen.overrides)) == A
+  assert Fakes.key(plan_levers.apply(TINY, _search(f, budget=3).chosen.overrides)) == A
 
 
 def test_within_two_percent_the_fewer_bfloat16_moments_win():
@@ -142,13 +143,13 @@ def test_within_two_percent_the_fewer_bfloat16_moments_win():
   f32 = {"optim.mu_dtype": "float32", "optim.nu_dtype": "float32"}
   f = Fakes({A: 1.0, C: 2.0}, {A: 0.99, C: 1.0}, fits={A, C}, levers={A: bf16, C: f32})
   mp = _search(f, budget=3)
-  assert Fakes.key(plan.apply(TINY, mp.chosen.overrides)) == C and not mp.chosen.written
+  assert Fakes.key(plan_levers.apply(TINY, mp.chosen.overrides)) == C and not mp.chosen.written
   assert mp.chosen.plan.cfg.optim.mu_dtype == "float32"
   mu = {"optim.mu_dtype": "bfloat16", "optim.nu_dtype": "float32"}
   f = Fakes({A: 1.0, B: 2.0}, {A: 0.97, B: 1.0}, fits={A, B}, levers={A: bf16, B: mu})
-  assert Fakes.key(plan.apply(TINY, _search(f, budget=3).chosen.overrides)) == A
+  assert Fakes.key(plan_levers.apply(TINY, _search(f, budget=3).chosen.overrides)) == A
   f = Fakes({A: 1.0, B: 2.0}, {A: 0.99, B: 1.0}, fits={A, B}, levers={A: bf16, B: mu})  # a tie: one bf16 < two
-  assert Fakes.key(plan.apply(TINY, _search(f, budget=3).chosen.overrides)) == B
+  assert Fakes.key(plan_levers.apply(TINY, _search(f, budget=3).chosen.overrides)) == B
 
 
 def test_extra_seconds_are_the_tensor_parallel_all_reduces_only():

@@ -3,17 +3,17 @@ configured decay makes lossy, and what its line says about them."""
 
 import pytest
 
-from maxlm import plan
+from maxlm.plan import levers as plan_levers
 from maxlm.config import load_config
 from maxlm.plan import moments
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 
 ALL = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))
 
 
 def settings(*args):
   cfg = load_config(list(args))
-  return moments.settings(cfg, plan.parse_levers(cfg.plan.levers))
+  return moments.settings(cfg, plan_levers.parse_levers(cfg.plan.levers))
 
 
 def test_stochastic_rounding_tries_every_setting_in_the_issues_order():
@@ -54,14 +54,14 @@ def test_candidates_follow_the_settings():
   target = Target(8, 1, "NVIDIA H200", 141 * 10**9, 0.95, True)
   cfg = load_config(["model.backend=flax", "optim.moment_rounding=nearest", "optim.b2=0.999",
                      "plan.levers=model.remat,optim.mu_dtype,optim.nu_dtype"])
-  pairs = {(o["optim.mu_dtype"], o["optim.nu_dtype"]) for o in plan.candidates(cfg, target, "flax")}
+  pairs = {(o["optim.mu_dtype"], o["optim.nu_dtype"]) for o in plan_levers.candidates(cfg, target, "flax")}
   assert pairs == {("float32", "float32")}
-  sr = plan.apply(cfg, {"optim.moment_rounding": "stochastic"})
-  assert {(o["optim.mu_dtype"], o["optim.nu_dtype"]) for o in plan.candidates(sr, target, "flax")} == set(ALL)
+  sr = plan_levers.apply(cfg, {"optim.moment_rounding": "stochastic"})
+  assert {(o["optim.mu_dtype"], o["optim.nu_dtype"]) for o in plan_levers.candidates(sr, target, "flax")} == set(ALL)
 
 
 def test_the_line_says_what_was_picked_and_why():
-  levers = plan.parse_levers("all")
+  levers = plan_levers.parse_levers("all")
   cfg = load_config(["optim.b2=0.999"])
   both = {"optim.mu_dtype": "bfloat16", "optim.nu_dtype": "bfloat16"}
   assert moments.note(cfg, both, levers) == ("moments: bfloat16 mu and nu, stochastically rounded (unbiased at any "

@@ -7,7 +7,7 @@ import pytest
 
 from maxlm.config import load_config
 from maxlm.plan import predict
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 
 GIB = 2 ** 30
 # Llama 3 8B (as tests/test_plan_cost.py): d=4096, ffn=14336, 32 heads / 8 kv heads of 128, vocab 128256, 32 layers

@@ -6,12 +6,13 @@ of unrolled layers, checked on XLA:CPU here (XLA:GPU's figures: benchmarks/resul
 
 import pytest
 
-from maxlm import plan
+from maxlm.plan import levers as plan_levers
+from maxlm.plan import target as plan_target
 from maxlm.cli.plan import render
 from maxlm.config import load_config
 from maxlm.plan import measure as plan_measure
 from maxlm.plan import probe
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 from maxlm.tables import human_bytes
 
 MIB = 2**20
@@ -49,12 +50,12 @@ PER_LAYER = {"none": 30, "recompute_norm_act": 28, "save_dots_attn": 25, "save_d
 
 
 def made_up_peak(c, target) -> int:
-  return plan.certain_bytes(c, target)["certain"] + PER_LAYER[c.model.remat] * MIB * c.model.n_layers
+  return plan_levers.certain_bytes(c, target)["certain"] + PER_LAYER[c.model.remat] * MIB * c.model.n_layers
 
 
 def at_hand(usable: int) -> Target:
   """One GPU 'at hand' (not simulated) with `usable` bytes usable."""
-  return Target(1, 1, "NVIDIA H200", int(usable / 0.95 / (1 - plan_measure.MARGIN)) + 1, 0.95, False)
+  return Target(1, 1, "NVIDIA H200", int(usable / 0.95 / (1 - plan_target.MARGIN)) + 1, 0.95, False)
 
 
 def test_the_search_prunes_by_the_probes_and_compiles_whole_only_what_fits():
@@ -62,8 +63,8 @@ def test_the_search_prunes_by_the_probes_and_compiles_whole_only_what_fits():
   t = at_hand(2**40)
   # usable: save_qkv_attn at 16 layers by hand (certain + 12 MiB x 16) less 1 MiB, so everything faster than
   # save_attn is over by 1 MiB or more; save_qkv_attn itself by 1 MiB, inside the 10% slack: compiled whole
-  qkv = plan.apply(cfg, {"model.remat": "save_qkv_attn"})
-  usable = plan.certain_bytes(qkv, t)["certain"] + 192 * MIB - MIB
+  qkv = plan_levers.apply(cfg, {"model.remat": "save_qkv_attn"})
+  usable = plan_levers.certain_bytes(qkv, t)["certain"] + 192 * MIB - MIB
   target = at_hand(usable)
   assert abs(target.usable - usable) < 16  # the made-up GPU's memory rounds to its usable bytes
   seen = []
@@ -71,21 +72,21 @@ def test_the_search_prunes_by_the_probes_and_compiles_whole_only_what_fits():
   def measure(c):
     seen.append((c.model.remat, c.model.n_layers))
     return {"device": made_up_peak(c, target), "how": "measured"}
-  p = plan.search(cfg, target, measure, "flax")
+  p = plan_levers.search(cfg, target, measure, "flax")
   rows = {r.overrides["model.remat"]: r for r in p.rows}
   slack = target.usable * probe.SLACK
-  over = {k: made_up_peak(plan.apply(cfg, {"model.remat": k}), target) - target.usable for k in PER_LAYER}
+  over = {k: made_up_peak(plan_levers.apply(cfg, {"model.remat": k}), target) - target.usable for k in PER_LAYER}
   pruned = [k for k in ("none", "save_dots_attn", "save_dots") if over[k] > slack]
   assert pruned == ["none", "save_dots_attn", "save_dots"]  # the made-up numbers do what the test says
   for k in pruned:
     r = rows[k]
     assert r.status == "pruned" and r.how == "probed" and r.measured is None
-    assert r.plausible == made_up_peak(plan.apply(cfg, {"model.remat": k}), target)  # the line, exact here
+    assert r.plausible == made_up_peak(plan_levers.apply(cfg, {"model.remat": k}), target)  # the line, exact here
     assert r.note.startswith("4 and 8 layers compiled (") and r.note.endswith(" at 16")
   # save_qkv_attn: over by 1 MiB, within the slack: compiled whole, measured too big; save_attn fits
   assert 0 < over["save_qkv_attn"] <= slack and rows["save_qkv_attn"].status == "too big"
   assert p.chosen is rows["save_attn"] and rows["save_attn"].measured == made_up_peak(
-      plan.apply(cfg, {"model.remat": "save_attn"}), target)
+      plan_levers.apply(cfg, {"model.remat": "save_attn"}), target)
   assert seen == [("none", 4), ("none", 8), ("save_dots_attn", 4), ("save_dots_attn", 8), ("save_dots", 4),
                   ("save_dots", 8), ("save_qkv_attn", 4), ("save_qkv_attn", 8), ("save_qkv_attn", 16),
                   ("save_attn", 4), ("save_attn", 8), ("save_attn", 16)]
@@ -108,7 +109,7 @@ def test_an_out_of_memory_probe_prunes_and_simulated_or_scanned_steps_are_not_pr
     if c.model.remat == "none" and c.model.n_layers == 8:
       return {"oom": "RESOURCE_EXHAUSTED: out of memory"}
     return {"device": made_up_peak(c, target), "how": "measured"}
-  p = plan.search(cfg, target, measure, "flax")
+  p = plan_levers.search(cfg, target, measure, "flax")
   first = p.rows[0]
   assert first.overrides["model.remat"] == "none" and first.status == "pruned"
   assert first.note == "XLA ran out of memory compiling 8 layers: RESOURCE_EXHAUSTED: out of memory"
@@ -117,7 +118,7 @@ def test_an_out_of_memory_probe_prunes_and_simulated_or_scanned_steps_are_not_pr
   for c, t in ((load_config([*DEEP, "model.scan_layers=true"]), target),  # a scanned stack
                (cfg, Target(1, 1, "NVIDIA H200", target.device_bytes, 0.95, True))):  # simulated devices
     seen.clear()
-    assert plan.search(c, t, measure, "flax").chosen is not None
+    assert plan_levers.search(c, t, measure, "flax").chosen is not None
     assert all(n == 16 for _, n in seen), seen
 
 
@@ -139,10 +140,10 @@ def test_a_probe_calibrates_its_policys_share_like_a_measurement():
   roomy = at_hand(2**40)
 
   def peak(c, target):
-    need = plan.certain_bytes(c, target)
+    need = plan_levers.certain_bytes(c, target)
     return need["certain"] + int(1.5 * need["activations"])
-  on_device = plan.certain_bytes(plan.apply(cfg, {"model.remat": "none"}), roomy)
-  host = plan.certain_bytes(plan.apply(cfg, {"model.remat": "none", "optim.offload": "host"}), roomy)
+  on_device = plan_levers.certain_bytes(plan_levers.apply(cfg, {"model.remat": "none"}), roomy)
+  host = plan_levers.certain_bytes(plan_levers.apply(cfg, {"model.remat": "none", "optim.offload": "host"}), roomy)
   usable = on_device["certain"] + on_device["activations"] // 2 + MIB  # none / none passes the analytic model
   target = at_hand(usable)
   assert host["certain"] + host["activations"] // 2 < target.usable < host["certain"] + host["activations"]
@@ -151,7 +152,7 @@ def test_a_probe_calibrates_its_policys_share_like_a_measurement():
   def measure(c):
     seen.append((c.model.remat, c.optim.offload, c.model.n_layers))
     return {"device": peak(c, target), "how": "measured"}
-  p = plan.search(cfg, target, measure, "flax", everything=True)  # on past the choice, to none / host
+  p = plan_levers.search(cfg, target, measure, "flax", everything=True)  # on past the choice, to none / host
   rows = {(r.overrides["model.remat"], r.overrides["optim.offload"]): r for r in p.rows}
   assert rows["none", "none"].how == "probed" and ("none", "none", 8) in seen
   r = rows["none", "host"]
@@ -174,14 +175,14 @@ class MadeUpXla:
 
 def _compile_only(usable: int) -> tuple[Target, MadeUpXla]:
   xla = MadeUpXla()
-  t = Target(1, 1, "NVIDIA H200", int(usable / 0.95 / (1 - plan_measure.MARGIN)) + 1, 0.95, True, gpu_target="h200",
+  t = Target(1, 1, "NVIDIA H200", int(usable / 0.95 / (1 - plan_target.MARGIN)) + 1, 0.95, True, gpu_target="h200",
              _sim=xla)
   xla.target = t
   return t, xla
 
 
 def test_on_compile_only_gpus_a_deep_offloaded_candidate_is_probed_before_its_long_compile():
-  cfg = plan.apply(load_config(DEEP), {"optim.offload": "host"})
+  cfg = plan_levers.apply(load_config(DEEP), {"optim.offload": "host"})
   whole = made_up_peak(cfg, _compile_only(2**40)[0])
   # the line over the usable memory by more than 10%: two shallow compiles, never the whole one; its line measured
   t, xla = _compile_only(int(whole / 1.2))
@@ -195,7 +196,7 @@ def test_on_compile_only_gpus_a_deep_offloaded_candidate_is_probed_before_its_lo
   out = probe.measuring(t)(cfg)
   assert xla.seen == [("host", 4), ("host", 8), ("host", 16)] and out == {"device": whole, "how": "measured"}
   # offload=none (one scanned program there, as fast at any depth) and scanned stacks: compiled whole at once
-  for c in (load_config(DEEP), plan.apply(load_config([*DEEP, "model.scan_layers=true"]), {"optim.offload": "host"})):
+  for c in (load_config(DEEP), plan_levers.apply(load_config([*DEEP, "model.scan_layers=true"]), {"optim.offload": "host"})):
     t, xla = _compile_only(int(whole / 1.2))
     probe.measuring(t)(c)
     assert xla.seen == [(c.optim.offload, 16)]

@@ -11,6 +11,7 @@ import jax
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
+from maxlm.plan import target as plan_target
 from maxlm.config import load_config
 from maxlm.plan import measure as plan_measure
 from maxlm.plan import standins as plan_standins
@@ -32,7 +33,7 @@ def test_simulated_fsdp_gathers_weights_in_bf16(backend):
   # XLA:GPU gathers FSDP's bf16 weights in bf16; XLA:CPU's float normalization made every one of them f32,
   # doubling the gathered weights of a simulated step (plan_standins.GPU_DTYPE_OPTIONS)
   args = [f"model.backend={backend}", "data.type=synthetic", "data.global_batch_size=4", "model.remat=save_dots"]
-  child = subprocess.run([sys.executable, "-c", GATHERS_CHILD, *args], env=plan_measure.simulated_env(2),
+  child = subprocess.run([sys.executable, "-c", GATHERS_CHILD, *args], env=plan_target.simulated_env(2),
                          capture_output=True, text=True, timeout=300, check=False)
   assert child.returncode == 0, child.stderr[-3000:]
   gathers = json.loads(child.stdout.splitlines()[-1])
@@ -127,7 +128,7 @@ def test_planned_program_has_the_context_exchange(strategy, cp):
   # the stand-in used to leave the exchange out: a ring step compiled with it had 0 collective-permutes
   args = ["model.backend=flax", "model.dtype=bfloat16", "data.type=synthetic", "data.seq_len=128",
           "data.global_batch_size=8", f"mesh.context={cp}", f"mesh.fsdp={8 // cp}", f"mesh.context_strategy={strategy}"]
-  child = subprocess.run([sys.executable, "-c", EXCHANGE_CHILD, "real", *args], env=plan_measure.simulated_env(8),
+  child = subprocess.run([sys.executable, "-c", EXCHANGE_CHILD, "real", *args], env=plan_target.simulated_env(8),
                          capture_output=True, text=True, timeout=600, check=False)
   assert child.returncode == 0, child.stderr[-3000:]
   got = json.loads(child.stdout.splitlines()[-1])

@@ -13,8 +13,8 @@ import pytest
 
 from maxlm.config import ConfigError, load_config
 from maxlm.plan import levers as plan_levers
-from maxlm.plan import target
-from maxlm.plan.measure import Target, make_target
+from maxlm.plan import xla_gpu as target
+from maxlm.plan.target import Target, make_target
 
 TINY = ["config=tiny.yml", "plan.levers=optim.mu_dtype,optim.nu_dtype"]  # the moments only: the first fits
 # (--target: the simulated CPU devices of the tests would otherwise be the devices at hand)
@@ -27,7 +27,7 @@ import json, sys
 from jax.experimental import topologies
 from maxlm.config import load_config
 from maxlm.plan import levers as plan_levers
-from maxlm.plan import target
+from maxlm.plan import xla_gpu as target
 from maxlm.plan.measure import compile_step
 n = int(sys.argv[1])
 devices = topologies.get_topology_desc(platform="cuda", target_config=target.KINDS["h200"].config_text(),

@@ -17,7 +17,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from maxlm import plan
+from maxlm.plan import decision as plan_decision
+from maxlm.plan import levers as plan_levers
 from maxlm.config import load_config
 from maxlm.runtime import warm_start
 
@@ -156,40 +157,40 @@ def test_several_processes_keep_only_process_0s_decisions_and_nothing_when_off(t
 
 
 def test_the_planners_decision_is_kept_and_reused(tmp_path, monkeypatch):
-  """plan.resolve_kept: the first start measures (resolve), a restart of the same run takes the decision it
+  """plan_decision.resolve_kept: the first start measures (resolve), a restart of the same run takes the decision it
   kept and says so; a changed config measures again."""
   calls = []
 
   def fake_resolve(cfg, *a, **k):
     calls.append(cfg)
     os.environ["NVTE_SET_BY_AN_IMPORT"] = "1"  # as importing TE does, inside the planner's first measurement
-    return plan.apply(cfg, {"model.remat": "full"}), "plan: chose model.remat=full"
+    return plan_levers.apply(cfg, {"model.remat": "full"}), "plan: chose model.remat=full"
 
-  monkeypatch.setattr(plan, "resolve", fake_resolve)
+  monkeypatch.setattr(plan_decision, "resolve", fake_resolve)
   monkeypatch.delenv("NVTE_SET_BY_AN_IMPORT", raising=False)
   warm_start.configure(tmp_path, True)
   try:
     cfg = load_config(TINY + ["plan.mode=auto"])
-    out, line = plan.resolve_kept(cfg)
+    out, line = plan_decision.resolve_kept(cfg)
     assert len(calls) == 1 and out.model.remat == "full" and line == "plan: chose model.remat=full"
     monkeypatch.delenv("NVTE_SET_BY_AN_IMPORT")  # a restart starts without it again
-    again, line2 = plan.resolve_kept(dataclasses.replace(cfg, run_name="restart"))
+    again, line2 = plan_decision.resolve_kept(dataclasses.replace(cfg, run_name="restart"))
     assert len(calls) == 1 and again.model.remat == "full"
     assert line2 == "plan: chose model.remat=full (kept from an earlier start of this shape on these GPUs)"
     # another user's run of the same shape (another directory, learning rate, length, seeds, data files): no planning
     other = load_config(TINY + ["plan.mode=auto", "run_name=theirs", f"output_dir={tmp_path / 'o'}", "train.steps=7",
                                 "optim.learning_rate=1e-4", "optim.warmup_steps=1", "data.seed=3", "train.seed=5"])
-    assert plan.resolve_kept(other)[0].model.remat == "full" and len(calls) == 1
+    assert plan_decision.resolve_kept(other)[0].model.remat == "full" and len(calls) == 1
     # what shapes the step is in the key: another micro-batch count, moment dtype or decay plans again
     for word in ("train.grad_accum=2", "optim.mu_dtype=bfloat16", "optim.b2=0.999"):
-      plan.resolve_kept(load_config(TINY + ["plan.mode=auto", word]))
+      plan_decision.resolve_kept(load_config(TINY + ["plan.mode=auto", word]))
     assert len(calls) == 4
-    plan.resolve_kept(load_config(TINY + ["plan.mode=auto", "data.seq_len=32"]))
+    plan_decision.resolve_kept(load_config(TINY + ["plan.mode=auto", "data.seq_len=32"]))
     assert len(calls) == 5
     # the memory the planner counts as usable is in the key too (another xla.mem_fraction, another GPU)
-    from maxlm.plan import measure as plan_measure
-    monkeypatch.setattr(plan_measure, "_local_memory", lambda dev: 2 ** 30)
-    plan.resolve_kept(cfg)
+    from maxlm.plan import target as plan_target
+    monkeypatch.setattr(plan_target, "_local_memory", lambda dev: 2 ** 30)
+    plan_decision.resolve_kept(cfg)
     assert len(calls) == 6
   finally:
     warm_start.configure(None, False)
@@ -200,7 +201,7 @@ def test_plan_mode_off_keeps_nothing(tmp_path, mode):
   warm_start.configure(tmp_path, True)
   try:
     cfg = load_config(TINY + [f"plan.mode={mode}"])
-    assert plan.resolve_kept(cfg) == (cfg, None)
+    assert plan_decision.resolve_kept(cfg) == (cfg, None)
     assert not list(Path(tmp_path, warm_start.SUBDIR).glob("plan-*"))
   finally:
     warm_start.configure(None, False)

@@ -11,6 +11,8 @@
 * `maxlm/errors.py` imports nothing of maxlm (every layer may raise its errors), nor does `maxlm/tables.py` (the
   facts every floor reads: precisions, remat policies, GPU models, the byte formatter);
 * the core never imports the commands (`maxlm/cli/`) or the tools (`maxlm/tools/`); they import the core;
+* the commands (`maxlm/cli/`) and the tools reach a package that has a face (FACES: `maxlm.plan`) through the face
+  only: `from maxlm import plan`, never `maxlm.plan.levers` (issue 59), nor does any module outside that package;
 * no module is much over the ~400-line guideline (MAX_LINES) and no function over MAX_FUNCTION_LINES, but for
   those in OVER, which may only get shorter;
 * the training loop stays a loop: `maxlm/trainer.py` at most TRAINER_LINES lines and its `_train` at most
@@ -40,6 +42,10 @@ ABOVE = ("maxlm.cli", "maxlm.tools")
 # Modules outside cli/ and tools/ that may import them: `python -m maxlm.train` (README, launch/'s templates, the
 # SLURM and container jobs), a thin entry over its command. Each must exist (a stale entry fails).
 NOT_YET_ABOVE = {"maxlm.train"}
+# Packages with a face: everything outside the package (the commands first of all) imports the package itself and
+# the names it exports, never one of its modules (issue 59: `from maxlm import plan`, `plan.size(...)`, not
+# `from maxlm.plan.levers import ...`). The other packages (runtime/, data/, checkpoint/, hf/) have no face yet.
+FACES = ("maxlm.plan",)
 # The wings, each importing only itself and what lies below it: config/ (the schema, files, sections, names) sits
 # on maxlm.errors and maxlm.tables; runtime/ (process start-up, XLA settings, caches, distributed, watchdog) on
 # config/, tables and errors.
@@ -158,6 +164,43 @@ def test_the_core_imports_neither_commands_nor_tools():
     checked += 1
   assert checked >= 60
   assert NOT_YET_ABOVE <= names, f"stale NOT_YET_ABOVE entries: {sorted(NOT_YET_ABOVE - names)}"
+
+
+def _face_breaches(name: str, tree) -> list[str]:
+  """The modules of a FACES package that module `name` (outside that package) imports: `import maxlm.plan.x`,
+  `from maxlm.plan.x import y`, `from maxlm.plan import x` (x a module of the package), at any depth of the file."""
+  out = []
+  for face in FACES:
+    if name == face or name.startswith(face + "."):
+      continue
+    folder = PACKAGE.parent.joinpath(*face.split("."))
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        out += [a.name for a in node.names if a.name.startswith(face + ".")]
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        if node.module.startswith(face + "."):
+          out.append(node.module)
+        elif node.module == face:
+          out += [f"{face}.{a.name}" for a in node.names
+                  if (folder / f"{a.name}.py").is_file() or (folder / a.name / "__init__.py").is_file()]
+  return out
+
+
+def test_the_commands_import_only_the_faces():
+  checked = 0
+  for name, path, tree in _modules():
+    breaches = _face_breaches(name, tree)
+    assert not breaches, f"{path}: imports {sorted(breaches)}: go through the face ({', '.join(FACES)})"
+    checked += name.startswith("maxlm.cli.")
+  assert checked >= 10
+
+
+def test_the_face_guard_sees_each_form():
+  planted = ("import maxlm.plan.levers\nfrom maxlm.plan.fit import size\nfrom maxlm.plan import Sizing, target\n"
+             "from maxlm import plan\nfrom maxlm.plan import search\ndef f():\n  from maxlm.plan import measure\n")
+  assert sorted(_face_breaches("maxlm.cli.x", ast.parse(planted))) == [
+      "maxlm.plan.fit", "maxlm.plan.levers", "maxlm.plan.measure", "maxlm.plan.target"]
+  assert _face_breaches("maxlm.plan.x", ast.parse(planted)) == []  # inside the package: its own modules
 
 
 def test_the_wings_import_only_what_lies_below_them():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from maxlm.config import load_config
-from maxlm.plan import sizing
+from maxlm.plan import memory as sizing
 from maxlm.tables import GPUS, PRECISIONS, REMATS, gpu, human_bytes
 
 MODEL_SOURCE = Path(__file__).resolve().parent.parent / "maxlm" / "model.py"

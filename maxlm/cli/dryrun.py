@@ -11,7 +11,7 @@ seconds on a laptop CPU. The mesh is sized for this machine's devices, or for `-
 `--nodes M` (and `--device-memory-gb G` to compare against); the run's own checks (batch split over the
 data-parallel devices, config ranges, data files present) apply, so a bad config stops with one line and
 exit code 2. Parameters, optimizer state and FP8 metadata per device come from the abstract state's
-shards; gradients equal the parameters; logits and activations are `maxlm.plan.sizing`'s formulas.
+shards; gradients equal the parameters; logits and activations are `maxlm/plan/memory.py`'s formulas.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 from maxlm import plan as planner
+from maxlm.plan import Sizing
 from maxlm.build import Built, build_step
 from maxlm.cli.grammar import SIZING, parse_options
 from maxlm.config import Config, ConfigError, DataConfig, load_config
@@ -34,9 +35,6 @@ from maxlm.errors import BadInput, report
 from maxlm.data.readers import META_NAME, file_format, resolve_files, split_list
 from maxlm.data.shards import read_meta
 from maxlm.data.sources import resolve_type
-from maxlm.plan import sizing
-from maxlm.plan.levers import host_need
-from maxlm.plan.target import cond_copies
 from maxlm.runtime import watchdog, xla_presets
 from maxlm.parallel import context
 from maxlm.layers import check_remat, resolve_backend, supported_precisions
@@ -45,7 +43,6 @@ from maxlm.parallel.mesh import AXES, check_context_split, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
 from maxlm.optim import warmup_warning
-from maxlm.runtime.devices import device_memory_bytes
 from maxlm.runtime.env import HOST_SHARE, apply_mem_fraction
 from maxlm.parallel.pipelining import bubble_fraction, check as check_pipeline, repeats as pipeline_repeats
 from maxlm.tables import PRECISIONS, human_bytes
@@ -107,34 +104,52 @@ def data_summary(d: DataConfig, steps: int) -> dict:
   return out
 
 
+class Shapes:
+  """The dry run's abstract build of the config it sizes (maxlm/plan `size`'s state_of): the run's checks, then the
+  abstract train state, whose bytes per device the Sizing takes; kept for the report's counts."""
+
+  def __init__(self):
+    self.built, self.exact_meta, self.degrees, self.here, self.backend = None, False, {}, [], ""
+
+  def __call__(self, cfg: Config, n_devices: int, n_nodes: int) -> dict:
+    m, d, t = cfg.model, cfg.data, cfg.train
+    ici, dcn = mesh_shape(cfg.mesh, n_devices, n_nodes)
+    self.degrees = degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
+    check_pipeline(m, t, cfg.mesh, degrees["pipeline"], degrees["context"])
+    check_expert_degree(m.moe.experts, degrees["expert"])
+    check_batch_split(d, t, degrees)
+    check_context_split(d.seq_len, degrees["context"])
+    backend = resolve_backend(m.backend)
+    check_remat(m.remat, backend)
+    here = supported_precisions() if backend == "te" else [n for n, p in PRECISIONS.items() if not p.quantized]
+    self.exact_meta = m.precision in here  # TE builds the FP8 state only where the recipe runs
+    self.here, self.backend = here, backend
+    self.built = built = build(cfg, AbstractMesh(tuple(degrees.values()), AXES), self.exact_meta)
+    structs, shardings = built.state, built.state_shardings
+    return {"params": _shard_bytes(structs.params, shardings.params),
+            "optimizer": _shard_bytes(structs.opt_state, shardings.opt_state),
+            "fp8_meta": _shard_bytes(structs.model_state, shardings.model_state) if self.exact_meta else None}
+
+
 def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | None = None,
-         device_kind: str | None = None) -> dict:
-  """Everything the dry run reports, as plain data."""
+         device_kind: str | None = None, sized: Sizing | None = None, shapes: Shapes | None = None) -> dict:
+  """Everything the dry run reports, as plain data: the Sizing of the run (maxlm/plan `size`; `sized` with the
+  `shapes` it read, as `main` made them, else cfg sized as written on n_devices) with the abstract build's counts."""
+  if sized is None:
+    shapes = Shapes()
+    sized = planner.size(cfg, devices=n_devices, nodes=n_nodes, device_memory=device_memory, mode="off",
+                         state_of=shapes)
   m, d, t = cfg.model, cfg.data, cfg.train
   ici, dcn = mesh_shape(cfg.mesh, n_devices, n_nodes)
-  degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
-  check_pipeline(m, t, cfg.mesh, degrees["pipeline"], degrees["context"])
-  check_expert_degree(m.moe.experts, degrees["expert"])
-  check_batch_split(d, t, degrees)
-  check_context_split(d.seq_len, degrees["context"])
-  backend = resolve_backend(m.backend)
-  check_remat(m.remat, backend)
-  here = supported_precisions() if backend == "te" else [n for n, p in PRECISIONS.items() if not p.quantized]
-  exact_meta = m.precision in here  # TE builds the FP8 state only where the recipe runs
-  mesh = AbstractMesh(tuple(degrees.values()), AXES)
-  built = build(cfg, mesh, exact_meta)
-  structs, shardings = built.state, built.state_shardings
+  degrees, backend, here, exact_meta = shapes.degrees, shapes.backend, shapes.here, shapes.exact_meta
+  structs = shapes.built.state
 
   total = sum(a.size for a in jax.tree.leaves(structs.params))
   embedding = structs.params["embed"]["embedding"].size
   counted = count_params(m)
   if total != counted["total"]:  # the formulas in sizing / flops rely on this count
     raise AssertionError(f"parameters: {total} in the model, {counted['total']} by maxlm.model.count_params")
-  state = {"params": _shard_bytes(structs.params, shardings.params),
-           "optimizer": _shard_bytes(structs.opt_state, shardings.opt_state),
-           "fp8_meta": (_shard_bytes(structs.model_state, shardings.model_state) if exact_meta
-                        else sizing.fp8_meta_bytes(m))}
-  memory = sizing.estimate(cfg, n_devices, n_nodes, state=state)
+  memory = sized.analytic
   tokens = d.global_batch_size * d.seq_len
   flops = flops_per_step(m, d.global_batch_size, d.seq_len)
   out = {
@@ -158,14 +173,18 @@ def plan(cfg: Config, n_devices: int, n_nodes: int = 1, device_memory: int | Non
       "flops": {"per_token": flops / tokens, "per_step": flops, "tokens_per_step": tokens,
                 "convention": "6 * matmul params * tokens + 12 * B * attended pairs * heads * head_dim * layers"},
       "memory": {"per_device_bytes": memory, "remat": m.remat,
-                 "fp8_meta_from": "the abstract state" if exact_meta else "the formula in maxlm/plan/sizing.py"},
+                 "fp8_meta_from": "the abstract state" if exact_meta else "the formula in maxlm/plan/memory.py"},
       "data": data_summary(d, t.steps),
       "precision_here": {"supported": here, "ok": m.precision in here},
   }
-  if device_memory:
-    out["memory"]["device_bytes"] = device_memory
-    out["memory"]["fits"] = memory["total"] <= device_memory
-    out["memory"]["lower_bound_fits"] = memory["lower_bound"] <= device_memory
+  if sized.device_bytes:
+    out["memory"]["device_bytes"] = sized.device_bytes
+    out["memory"]["fits"] = sized.verdict == "fits"
+    out["memory"]["lower_bound_fits"] = sized.verdict != "does not fit"
+  if sized.host is not None:  # what optim.offload pins, against this host
+    h = sized.host
+    out["memory"] |= {"host_ram_per_device": h["ram_per_device"], "host_pinned": h["pinned"],
+                      "host_copies": h["copies"], "host_fits": h["short"] is None}
   peak = device_peak_flops(device_kind) if device_kind else None
   if peak:
     out["flops"]["device_kind"] = device_kind
@@ -234,7 +253,7 @@ def render(p: dict) -> str:
       + f" (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
       + (f"; attention over the context axis: {ms['context_strategy']}" if ms["context"] > 1 else "")
       + (f"; {ms['pipeline']} stages of {m['n_layers'] // ms['pipeline']} layers over {c['train']['grad_accum']} "
-         + ("micro-batches (GPipe)" if ms["repeats"] == 1 else
+         + ("micro-batches (1F1B)" if ms["schedule"] == "1f1b" else "micro-batches (GPipe)" if ms["repeats"] == 1 else
             f"micro-batches (circular: {ms['repeats']} chunks of {m['n_layers'] // ms['pipeline'] // ms['repeats']} "
             "layers per stage)")
          + f", bubble {ms['bubble']:.0%} of a step" if ms["pipeline"] > 1 else ""),
@@ -298,25 +317,20 @@ def main(argv: list[str] | None = None) -> int:
     opts, words = parse_options(argv, FLAGS, SIZING)
     cfg = load_config(words)
     apply_mem_fraction(cfg.xla.mem_fraction, xla_presets.detect_gpu() is not None)  # as the trainer does
-    # the trainer's plan.mode, measured the same way (maxlm/plan/__init__.py): fit acts on the GPUs at hand only
+    # the trainer's plan.mode, measured the same way (maxlm/plan fit.py): fit acts on the GPUs at hand only
     limits: list[watchdog.Limit] = []  # the start-up watchdog's limit of each planner compile, as a run derives it
-    began = time.monotonic()
-    cfg, chosen = planner.resolve(cfg, opts.get("devices"), opts.get("nodes"),
-                                  int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None,
-                                  on_measure=lambda e: limits.append(watchdog.planned_compile_limit(cfg.train, e)))
-    planned_s = time.monotonic() - began if limits else None
+    began, shapes = time.monotonic(), Shapes()
     local = "devices" not in opts and "nodes" not in opts
-    n_nodes = opts.get("nodes", 1 if not local else jax.process_count())
-    n_devices = opts.get("devices", jax.device_count() if local else n_nodes * jax.local_device_count())
-    memory = int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else (
-        device_memory_bytes() if local else None)
+    sized = planner.size(cfg, devices=opts.get("devices"), nodes=opts.get("nodes"),
+                         device_memory=int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None,
+                         state_of=shapes,
+                         on_measure=lambda e: limits.append(watchdog.planned_compile_limit(cfg.train, e)))
+    if sized.error is not None:
+      raise sized.error
+    planned_s = time.monotonic() - began if limits else None
+    cfg, chosen = sized.cfg, sized.line
     kind = jax.devices()[0].device_kind if local and jax.default_backend() != "cpu" else None
-    p = plan(cfg, n_devices, n_nodes, memory, kind)
-    if local and cfg.optim.offload != "none" and planner.gpu_here():  # what the offload pins, against this host
-      t = planner.make_target(cfg)
-      if t.host_bytes:
-        p["memory"] |= {"host_ram_per_device": t.host_bytes, "host_pinned": host_need(cfg, t),
-                        "host_copies": 2 if cond_copies() else 1, "host_fits": planner.host_short(cfg, t) is None}
+    p = plan(cfg, sized.n_devices, sized.n_nodes, sized.device_bytes, kind, sized, shapes)
   except BadInput as e:  # a config, an argument, data or a precision: one line, exit 2
     return report(e)
   if chosen is not None:

@@ -10,7 +10,7 @@ marked `*`. `plan.mode=auto` makes the trainer (and `--dry-run`) apply the same 
 Options: `--devices N` / `--nodes M` plan for N devices over M nodes (default: the devices here). More than
 are here are measured in a child process: by XLA:GPU on N compile-only GPUs of the kind `--target`
 names (h200, h100, b200; default: this machine's GPU, else h200) where JAX's CUDA plugin is installed
-(maxlm/plan/target.py; scripts/setup.sh installs it), else on N simulated CPU devices (XLA:CPU's buffer
+(maxlm/plan/xla_gpu.py; scripts/setup.sh installs it), else on N simulated CPU devices (XLA:CPU's buffer
 assignment with fused attention's footprint, which differs from XLA:GPU's, see maxlm/plan/measure.py); the
 table's first line says which. `--device-memory-gb G` one device's memory in GB (a GPU's total before
 `xla.mem_fraction`; default: the target's, this GPU's, or an H200's); `--simulate` measures on simulated CPU
@@ -35,12 +35,10 @@ import sys
 from maxlm import plan
 from maxlm.cli import plan_mesh
 from maxlm.cli.grammar import SIZING, command_main, parse_options
-from maxlm.config import ConfigError, load_config
-from maxlm.layers import resolve_backend
-from maxlm.plan import probe
-from maxlm.plan.measure import make_target
+from maxlm.config import load_config
 from maxlm.tables import human_bytes
 from maxlm.runtime import startup
+
 
 def render(p: plan.Plan, cfg, everything: bool = False) -> str:
   """The table: every compiled candidate (every candidate with --all), the chosen one marked."""
@@ -49,18 +47,20 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
   lines = [f"maxlm plan: {cfg.model.name} on {t.describe()}",
            f"{'':2}{'#':>4}  {'model.remat':<19}{'grad_accum':>10}  {'offload':<12}{'mu':<9}{'nu':<9}"
            f"{'certain':>11}{'measured':>12}{'step':>12}{'tok/s':>12}  status"]
-  written = plan.current(cfg)
+  written = p.written
   shown = [(i, r) for i, r in enumerate(p.rows, 1)
-           if everything or r.measured is not None or r.probed or r is p.chosen]
+           if everything or r.measured is not None or r.probed or r.estimate is not None or r is p.chosen]
   for i, r in shown:
-    o, s = r.overrides, (r.seconds if r.seconds is not None else r.time["total_s"])
-    how = "m" if r.seconds is not None else "e"  # measured here, or the roofline's estimate
+    o, s = r.overrides, (r.seconds if r.seconds is not None else r.estimate["seconds"] if r.estimate is not None
+                         else r.time["total_s"])
+    how = "m" if r.seconds is not None else "p" if r.estimate is not None else "e"  # measured, probed, roofline
     timing = f"{s:>10.3g}s{how}{tokens / s:>12,.0f}" if t.gpu else f"{'-':>12}{'-':>12}"  # no CPU roofline
     status = r.status + (f": {r.note}" if r.note else "") + ("" if r.how in ("", "measured") else f" ({r.how})")
     status += f"; {r.stats['xla_log']}" if r.stats and r.stats.get("xla_log") else ""  # XLA's own warnings
     status += "; the config as written" if r.overrides == written else ""
     peak = (human_bytes(r.measured) if r.measured is not None else
-            f"~{human_bytes(r.plausible)}" if r.probed and r.plausible is not None else "-")  # ~: the line
+            f"~{human_bytes(r.plausible)}" if r.probed and r.plausible is not None else
+            f"~{human_bytes(r.estimate['bytes'])}" if r.estimate is not None else "-")  # ~: the line
     lines.append(f"{'*' if r is p.chosen else '':2}{i:>4}  {o['model.remat']:<19}{o['train.grad_accum']:>10}  "
                  f"{o['optim.offload']:<12}{o['optim.mu_dtype']:<9}{o['optim.nu_dtype']:<9}{human_bytes(r.certain):>11}"
                  f"{peak:>12}{timing}  {status}")
@@ -70,7 +70,8 @@ def render(p: plan.Plan, cfg, everything: bool = False) -> str:
                  f"rough activations over the usable memory), {counts['not tried']} after the choice; --all lists "
                  "every candidate and compiles each one not pruned")
   lines.append("step / tok/s: m = measured on the devices at hand (a few steps each, the first plan.timed "
-               "candidates that fit); e = estimated by a roofline (peak FLOP/s, HBM, link and host bandwidths: an "
+               "candidates that fit); p = extended from the 4- and 8-layer steps timed (deep unrolled models on the "
+               "GPUs at hand, maxlm/plan/winner.py); e = estimated by a roofline (peak FLOP/s, HBM, link and host bandwidths: an "
                "optimistic bound, maxlm/plan/cost.py)")
   if p.chosen is not None:
     lines.append("chosen: " + " ".join(f"{k}={v}" for k, v in p.chosen.overrides.items())
@@ -99,30 +100,24 @@ def run(argv: list[str]) -> int:
   everything, simulate, want_json = opts.get("all", False), opts.get("simulate", False), opts.get("json", False)
   as_written, gpu, budget = opts.get("mesh_as_written", False), opts.get("target"), opts.get("meshes")
   cfg = load_config(words)
-  plan.parse_levers(cfg.plan.levers)
   for line in startup.begin(cfg):  # as the trainer starts; the cache keeps the compiles for the run
     print(f"maxlm: {line}", file=sys.stderr if want_json else sys.stdout, flush=True)  # stderr under --json
   memory = int(opts["device_memory_gb"] * 1e9) if "device_memory_gb" in opts else None
-  target = make_target(cfg, opts.get("devices"), opts.get("nodes"), memory, simulate, gpu)
+  target = plan.make_target(cfg, opts.get("devices"), opts.get("nodes"), memory, simulate, gpu)
   # progress on stderr (the table or JSON alone on stdout): each compile's end, and a line every 30 s during one
   target.progress = say = lambda line: print(f"maxlm: {line}", file=sys.stderr, flush=True)
-  if target.gpu_target and target.n_devices > 1 and not as_written:  # XLA:GPU measures: the mesh is chosen too
-    try:
-      mp = plan_mesh.mesh_search_for(cfg, target, int(budget or 3), report=say)
-    finally:
-      target.close()
-    print(plan_mesh.as_json(mp, target) if want_json else plan_mesh.render(mp, cfg, target), flush=True)
-    if mp.chosen is None:
-      raise ConfigError(f"no mesh of {target.n_devices} devices over {target.n_nodes} node(s) fits: see the table")
-    return 0
-  try:  # run_search's search, a deep offloaded candidate on compile-only GPUs probed first (probe.measuring)
-    p = plan.search(cfg, target, probe.measuring(target, say), resolve_backend(cfg.model.backend), everything,
-                    timer=plan.timer(cfg, target), timed=cfg.plan.timed, report=say)
-    print(as_json(p) if want_json else render(p, cfg, everything), flush=True)
-    if p.chosen is None:
-      raise plan.no_fit_error(cfg, p, target, report=say)
+  try:  # where XLA:GPU measures several compile-only GPUs the mesh is chosen too (unless --mesh-as-written)
+    sized = plan.size(cfg, target, mode="auto", everything=everything, meshes=0 if as_written else int(budget or 3),
+                      report=say)
   finally:
     target.close()
+  p = sized.plan
+  if isinstance(p, plan.MeshPlan):
+    print(plan_mesh.as_json(p, target) if want_json else plan_mesh.render(p, cfg, target), flush=True)
+  else:
+    print(as_json(p) if want_json else render(p, cfg, everything), flush=True)
+  if sized.error is not None:
+    raise sized.error
   return 0
 
 

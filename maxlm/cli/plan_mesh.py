@@ -7,28 +7,16 @@ from __future__ import annotations
 import json
 
 from maxlm import plan
-from maxlm.layers import resolve_backend
-from maxlm.plan import mesh_search, predict, probe
-from maxlm.plan.measure import Target
-from maxlm.plan.sizing import human_bytes
+from maxlm.tables import human_bytes
 
 GIB = 2 ** 30
-
-
-def mesh_search_for(cfg, target: Target, budget: int, report=None) -> mesh_search.MeshPlan:
-  """The mesh search on `target` (its lever searches and predictions on the same compile-only GPUs; a deep
-  offloaded candidate probed first, maxlm/plan/probe.py `measuring`); report(line): its progress."""
-  measure = probe.measuring(target, report)
-  return mesh_search.search(cfg, target, lambda c: plan.search(c, target, measure, resolve_backend(c.model.backend),
-                                                               report=report),
-                            lambda c, stats: predict.predict(c, target, stats["collectives"]), budget, report=report)
 
 
 def _settings(o: dict) -> str:
   return " ".join(f"{k}={v}" for k, v in o.items())
 
 
-def render(mp: mesh_search.MeshPlan, cfg, target: Target) -> str:
+def render(mp: plan.MeshPlan, cfg, target: plan.Target) -> str:
   lines = [f"maxlm plan: the mesh of {cfg.model.name} on {target.describe()}",
            f"  {'mesh':<58}{'est. step':>10}  {'levers (remat, accum, offload, mu, nu)':<50}{'peak':>11}"
            f"{'predicted':>11}{'tok/s/GPU':>11}  status"]
@@ -46,7 +34,7 @@ def render(mp: mesh_search.MeshPlan, cfg, target: Target) -> str:
     est = f"{r.estimate_s:>9.3g}s" if r.estimate_s is not None else f"{'-':>10}"
     mark = {"chosen": "*", "runner-up": "2"}.get(r.status, "")
     status = r.status + ("; the config's mesh" if r.written else "")
-    lines.append(f"{mark:2}{mesh_search.label(r.overrides):<58}{est}  {levers:<50}{peak:>11}{pred}  {status}")
+    lines.append(f"{mark:2}{r.label:<58}{est}  {levers:<50}{peak:>11}{pred}  {status}")
   skipped = sum(r.status == "certain bytes too big" for r in mp.rows)
   rest = sum(r.plan is None and r.estimate_s is not None for r in mp.rows) - sum(r.plan is None for r in shown)
   lines.append(f"  {len(mp.rows)} meshes: {skipped} need more than a device holds (certain bytes, every lever at its "
@@ -68,7 +56,7 @@ def render(mp: mesh_search.MeshPlan, cfg, target: Target) -> str:
   return "\n".join(lines)
 
 
-def as_json(mp: mesh_search.MeshPlan, target: Target) -> str:
+def as_json(mp: plan.MeshPlan, target: plan.Target) -> str:
   def row(r):
     c = r.plan.chosen if r.plan is not None else None
     return {"mesh": r.overrides, "estimate_s": r.estimate_s, "status": r.status, "as_written": r.written,

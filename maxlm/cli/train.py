@@ -35,14 +35,12 @@ import jax
 from maxlm import data as data_lib
 from maxlm import plan
 from maxlm import trainer as trainer_lib
-from maxlm.build import memory_stats
 from maxlm.checkpoint import EXIT_PREEMPTED, Preemption, run_lock
 from maxlm.cli import dryrun
 from maxlm.cli.grammar import parse_options
 from maxlm.config import Config, ConfigError, help_text, load_config
 from maxlm.errors import EXIT_BAD_INPUT, MaxlmError, report
 from maxlm.metrics import echo
-from maxlm.plan.oom import oom_message
 from maxlm.tables import human_bytes
 from maxlm.runtime import compile_cache, distributed, peers, startup, watchdog
 from maxlm.runtime.devices import is_oom
@@ -123,7 +121,7 @@ def _planned(cfg: Config, t_start: float, compile_only: bool, preemption: Preemp
     if not is_oom(e):
       raise
     compiled_gb = getattr(getattr(trainer, "jitted_train_step", None), "compiled_memory_gb", None)
-    return _fail(oom_message(cfg, how, compiled_gb, e), 1)
+    return _fail(plan.oom_message(cfg, how, compiled_gb, e), 1)
   finally:
     if trainer is not None:
       trainer.close()  # its data's prefetch threads: a process that goes on after the run keeps none reading
@@ -135,7 +133,7 @@ def compile_step_only(trainer: Trainer, t_start: float) -> int:
   hit = trainer.compile_train_step()
   step = trainer.jitted_train_step
   if jax.process_index() == 0:
-    m = memory_stats(step.executable)
+    m = plan.size(trainer.cfg, compiled=step.executable).measured  # XLA's bytes of the step it compiled
     parts = ", ".join(f"{k} {human_bytes(m[k])}" for k in ("argument", "output", "temp", "alias"))
     host = f"; in host memory {human_bytes(m['host'])}" if m["host"] else ""
     echo(f"maxlm: --compile-only: {trainer.cfg.model.name} on {jax.device_count()} x "

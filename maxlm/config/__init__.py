@@ -213,7 +213,9 @@ class TrainConfig:
   pipeline_schedule: str = option("gpipe", "with pipeline stages: gpipe (each stage one block of L/S layers; "
                                   "bubble (S-1)/(M+S-1)) or circular (each stage pipeline_repeats chunks of "
                                   "layers, every micro-batch loops the stages that many times; bubble "
-                                  "(S-1)/(V*M+S-1), n_layers divisible by S*V)", choices=("gpipe", "circular"))
+                                  "(S-1)/(V*M+S-1), n_layers divisible by S*V) or 1f1b (one forward, one "
+                                  "backward per tick: GPipe's bubble, at most 2S-1 micro-batches' activations "
+                                  "held per stage instead of M)", choices=("gpipe", "circular", "1f1b"))
   pipeline_repeats: int = option(2, "circular pipeline schedule: V, the layer chunks per stage (virtual stages "
                                  "per device); ignored by gpipe", within="[2, inf)")
   pipeline_gather: str = option("tick", "with pipeline stages and FSDP: gather a stage's weights at every tick "

@@ -31,9 +31,10 @@ once after it: per device the stage's L/S layers gathered (tensor-parallel shard
 in the parameters' dtype, for the whole step.
 
 Embedding and LM head: they stay outside the pipeline (maxlm/model.py). Their parameters are not split over
-`pipeline` (only `layers` is), and every pipeline stage computes them for the whole batch: the embedding lookup
-before the first stage, the final norm, head and loss after the last. Their activations are sharded over
-data x fsdp as without a pipeline, and replicated over `pipeline`.
+`pipeline` (only `layers` is); the embedding lookup before the first stage and the final norm, head and loss
+after the last run once over the batch, its length split over the stages (the logical axis `stage_length`), not
+on every stage. Under 1f1b (maxlm/parallel/onefoneb.py) the head and loss run per micro-batch on the last
+stage's output, its length split the same way.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
 
 from maxlm.config import ConfigError, MeshConfig, ModelConfig, TrainConfig
+from maxlm.parallel.schedules import assignment, bubble_fraction, schedule_table  # noqa: F401 (their home before)
 
 AXIS = "pipeline"  # the mesh axis of the stages (maxlm/parallel/mesh.py)
 # logical names of the stage state [S, micro-batch, T, D] (maxlm/parallel/sharding.py maps "stages" to AXIS)
@@ -83,30 +84,14 @@ def check(m: ModelConfig, t: TrainConfig, mesh: MeshConfig, stages: int, context
   if not m.scan_layers:
     raise ConfigError(f"model.scan_layers=false: the pipeline ({keys}) splits the scanned layer stack; "
                       "set model.scan_layers=true")
+  if t.pipeline_schedule == "1f1b" and m.precision == "fp16":
+    raise ConfigError(f"model.precision=fp16 with train.pipeline_schedule=1f1b ({keys}): 1f1b forms the gradients "
+                      "in its forward pass, before the loss scale applies; use bf16, or train.pipeline_schedule="
+                      "gpipe")
   if m.precision == "fp8_delayed":
     raise ConfigError(f"model.precision=fp8_delayed with {keys}: its per-layer amax history is updated once per "
                       "call of a layer, and a pipelined layer runs once per micro-batch in one step; use "
                       "fp8_current (or bf16)")
-
-
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-  """The share of a step a stage waits: (S - 1) / (V M + S - 1) (V = 1: GPipe's); 0 without a pipeline."""
-  return (stages - 1) / (repeats * microbatches + stages - 1)
-
-
-def assignment(t, stage, microbatches: int, repeats: int = 1):
-  """(micro-batch, repeat, busy) of `stage` at tick t (ints or arrays): what the tick loop runs. Idle (not busy)
-  stages get a clipped micro-batch and repeat, whose results are never read."""
-  work = jnp.clip(t - stage, 0, repeats * microbatches - 1)
-  busy = (t - stage >= 0) & (t - stage < repeats * microbatches)
-  return work % microbatches, work // microbatches, busy
-
-
-def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
-  """[ticks, S, 2]: the (micro-batch, repeat) each stage works on at each tick, (-1, -1) where it idles."""
-  t = np.arange(repeats * microbatches + stages - 1)[:, None]
-  mb, rep, busy = map(np.asarray, assignment(t, np.arange(stages)[None, :], microbatches, repeats))
-  return np.where(busy[..., None], np.stack([mb, rep], axis=-1), -1)
 
 
 def micro_batches(x: jax.Array, m: int) -> jax.Array:

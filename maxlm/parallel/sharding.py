@@ -52,6 +52,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # activations
     ("activation_batch", BATCH),
     ("stages", "pipeline"),  # the pipeline's stage axis of its activations (maxlm/parallel/pipelining.py)
+    ("stage_length", "pipeline"),  # the length outside the stages (embedding, head, loss): split over them
     ("activation_length", "context"),
     ("activation_embed", None),
     ("activation_heads", "tensor"),

@@ -23,7 +23,9 @@ different factors for different settings; the times are for ordering, and the GP
 With pipeline stages (maxlm/parallel/pipelining.py; V = 1 for GPipe, train.pipeline_repeats for circular): every stage
 computes 1/V of its layers at each of the V M + S - 1 ticks, V M of them useful (the bubble, `bubble_s`); the LM
 head runs on every stage for the whole batch; a stage's FSDP gathers the layers of each tick
-(train.pipeline_gather=tick) or its own layers once (step); and each tick hands one micro-batch's activations to
+(train.pipeline_gather=tick) or its own layers once (step); 1f1b (maxlm/parallel/onefoneb.py) has GPipe's
+bubble, (S - 1) / (M + S - 1), and computes a stage's forward once more per micro-batch (its backward phase
+recomputes it from the kept input); and each tick hands one micro-batch's activations to
 the next stage and sums the last stage's output over the pipeline axis, forward and backward (`pipeline_s`, at
 network bandwidth when the stages span nodes), on the critical path between ticks.
 """
@@ -34,9 +36,9 @@ from maxlm.config import Config
 from maxlm.parallel.context import resolve_strategy
 from maxlm.parallel.mesh import AXES, mesh_shape
 from maxlm.model import count_params, flops_per_step
-from maxlm.plan import sizing
+from maxlm.plan import memory
 from maxlm.parallel.pipelining import repeats as pipeline_repeats
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 from maxlm.tables import DEFAULT_GPU, REMATS, gpu, gpu_named
 
 # The estimate is a bound that real steps miss by factors that differ between settings (datasheet peaks, no
@@ -95,10 +97,12 @@ def step_time(cfg: Config, target: Target) -> dict:
   if stages > 1:
     head = 6.0 * m.d_model * m.vocab_size * d.global_batch_size * d.seq_len  # in flops_per_step's matmuls
     v = pipeline_repeats(cfg.train)
-    ticks = v * a + stages - 1  # each running 1/V of a stage's layers on one micro-batch
-    passes = ticks / v  # the stage's layers run this often; the head's work is done by every stage, whole batch
+    if cfg.train.pipeline_schedule == "1f1b":  # its backward phase recomputes the stage's forward (onefoneb.py)
+      work += (flops_per_step(m, d.global_batch_size, d.seq_len) - head) / 3
+    ticks = v * a + stages - 1  # each running 1/V of a stage's layers on one micro-batch (1f1b: F and B phases)
+    passes = ticks / v  # the stage's layers run this often; the head once, its length split over the stages
     bubble = (work - head) * (stages - 1) / (v * a) / (n * peak)
-    work = (work - head) * passes / a + head * stages
+    work = (work - head) * passes / a + head
     rows = d.global_batch_size / a / (deg["data"] * deg["fsdp"] * deg["expert"])  # a micro-batch's rows per device
     act = rows * (d.seq_len // deg["context"]) * m.d_model * (4 if m.dtype == "float32" else 2)  # [B/M, T/cp, D]
     across = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)[1][AXES.index("pipeline")] > 1
@@ -121,8 +125,8 @@ def step_time(cfg: Config, target: Target) -> dict:
   else:
     accum = (a - 1) * (3 * 2 * params["matmul"] / deg["tensor"] + 2 * 4 * params["total"] / shards) / hbm
   per_device = held / shards  # parameters per device
-  p_bytes = sizing.DTYPE_BYTES[m.param_dtype]
-  moment_bytes = sizing.moment_bytes(cfg.optim)  # mu's and nu's, per parameter
+  p_bytes = memory.DTYPE_BYTES[m.param_dtype]
+  moment_bytes = memory.moment_bytes(cfg.optim)  # mu's and nu's, per parameter
   host_trip = cfg.optim.offload in ("host", "host_params")
   optimizer = per_device * (3 * p_bytes + (0 if host_trip else 2 * moment_bytes)) / hbm  # read p, g; write p (+ moments)
   # over the host link: the moments in and out; host_params: the parameters in (forward), in and out (update)

@@ -7,14 +7,16 @@ so, or that nothing fits and what would.
   leaves out a bfloat16 moment the configured decay would make lossy), then lever order.
 * Choice. On the GPUs at hand (one process) the first `plan.timed` candidates that fit are run for a few
   steps each (maxlm/plan/timing.py) and the fastest measured wins; elsewhere (simulated devices, several
-  processes, plan.timed=0) the first that fits, by the estimate, and the line says "estimated". The line
+  processes, plan.timed=0) the first that fits, by the estimate, and the line says "estimated". A deep unrolled
+  model on the GPUs at hand is not searched here: maxlm/plan/winner.py estimates each candidate from its shallow
+  programs and compiles only the winner whole (maxlm/plan/fit.py `search` chooses which). The line
   also says which moment dtypes were chosen, how they are rounded, and which were not tried and why.
 * Budget and progress. Once one candidate fits, plan.budget_s bounds the search: past it nothing more is compiled,
   and nothing more timed once one is (on the GPUs at hand a compile of the 8B's unrolled layers takes about a
   minute). Each compile and timing is reported as it ends (the trainer prints it: a long search shows itself).
-* Pruning (the analytic model, maxlm/plan/sizing.py, only prunes). A candidate is not compiled when the bytes
-  it certainly needs (sizing's lower_bound: the state, and the gradients or the logits, both when
-  accumulating; a true lower bound of XLA's peak) plus a share of sizing's rough activations exceed the usable
+* Pruning (the analytic model, maxlm/plan/memory.py, only prunes). A candidate is not compiled when the bytes
+  it certainly needs (memory.py's lower_bound: the state, and the gradients or the logits, both when
+  accumulating; a true lower bound of XLA's peak) plus a share of memory.py's rough activations exceed the usable
   memory. The share is kept per model.remat policy: one half until a candidate of that policy is measured, then
   the least (measured - certain) / activations seen for it so far, at most 1: calibrated on XLA's own numbers,
   so that a big model compiles few candidates. Per policy, because the rough activations err by policy: on the
@@ -25,7 +27,7 @@ so, or that nothing fits and what would.
   Where every candidate was pruned the message says so: nothing was compiled. On the GPUs at hand, a deep
   unrolled candidate is then first compiled at 4 and 8 layers (maxlm/plan/probe.py) and pruned when the line
   through those peaks, extended to its depth, is over the usable memory by more than probe.SLACK.
-* Host memory (optim.offload): a candidate whose pinned host memory per device (sizing's host: the moments, and
+* Host memory (optim.offload): a candidate whose pinned host memory per device (memory.py's host: the moments, and
   with host_params the parameters; twice on jax < 0.11, whose XLA:GPU keeps a copy of the donated state under the
   step's cond) exceeds HOST_SHARE of the host RAM per device (the node's RAM, or its cgroup's limit, over the devices
   of the node's processes; a DGX node's on a compile-only target, said so) is not compiled: pinned memory cannot be
@@ -44,10 +46,10 @@ import jax
 
 from maxlm.config import LEVERS, Config, ConfigError, load_config
 from maxlm.layers import resolve_backend
-from maxlm.plan import moments, probe, sizing, timing
+from maxlm.plan import memory, moments, probe, timing
 from maxlm.plan.cost import TIE, degrees, step_time
-from maxlm.plan.measure import Target
-from maxlm.plan.target import COND_COPY, cond_copies
+from maxlm.plan.target import Target
+from maxlm.plan.xla_gpu import COND_COPY, cond_copies
 from maxlm.runtime.env import HOST_SHARE
 from maxlm.tables import REMATS, human_bytes
 
@@ -128,18 +130,18 @@ def candidates(cfg: Config, target: Target, backend: str) -> list[dict]:
 
 
 def certain_bytes(cfg: Config, target: Target) -> dict:
-  """Bytes per device: "certain" = sizing's lower_bound (what the step certainly holds at once: the state, and
-  the gradients or the logits, both when accumulating; maxlm/plan/sizing.py says why it is a lower bound of
+  """Bytes per device: "certain" = memory.py's lower_bound (what the step certainly holds at once: the state, and
+  the gradients or the logits, both when accumulating; maxlm/plan/memory.py says why it is a lower bound of
   XLA's peak), the moments (and with host_params the parameters) left out when offloaded; "activations" =
-  sizing's rough activations."""
-  est = sizing.estimate(cfg, target.n_devices, target.n_nodes)
+  memory.py's rough activations."""
+  est = memory.estimate(cfg, target.n_devices, target.n_nodes)
   return {"certain": est["lower_bound"], "activations": est["activations"]}
 
 
 def host_need(cfg: Config, target: Target) -> int:
-  """Bytes of pinned host memory per device with cfg's optim.offload (sizing's host), doubled where this jax's
-  XLA:GPU copies the donated state under the step's cond (maxlm/plan/target.py `cond_copies`)."""
-  return sizing.estimate(cfg, target.n_devices, target.n_nodes)["host"] * (2 if cond_copies() else 1)
+  """Bytes of pinned host memory per device with cfg's optim.offload (memory.py's host), doubled where this jax's
+  XLA:GPU copies the donated state under the step's cond (maxlm/plan/xla_gpu.py `cond_copies`)."""
+  return memory.estimate(cfg, target.n_devices, target.n_nodes)["host"] * (2 if cond_copies() else 1)
 
 
 def host_short(cfg: Config, target: Target) -> str | None:
@@ -168,6 +170,7 @@ class Row:
   stats: dict | None = None  # everything the measurement returned
   plausible: int | None = None  # what the analytic model took as plausible, where it pruned
   seconds: float | None = None  # the step time measured on the devices at hand (maxlm/plan/timing.py)
+  estimate: dict | None = None  # bytes and seconds extended from two shallow programs (maxlm/plan/winner.py)
 
   @property
   def probed(self) -> bool:
@@ -183,6 +186,8 @@ class Plan:
   cfg: Config  # the config with the chosen levers (the input config when none fits)
   moments: str = ""  # what the line says about the moment dtypes (maxlm/plan/moments.py)
   stopped: float | None = None  # seconds into the search when plan.budget_s stopped it
+  written: dict = dataclasses.field(default_factory=dict)  # the lever values as the config wrote them
+  costs: dict | None = None  # seconds of each part of the planning (maxlm/plan/winner.py `Costs.line`)
 
   def line(self) -> str:
     """The one line the trainer prints."""
@@ -197,7 +202,11 @@ class Plan:
     p = sum(r.probed for r in self.rows)  # pruned by two shallow compiles (probe.py)
     how = f"measured by {self.target.measured_by}" if c.how == "measured" else f"{c.how}, by {self.target.measured_by}"
     timed = [r for r in self.rows if r.seconds is not None]
+    probed = [r for r in self.rows if r.estimate is not None]
     speed = (f"; step {c.seconds:.3g} s measured, the fastest of {len(timed)} timed" if c.seconds is not None
+             else f"; step {c.estimate['seconds']:.3g} s estimated from its {c.estimate['depths'][0]}- and "
+                  f"{c.estimate['depths'][1]}-layer steps timed, the fastest of {len(probed)} probed"
+             if c.estimate is not None
              else f"; step {c.time['total_s']:.3g} s estimated (roofline), not measured" if self.target.gpu
              else "")  # CPU devices: no roofline, nothing timed
     return (f"plan: {levers} (peak {human_bytes(c.measured)} of {human_bytes(self.target.usable)} "
@@ -205,7 +214,7 @@ class Plan:
             + f"{len(self.rows) - n - p} not"
             + (f"; search stopped by plan.budget_s={self.cfg.plan.budget_s:g} after {self.stopped:.0f} s"
                if self.stopped is not None else "") + ")"
-            + (f"; {self.moments}" if self.moments else ""))
+            + (f"; {self.moments}" if self.moments else "") + (f"; {self.costs['line']}" if self.costs else ""))
 
 
 def _fits(cfg, target, row, need, measured, share: float | None) -> float | None:
@@ -321,7 +330,7 @@ def search(cfg: Config, target: Target, measure, backend: str, everything: bool 
     stopped = stopped or clock() - start  # the budget ended the timing
   return Plan(target, rows, chosen, apply(cfg, chosen.overrides) if chosen else cfg,
               moments.note(cfg, chosen.overrides, parse_levers(cfg.plan.levers)) if chosen else "",
-              stopped=stopped)
+              stopped=stopped, written=current(cfg))
 
 
 def kept(cfg: Config) -> dict:

@@ -1,6 +1,6 @@
 """The planner's choice of mesh for N devices over M nodes: pipeline x data x fsdp x context x tensor, each
 intra-node (NVLink) or inter-node (network), chosen by the predicted step time of the compiled step among the
-meshes whose levers fit (maxlm/plan/levers.py on each), XLA:GPU measuring both (maxlm/plan/target.py).
+meshes whose levers fit (maxlm/plan/levers.py on each), XLA:GPU measuring both (maxlm/plan/xla_gpu.py).
 Within TIE (2%) of the fastest the config's own mesh wins, then the fewer bfloat16 moments.
 
 Candidates (`meshes`): tensor and context inside a node (their exchanges are per layer and on the critical
@@ -26,10 +26,11 @@ import time
 from maxlm.config import Config, ConfigError
 from maxlm.layers import resolve_backend
 from maxlm.parallel.mesh import mesh_shape
+from maxlm.parallel.pipelining import repeats as pipeline_repeats
 from maxlm.plan import heartbeat, moments
 from maxlm.plan.levers import apply, candidates, certain_bytes, most_saving
 from maxlm.plan.cost import TIE, degrees, hardware, step_time  # TIE: predictions closer are a tie
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 
 MESH_KEYS = ("mesh.pipeline", "mesh.data", "mesh.fsdp", "mesh.context", "mesh.tensor", "mesh.dcn_pipeline",
              "mesh.dcn_data", "mesh.dcn_fsdp", "mesh.dcn_context", "mesh.dcn_tensor")
@@ -55,7 +56,9 @@ def meshes(cfg: Config, n_devices: int, n_nodes: int) -> list[dict]:
         continue
       rest = per_node // (tensor * context)
       for pipeline in _divisors(n_nodes):
-        if m.n_layers % pipeline or (pipeline > 1 and context > 1):
+        # the stack splits into S stages of V chunks each (V: train.pipeline_repeats under circular, else 1)
+        if m.n_layers % (pipeline * (pipeline_repeats(cfg.train) if pipeline > 1 else 1)) or (
+            pipeline > 1 and context > 1):
           continue
         across = n_nodes // pipeline
         for data, fsdp in dict.fromkeys(((1, rest), (rest, 1))):
@@ -116,6 +119,10 @@ class MeshRow:
   plan: object = None  # the lever search's Plan, where compiled
   predicted: dict | None = None  # maxlm/plan/predict.py's, where a plan fits
   written: bool = False  # the config's own mesh
+
+  @property
+  def label(self) -> str:
+    return label(self.overrides)
 
 
 @dataclasses.dataclass

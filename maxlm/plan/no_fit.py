@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 from maxlm.config import Config
-from maxlm.plan import sizing
+from maxlm.plan import memory
 from maxlm.plan.levers import Plan, label, apply, certain_bytes, host_short, kept, kept_line, most_saving, parse_levers
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 from maxlm.tables import human_bytes
 
 
@@ -48,7 +48,7 @@ def no_fit_message(cfg: Config, p: Plan, note: str = "") -> str:
   host = [r for r in p.rows if r.note.startswith("pinned host memory")]
   if least is not None:
     c = apply(cfg, least.overrides)
-    est = sizing.estimate(c, t.n_devices, t.n_nodes)
+    est = memory.estimate(c, t.n_devices, t.n_nodes)
     both = est["params"] + est["copy"] + est["gradients"]  # host_params: the parameters' compute copy
     msg += (f"; the least measured, {label(least.overrides)}, needs {human_bytes(least.measured)}, of which "
             f"the parameters and their gradients take {human_bytes(both)}: no lever in plan.levers shrinks "

@@ -11,7 +11,7 @@ import jax
 from maxlm.config import Config, ConfigError
 from maxlm.layers import resolve_backend
 from maxlm.plan.levers import LEVERS, current, lever_values
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 from maxlm.runtime.devices import bytes_limit, device_kind, is_gpu, local_device
 from maxlm.runtime.env import fraction_in_environment
 from maxlm.tables import human_bytes

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from maxlm.config import Config
 from maxlm.plan.cost import degrees, hardware, step_time
-from maxlm.plan.measure import Target
+from maxlm.plan.target import Target
 
 
 def comm_seconds(inventory: dict, link: float, network: float) -> dict[str, float]:

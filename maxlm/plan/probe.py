@@ -41,6 +41,7 @@ from maxlm.plan.cost import degrees
 from maxlm.tables import human_bytes
 
 DEPTHS = (4, 8)  # layers per pipeline stage of the two probes
+PROBES = len(DEPTHS)
 SLACK = 0.1  # of the usable memory (module doc)
 MIN_LAYERS = 16  # per pipeline stage: the probes compile 12 layers
 

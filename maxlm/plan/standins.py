@@ -162,7 +162,11 @@ def _saving_sim_dots(policy):
 # in a traced function short of a jaxpr interpreter over every higher-order primitive (scan, cond, remat, pjit,
 # custom_vjp), and XLA:CPU cannot compile the bf16 dot as it is (dot_op_emitter.cc: RET_CHECK on the element type,
 # with float-normalization-bf16 disabled). A model flag reaches only maxlm's own GEMMs; the attention and the
-# remat policy do go through the model (`for_gpu_step`).
+# remat policy do go through the model (`for_gpu_step`). Issue 59 asked for the GEMMs to go through the model's
+# overrides too (maxlm.model.Overrides, as attention and remat do): that reaches maxlm's own GEMMs only (the flax
+# backend's dense, the LM head, the chunked loss's head), not those inside TE's layers (te_backend: norm_dense,
+# norm_mlp), which the 8B's planned step (model.backend=auto -> te) is made of, so the rebinding would stay for
+# them; kept whole here until JAX offers a primitive substitution (or TE a GEMM hook) that reaches them.
 
 
 @contextlib.contextmanager

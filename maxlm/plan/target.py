@@ -1,191 +1,231 @@
-"""Compile-only GPU targets: the train step compiled by XLA:GPU for N GPUs of a named kind, with none present.
+"""Where a plan is for (`Target`: the devices, their memory, how the step is measured; `make_target` makes it) and
+the simulator that measures for devices not at hand.
 
-JAX's CUDA plugin makes compile-only devices from a GPU description (`jax.experimental.topologies.
-get_topology_desc(platform="cuda", target_config=<GpuTargetConfigProto text>, topology="1xMxK")`: M hosts of K
-GPUs, each host a process, so maxlm.parallel.mesh lays the mesh's dcn axes over them as over the nodes of a cluster).
-XLA:GPU then compiles maxlm's step for them on a CPU machine, no driver needed, and its `memory_analysis()` is
-XLA:GPU's own buffer assignment. Against an H200 measuring itself (docs/plan.md, "Compiled for XLA:GPU without
-a GPU"): within -5.3% to +1.8% with jax 0.10.2 and the guard compiled as a select, and within 3% with jax 0.11.2
-as shipped; the CPU simulation (maxlm/plan/measure.py's Simulator) was 13.5% to 22% high.
-
-The kinds (`KINDS`, files in gpu_targets/): h200, h100 (SXM, 80 GB) and b200, XLA's own specs trimmed. Where
-the plugin is: importable here (a GPU machine's jax[cuda]), else the folder `$MAXLM_GPU_COMPILER`, else
-`<venv>/maxlm-gpu-compiler` (scripts/setup.sh installs it there with `pip install --target`: importable
-in the venv, its CUDA checks would print a traceback at every JAX start on a machine without a GPU). The
-plugin must be the installed jaxlib's version. `GpuCompiler` measures in one child process per device count
-(the plugin must be on the path when JAX starts), with `JAX_PLATFORMS=cpu` (the plugin then skips its checks
-of the CUDA libraries) and the XLA flags `xla.preset` gives that GPU (maxlm/runtime/xla_presets.py). Its
-attention is fused attention's footprint, as in the simulation (no Transformer Engine kernels on a CPU host).
-
-Known difference: jax 0.10.2's XLA:GPU keeps a copy of the donated state under the step's `lax.cond` (the
-non-finite guard); 0.11.2 does not (docs/plan.md). Every result says which jax measured.
-
-Host memory (optim.offload): compile-only devices have no memories, and a NamedSharding over them drops its memory
-kind (JAX canonicalizes it against the devices' memories), so the state's shardings as the trainer builds them
-would compile the offload=none program. `compile_in_host_memory` compiles the trainer's step function again with
-the state's shardings over the mesh's AbstractMesh, which keeps memory kinds, lowered inside the concrete mesh:
-XLA:GPU's own program with the state in pinned host memory (its host bytes in memory_analysis's host_* fields).
+For more devices than are present, `Simulator(n)` runs maxlm/plan/measure.py's measurement in one child process on n
+simulated CPU devices (`--xla_force_host_platform_device_count=n`, `JAX_PLATFORMS=cpu`), one JSON line per config
+(measure.py says how that stands in for a GPU's step), or, where JAX's CUDA plugin is installed, XLA:GPU's compiler
+for n compile-only GPUs of a kind (maxlm/plan/xla_gpu.py, the kinds in maxlm/plan/kinds.py). `Target.progress` gets a
+line every 30 s of a compile (heartbeat.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import importlib.util
+import json
 import os
+import subprocess
 import sys
-from pathlib import Path
+import time
+from collections.abc import Callable
 
 import jax
-from jax.experimental import topologies
-from jax.sharding import NamedSharding, PartitionSpec
 
-from maxlm.offload import place
-from maxlm.runtime import xla_presets
-
-HERE = Path(__file__).resolve().parent / "gpu_targets"
-ENV_FOLDER = "MAXLM_GPU_COMPILER"
-# a what-if (benchmarks/gpu_plan.py --guard-as-select): the child compiles the step's non-finite guard as a select
-# (maxlm/plan/standins.py for_gpu_step's guard_select), as jax 0.11.2's XLA:GPU updates the state in place under the cond
-GUARD_AS_SELECT = "MAXLM_PLAN_GUARD_AS_SELECT"
-FOLDER_NAME = "maxlm-gpu-compiler"
-PLUGINS = ("xla_cuda13", "xla_cuda12")  # jax_plugins.<name>; the pip names are jax-cuda13-plugin/-pjrt, ...
+from maxlm.config import Config, ConfigError, to_dict
+from maxlm.plan import heartbeat, xla_gpu
+from maxlm.plan.clock import CompileClock
+from maxlm.plan.kinds import KINDS, NODE_HOST, NODE_HOST_PER_GPU, kind_for
+from maxlm.plan.measure import measure, offloaded
+from maxlm.runtime.devices import bytes_limit, device_kind, host_memory_bytes, is_gpu, local_device, physical_memory_bytes
+from maxlm.runtime.distributed import processes_on_node
+from maxlm.runtime.env import GPU_FRACTION, XLA_DEFAULT_FRACTION, fraction_in_environment
+from maxlm.tables import DEFAULT_GPU, gpu_named, human_bytes
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuKind:
-  key: str  # --target's value
-  kind: str  # the device kind JAX reports on that GPU
-  file: str  # in gpu_targets/
-  memory: int  # bytes of one GPU as JAX counts them (before xla.mem_fraction)
-  capability: str  # compute capability, for xla.preset
-  source: str  # where `memory` comes from
-
-  def config_text(self) -> str:
-    return (HERE / self.file).read_text()
+def simulated_env(n_devices: int) -> dict[str, str]:
+  """The environment of a child with n simulated CPU devices (other XLA flags kept: CPU accepts them)."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  # LLVM's optimization level changes the generated code, not the HLO buffer assignment: compiles faster
+  if not any(f.startswith("--xla_backend_optimization_level") for f in flags):
+    flags.append("--xla_backend_optimization_level=0")
+  flags.append(f"--xla_force_host_platform_device_count={n_devices}")
+  return {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
 
 
-GIB = 2 ** 30
-# A compile-only target's host RAM per GPU, for optim.offload's pinned host memory: a DGX node's (H100, H200 and
-# B200 alike: 2 TB for 8 GPUs, NVIDIA's datasheets; B200's can be 4 TB), assumed and said so
-NODE_HOST_PER_GPU = 2 * 1024 * GIB // 8
-NODE_HOST = "assumed: a DGX node's 2 TB of RAM for 8 GPUs"
-KINDS = {
-    "h200": GpuKind("h200", "NVIDIA H200", "h200.txtpb", int(139.87 * GIB), "9.0",
-                    "JAX on an H200: bytes_limit 104.9 GiB at XLA's default fraction 0.75"),
-    "h100": GpuKind("h100", "NVIDIA H100 80GB HBM3", "h100.txtpb", int(79.2 * GIB), "9.0",
-                    "JAX on an H100 80GB (benchmarks/results/2026-12-05-llama70b_one_h100.txt, 79.2 GiB)"),
-    "b200": GpuKind("b200", "NVIDIA B200", "b200.txtpb", 191514411008, "10.0",
-                    "XLA's B200 spec (device_memory_size); not checked on a B200"),
-}
+class Simulator:
+  """`measure(..., gpu_footprint=True)` on n simulated CPU devices in one child process (started on the first call),
+  or what `command` measures on in the environment `env` (xla_gpu.py's compile-only GPUs, one_memory=False). On
+  XLA:CPU's one memory, configs that differ only in optim.offload are one program: compiled once, the offload by
+  `offloaded` (host_params: offload=none's program with model.cast_params_once, holding the compute copy)."""
+
+  def __init__(self, n_devices: int, command: list[str] | None = None, env: dict | None = None,
+               label: str = "", one_memory: bool = True):
+    self.n, self.proc, self.cache, self.one_memory = n_devices, None, {}, one_memory
+    self.command = command or [sys.executable, "-m", "maxlm.plan.measure"]
+    self.env, self.label = env, label or f"{n_devices} simulated CPU devices"
+
+  def measure(self, cfg: Config) -> dict:
+    data = to_dict(cfg)
+    arithmetic = self.one_memory and cfg.optim.offload != "none"
+    if arithmetic:
+      data["optim"]["offload"] = "none"
+      data["model"]["cast_params_once"] |= cfg.optim.offload == "host_params"
+    key = json.dumps(data, sort_keys=True)
+    if key not in self.cache:
+      self.cache[key] = self._ask(key)
+    out = self.cache[key]
+    if "error" in out:
+      raise ConfigError(out["error"])
+    return offloaded(out, cfg.optim.offload) if "oom" not in out and arithmetic else out
+
+  def _ask(self, line: str) -> dict:
+    if self.proc is None:
+      self.proc = subprocess.Popen(self.command, env=self.env or simulated_env(self.n),
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self.proc.stdin.write(line + "\n")
+    self.proc.stdin.flush()
+    answer = self.proc.stdout.readline()
+    if not answer:
+      code = self.proc.wait()
+      self.proc = None
+      raise RuntimeError(f"the measuring process on {self.label} ended (exit code {code}) "
+                         "before it answered; its output is above")
+    return json.loads(answer)
+
+  def close(self) -> None:
+    if self.proc is not None:
+      self.proc.stdin.close()
+      self.proc.wait()
+      self.proc = None
 
 
-COND_COPY = ("jax 0.10's XLA:GPU keeps a copy of the donated state under the step's lax.cond (docs/plan.md): "
-             "high by up to the parameters and moments; jax 0.11.2's does not")
+MARGIN = 0.02  # of the usable memory, for fragmentation of XLA's pool (see maxlm/plan/__init__.py)
 
 
-def cond_copies() -> bool:
-  """Whether this jax's XLA:GPU copies the donated state under a lax.cond (0.10.2 does, 0.11.2 does not)."""
-  return tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)
+@dataclasses.dataclass
+class Target:
+  """Where a plan is for: devices, their memory, and how the step is measured (see `make_target`)."""
+  n_devices: int
+  n_nodes: int
+  kind: str  # device kind, e.g. "NVIDIA H200"; "cpu" for CPU devices
+  device_bytes: int  # one device's memory (a GPU's total; a CPU device's share of RAM)
+  fraction: float | None  # xla.mem_fraction in effect on a GPU; None on CPU
+  simulated: bool  # measured on simulated CPU devices (`Simulator`), else on the devices at hand
+  devices: list | None = None  # the devices at hand to measure on
+  assumed: str = ""  # what was assumed about the device (no GPU here to ask)
+  gpu_target: str = ""  # a key of maxlm/plan/kinds.py's KINDS: measured by XLA:GPU on compile-only GPUs
+  note: str = ""  # why a simulation is XLA:CPU's (no CUDA plugin, --simulate)
+  host_bytes: int | None = None  # the node's RAM over its devices (GPUs only: a CPU has one memory), None: unknown
+  host_assumed: str = ""  # what was assumed about the host (a compile-only target: no node to ask)
+  _sim: Simulator | None = None
+  # told before each measurement, with the seconds its compile is expected to take (None: nothing compiled yet),
+  # by the start-up watchdog, which derives the compile's limit from it
+  on_measure: Callable[[float | None], None] | None = None
+  clock: CompileClock = dataclasses.field(default_factory=CompileClock)  # the compiles made, for the expectation
+  progress: Callable[[str], None] | None = None  # a line while a compile runs (heartbeat.py) and XLA's warnings
+  heartbeat_s: float = heartbeat.EVERY
+
+  @property
+  def usable(self) -> int:
+    return int(self.device_bytes * (self.fraction or 1.0) * (1 - MARGIN))
+
+  @property
+  def gpu(self) -> bool:
+    return self.kind != "cpu"
+
+  @property
+  def measured_by(self) -> str:
+    """Which compiler measures: "XLA on the devices at hand", "XLA:GPU target h200 (compile-only), jax 0.10.2",
+    "XLA:CPU simulation, jax 0.10.2"."""
+    if not self.simulated:
+      return "XLA on the devices at hand"
+    return (f"XLA:GPU target {self.gpu_target} (compile-only), jax {jax.__version__}" if self.gpu_target else
+            f"XLA:CPU simulation, jax {jax.__version__}")
+
+  def measure(self, cfg: Config) -> dict:
+    if self.on_measure is not None:
+      self.on_measure(self.clock.expect(cfg))
+    if self.simulated and self._sim is None:
+      self._sim = (gpu_compiler(self.gpu_target, self.n_devices, self.n_nodes, cfg.xla.preset) if self.gpu_target
+                   else Simulator(self.n_devices))
+    what = f"compiling {heartbeat.candidate(cfg)} on {self._sim.label if self._sim else 'the devices at hand'}"
+    began = time.monotonic()
+    try:
+      with heartbeat.beating(self.progress, what, self.heartbeat_s):
+        out = self._sim.measure(cfg) if self._sim else measure(cfg, self.devices)
+    finally:
+      self.clock.add(cfg, time.monotonic() - began)
+    if self.progress is not None and "xla_log" in out:
+      self.progress(f"plan: {out['xla_log']}; while {what}")
+    return out
+
+  def close(self) -> None:
+    if self._sim is not None:
+      self._sim.close()
+
+  def describe(self, compiled: bool = True) -> str:
+    """The devices and their usable memory, and how memory was measured: by XLA (on the devices at hand, by
+    XLA:GPU for compile-only GPUs, or on simulated CPU devices), or (compiled=False: every candidate pruned)
+    not at all."""
+    how = "by XLA on the devices at hand"
+    if self.gpu_target:
+      how = (f"by {self.measured_by}: {self.n_devices} GPUs over {self.n_nodes} node(s), fused attention's "
+             "footprint" + (f"; {xla_gpu.COND_COPY}" if xla_gpu.cond_copies() else ""))
+    elif self.simulated:
+      how = (f"by XLA on {self.n_devices} simulated CPU devices ({self.measured_by}, with fused attention's "
+             "footprint" + (f"; {self.note}" if self.note else "") + ")")
+    frac = f" x xla.mem_fraction {self.fraction:g}" if self.fraction else ""
+    return (f"{self.n_devices} x {self.kind}{self.assumed}: {human_bytes(self.device_bytes)}{frac} - {MARGIN:.0%} "
+            f"= {human_bytes(self.usable)} usable per device; "
+            + (f"memory measured {how}" if compiled else "pruned by the analytic model, nothing compiled"))
 
 
-def kind_for(device_kind: str) -> str | None:
-  """The key of KINDS matching a device kind reported by JAX ("NVIDIA H100 80GB HBM3" -> "h100")."""
-  text = device_kind.lower()
-  for key in KINDS:
-    if key in text and not ("gh200" in text or "gb200" in text):
-      return key
-  return None
+def gpu_compiler(key: str, n_devices: int, n_nodes: int, preset: str) -> Simulator:
+  """A Simulator whose child compiles with XLA:GPU for n_devices compile-only GPUs of kind `key`."""
+  plugin, why = xla_gpu.find_plugin()
+  if plugin is None:
+    raise RuntimeError(why)
+  return Simulator(n_devices, [sys.executable, "-c", xla_gpu.WORKER, key, str(n_devices), str(n_nodes)],
+                   xla_gpu.compiler_env(plugin, preset, KINDS[key]),
+                   f"{n_devices} compile-only {key} GPUs (XLA:GPU)", one_memory=False)
 
 
-@dataclasses.dataclass(frozen=True)
-class Plugin:
-  folder: str  # to put on the child's path; "" where this interpreter imports the plugin already
-  version: str
+def _local_memory(dev) -> int | None:
+  """The allocator's limit of a GPU (or the test switch's); a CPU device's share of the host's RAM."""
+  limit = bytes_limit(dev)
+  if limit:
+    return limit
+  physical = physical_memory_bytes()
+  return physical // jax.local_device_count() if physical else None
 
 
-def _jaxlib_version() -> str:
-  return importlib.metadata.version("jaxlib")
+def make_target(cfg: Config, n_devices: int | None = None, n_nodes: int | None = None,
+                device_memory: int | None = None, simulate: bool = False, gpu: str | None = None) -> Target:
+  """The devices at hand (all, or the first n_devices of one process), else n_devices GPUs of kind `gpu` (a key
+  of maxlm/plan/kinds.py's KINDS; default: this machine's GPU, else h200), compiled for by XLA:GPU where the
+  CUDA plugin is installed, else (or with simulate) simulated on CPU devices with that GPU's memory (this
+  machine's when it has one; an H200's, said so, when no kind is named). device_memory: bytes of one device
+  (a GPU's total, before xla.mem_fraction; on CPU what a device may use)."""
+  if gpu is not None and gpu not in KINDS:
+    raise ConfigError(f"argument --target: unknown GPU {gpu!r} (known: {', '.join(KINDS)})")
+  dev = local_device()  # a process asks only its own devices (another process's are not addressable)
+  gpu_here = is_gpu(dev)
+  frac_here = (fraction_in_environment() or XLA_DEFAULT_FRACTION) if gpu_here else None
+  here = _local_memory(dev)
+  other_gpu = gpu is not None and not (gpu_here and kind_for(dev.device_kind) == gpu)  # --target
+  at_hand = not simulate and not other_gpu and ((n_devices is None and n_nodes is None) or (
+      jax.process_count() == 1 and (n_nodes or 1) == 1 and n_devices <= jax.device_count()))
+  if at_hand:
+    n = n_devices or jax.device_count()
+    total = device_memory or (int(here / frac_here) if gpu_here and here else here)
+    if not total:
+      raise ConfigError("this device reports no memory size: give --device-memory-gb G")
+    host = host_memory_bytes() if gpu_here else None
+    return Target(n, n_nodes or jax.process_count(), device_kind(dev) if gpu_here else "cpu", total, frac_here,
+                  False, jax.devices()[:n],
+                  host_bytes=host // (jax.local_device_count() * processes_on_node(os.environ)) if host else None)
+  kind, total, assumed = f"NVIDIA {DEFAULT_GPU}", gpu_named(DEFAULT_GPU).memory, " (assumed: no GPU here)"
+  key = gpu or (kind_for(dev.device_kind) if gpu_here else "h200")
+  if gpu is not None:
+    kind, total, assumed = KINDS[gpu].kind, KINDS[gpu].memory, ""
+  elif gpu_here and here:
+    kind, total, assumed = dev.device_kind, int(here / frac_here), ""
+  frac = fraction_in_environment() or cfg.xla.mem_fraction or GPU_FRACTION
+  n_nodes = n_nodes or 1
+  plugin, note = (None, "--simulate") if simulate else xla_gpu.find_plugin()
+  if plugin is None or key is None:  # no XLA:GPU here, or no description of this GPU
+    note = note or f"no target description of {dev.device_kind} in maxlm/plan/gpu_targets"
+  return Target(n_devices or n_nodes * jax.local_device_count(), n_nodes, kind, device_memory or total, frac, True,
+                assumed=assumed if not device_memory else "", gpu_target=key if plugin and key else "",
+                note="" if plugin and key else note, host_bytes=NODE_HOST_PER_GPU, host_assumed=NODE_HOST)
 
-
-def _folder_version(folder: Path) -> str | None:
-  """The version of the CUDA plugin installed (pip --target) in `folder`, or None."""
-  if not any((folder / "jax_plugins" / name).is_dir() for name in PLUGINS):
-    return None
-  for dist in importlib.metadata.distributions(path=[str(folder)]):
-    if dist.metadata["Name"] and dist.metadata["Name"].lower().replace("_", "-").startswith("jax-cuda1"):
-      return dist.version
-  return None
-
-
-def find_plugin() -> tuple[Plugin | None, str]:
-  """(the CUDA plugin to compile with, or None; why none)."""
-  want = _jaxlib_version()
-  for name in PLUGINS:
-    if importlib.util.find_spec("jax_plugins") is not None and importlib.util.find_spec(f"jax_plugins.{name}"):
-      try:
-        have = importlib.metadata.version(f"jax-{name.removeprefix('xla_')}-plugin")
-      except importlib.metadata.PackageNotFoundError:
-        have = want  # a jaxlib built with it (no separate wheel)
-      if have == want:
-        return Plugin("", have), ""
-  env = os.environ.get(ENV_FOLDER)
-  folder = Path(env) if env else Path(sys.prefix) / FOLDER_NAME
-  have = _folder_version(folder)
-  if have is None:
-    where = f"${ENV_FOLDER}={env}" if env else str(folder)
-    return None, f"no CUDA plugin for jaxlib {want} (none in {where}; bash scripts/setup.sh installs it)"
-  if have != want:
-    return None, f"the CUDA plugin in {folder} is {have}, jaxlib is {want} (bash scripts/setup.sh reinstalls it)"
-  return Plugin(str(folder), have), ""
-
-
-def preset_flags(preset: str, kind: GpuKind) -> tuple[str, ...]:
-  """The XLA flags xla.preset gives a GPU of this kind (auto: by its compute capability)."""
-  name, _ = xla_presets.resolve(preset, gpu=(kind.kind, kind.capability))
-  return xla_presets.PRESETS[name]
-
-
-def compiler_env(plugin: Plugin, preset: str, kind: GpuKind) -> dict[str, str]:
-  """The environment of a child that compiles for GPUs of `kind` (see the module doc)."""
-  env = dict(os.environ)
-  if plugin.folder:
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin.folder, env.get("PYTHONPATH", "")) if p)
-  env["XLA_FLAGS"] = xla_presets.merge(env.get("XLA_FLAGS", ""), preset_flags(preset, kind))[0]
-  # LLVM's optimization of the generated code, not the buffer assignment before it (the same bytes measured)
-  env["XLA_FLAGS"] = xla_presets.merge(env["XLA_FLAGS"], ("--xla_backend_optimization_level=0",
-                                                          "--xla_llvm_disable_expensive_passes=true"))[0]
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
-
-
-def compile_only_devices(kind: GpuKind, n_devices: int, n_nodes: int = 1) -> list:
-  """n_devices compile-only GPUs of `kind` on n_nodes hosts (device id // (n_devices / n_nodes) = its host).
-  Only where the plugin was on the path when JAX started (the child of `maxlm.plan.measure.gpu_compiler`)."""
-  if n_devices % n_nodes:
-    raise ValueError(f"{n_devices} devices do not split over {n_nodes} nodes")
-  topo = topologies.get_topology_desc(platform="cuda", target_config=kind.config_text(),
-                                      topology=f"1x{n_nodes}x{n_devices // n_nodes}")
-  return list(topo.devices)
-
-
-# the child's program: measure.py's `gpu_worker`, which compiles on `compile_only_devices`
-WORKER = "import sys; from maxlm.plan.measure import gpu_worker; sys.exit(gpu_worker(*sys.argv[1:]))"
-
-
-def drops_memory_kinds(mesh) -> bool:
-  """Compile-only devices: no memories, so a sharding over them loses its memory kind (see the module doc)."""
-  return not mesh.devices.flat[0].addressable_memories()
-
-
-def compile_in_host_memory(built, offload: str):
-  """The train step of `built` (maxlm/build.py) compiled on its compile-only devices with the state in the memories
-  `offload` gives it (maxlm/offload.py `place`), through shardings over the mesh's AbstractMesh."""
-  am = built.mesh.abstract_mesh
-  shardings = place(jax.tree.map(lambda s: NamedSharding(am, s.spec), built.state_shardings), offload)
-  structs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), built.state, shardings)
-  bs = NamedSharding(am, built.batch_sharding.spec)
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bs) for k, v in built.batch_structs().items()}
-  jitted = built.train_step.jitted_with(shardings, {k: bs for k in batch}, NamedSharding(am, PartitionSpec()))
-  with built.scope():
-    return jitted.lower(structs, batch).compile()

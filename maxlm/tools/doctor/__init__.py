@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from maxlm.cli.grammar import command_main, parse_options
 from maxlm.config import Config, ConfigError, MeshConfig, load_config
-from maxlm.plan import sizing
+from maxlm import plan
 from maxlm.runtime import distributed, process_output, startup, xla_presets
 from maxlm.tools.doctor import checks, probes
 from maxlm.tools.doctor.checks import STATUSES, Result
@@ -58,7 +58,7 @@ def format_line(r: Result) -> str:
 def checkpoint_bytes(cfg: Config) -> int:
   """One checkpoint: parameters, both Adam moments and FP8 metadata of the whole model (one device)."""
   whole = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=1, tensor=1, dcn_data=1, dcn_fsdp=1, dcn_tensor=1))
-  est = sizing.estimate(whole, 1)
+  est = plan.size(whole, devices=1, mode="off").analytic
   return est["params"] + est["optimizer"] + est["host"] + est.get("fp8_meta", 0)
 
 
@@ -128,7 +128,7 @@ def _backend_checks(cfg: Config, emit: Callable[[Result], None]) -> bool:
                                                  probes.nccl_version(probes.loaded_libraries()) if gpu else None)))
   emit(guarded("memory_settings", lambda: checks.check_memory_settings(gpu, os.environ)))
   emit(guarded("memory_fit", lambda: checks.check_memory_fit(
-      gpu, sizing.estimate(cfg, jax.device_count(), n_nodes=jax.process_count()),
+      gpu, plan.size(cfg, devices=jax.device_count(), nodes=jax.process_count(), mode="off").analytic,
       device_memory_bytes() if gpu else None,
       f"{jax.device_count()} device(s), model.remat={m.remat}, batch {cfg.data.global_batch_size} x {cfg.data.seq_len}")))
   return bool(allreduce.get("hung"))

@@ -302,7 +302,7 @@ def check_memory_settings(gpu: bool, env: Mapping[str, str]) -> Result:
 
 
 def check_memory_fit(gpu: bool, estimate: Mapping[str, int], limit: int | None, where: str) -> Result:
-  """`estimate`: maxlm.plan.sizing.estimate for the configured run; `limit`: the allocator's bytes per device."""
+  """`estimate`: maxlm.plan.memory.estimate for the configured run; `limit`: the allocator's bytes per device."""
   if not gpu:
     return skip_no_gpu("memory_fit")
   if not limit:

@@ -52,8 +52,12 @@ the layer stack also by the pipeline degree (its stages split the layers);
 the logits' batch by data x fsdp x expert, their positions by context and their vocabulary by tensor (each rounded
 up). A dimension that does not divide its mesh axes is replicated in practice, so `lower_bound` stays a
 lower bound. Activations are divided by the batch and context degrees only. With pipeline stages
-(maxlm/parallel/pipelining.py) the LM head runs once on the whole batch (its micro-batches are all in flight) and a
-stage keeps its L / stages layers' activations for every micro-batch (GPipe). Degrees are the products of
+(maxlm/parallel/pipelining.py) the LM head runs once on the whole batch (its micro-batches are all in flight), its
+length split over the stages (`stage_length`), and a
+stage keeps its L / stages layers' activations for every micro-batch (GPipe and circular: M in flight); under 1f1b
+(maxlm/parallel/onefoneb.py) the inputs of min(M, 2 S - 1) micro-batches and one micro-batch's L / stages layers;
+with train.pipeline_gather=step and fsdp, `gathered`: the stage's layers whole over fsdp and their gradient sum
+for the step. Degrees are the products of
 the intra- and inter-node degrees, -1 filled from the device count as `maxlm.parallel.mesh` does.
 
 `check_fits(cfg, n_devices, bytes_per_device)` raises `ConfigError` when `lower_bound` exceeds the
@@ -135,13 +139,23 @@ def compute_copy(m: ModelConfig, stages: int, shards: int) -> tuple[int, int]:
   return -(-(layers + d * p_bytes + head + embedding) // shards), -(-embedding // shards)
 
 
+def _gathered(cfg: Config, layer_params: int, stages: int, deg: dict[str, int], p_bytes: int) -> int:
+  """train.pipeline_gather=step under FSDP: a stage's L / S layers gathered over fsdp (tensor-parallel shards
+  kept) and their gradient sum, in the parameters' dtype, held for the whole step; 0 otherwise (gathered per
+  tick: one layer at a time, as without stages)."""
+  if stages == 1 or cfg.train.pipeline_gather != "step" or deg["fsdp"] == 1:
+    return 0
+  return 2 * -(-layer_params // stages) * p_bytes // deg["tensor"]
+
+
 def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
              state: dict[str, int] | None = None) -> dict[str, int]:
-  """Bytes per device: params, optimizer, gradients, fp8_meta, logits, head, activations, exchange, copy,
+  """Bytes per device: params, optimizer, gradients, fp8_meta, logits, head, activations, gathered, exchange, copy,
   copy_embedding, lower_bound, total, and host (pinned host memory, not in the totals)."""
   if n_devices < 1 or n_nodes < 1:
     raise ValueError(f"n_devices ({n_devices}) and n_nodes ({n_nodes}) must be >= 1")
   from maxlm.model import count_params  # noqa: PLC0415 - maxlm.model imports jax, the rest here needs none
+  from maxlm.parallel.schedules import in_flight  # noqa: PLC0415 - it imports jax too
 
   m, d = cfg.model, cfg.data
   deg = mesh_degrees(cfg.mesh, n_devices, n_nodes)
@@ -168,18 +182,25 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
       "copy": copy,
       "copy_embedding": copy_embedding,
       "fp8_meta": fp8_meta_bytes(m) if state is None else state["fp8_meta"],
-      "logits": rows * -(-_logit_positions(m, d.seq_len) // deg["context"]) * vocab * logit_bytes,
+      # with stages the length outside them (embedding, head, loss) is split over the pipeline axis
+      "logits": rows * -(-_logit_positions(m, d.seq_len) // (deg["context"] * stages)) * vocab * logit_bytes,
       "activations": (rows * (d.seq_len // deg["context"]) * _activation_elements(cfg, m.n_layers // stages)
                       * c_bytes),
+      "gathered": _gathered(cfg, counts["layers"], stages, deg, p_bytes),
   }
+  if stages > 1 and cfg.train.pipeline_schedule == "1f1b":  # R stage inputs kept, one micro-batch's layers live
+    mb_rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"] * deg["expert"]))
+    kept = in_flight("1f1b", stages, cfg.train.grad_accum) * m.d_model
+    out["activations"] = (mb_rows * (d.seq_len // deg["context"]) * (kept + _activation_elements(
+        cfg, m.n_layers // stages)) * c_bytes)
   out["exchange"] = exchange_bytes(m, rows * (d.seq_len // deg["context"]), deg["expert"], c_bytes)
-  out["head"] = rows * _logit_positions(m, d.seq_len) * vocab * c_bytes  # the LM head's output: materialized
+  out["head"] = rows * -(-_logit_positions(m, d.seq_len) // stages) * vocab * c_bytes  # the LM head's output
   held = copy - copy_embedding  # host_params: read again by the backward pass (and by every micro-batch)
   live = (out["gradients"] + out["head"] + held if cfg.train.grad_accum > 1
           else max(out["gradients"], out["head"] + held))
-  out["lower_bound"] = out["params"] + out["optimizer"] + out["fp8_meta"] + live
+  out["lower_bound"] = out["params"] + out["optimizer"] + out["fp8_meta"] + live + out["gathered"]
   out["total"] = (out["params"] + out["optimizer"] + out["gradients"] + out["fp8_meta"] + out["logits"]
-                  + out["activations"] + out["exchange"] + copy)
+                  + out["activations"] + copy + out["gathered"] + out["exchange"])
   return out
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from maxlm.config import ConfigError, load_config
 from maxlm.plan.measure import measure
-from maxlm.plan.sizing import check_fits, estimate
+from maxlm.plan.memory import check_fits, estimate
 from maxlm.tables import human_bytes
 
 GiB = 2**30
@@ -65,13 +65,14 @@ def test_mesh_degrees_divide_the_right_parts():
 
 def test_pipeline_stages_split_the_layer_stack_and_the_head_sees_the_whole_batch():
   """mesh.pipeline: the stack's parameters (layers, with their norms) are divided by the stages, the embedding,
-  head and final norm are not; the LM head's logits cover every micro-batch at once (GPipe)."""
+  head and final norm are not; the LM head's logits cover every micro-batch at once (GPipe), their length split
+  over the 4 stages (the logical axis `stage_length`)."""
   base = ["config=llama8b", "model.loss_chunk=0", "model.scan_layers=true", "train.grad_accum=4"]
   cfg = load_config([*base, "mesh.pipeline=4", "mesh.fsdp=2"])
   est = estimate(cfg, 8)
   stack = 32 * (L8_LAYER + 2 * 4096)
   assert est["params"] == 4 * ((L8_PARAMS - stack + stack // 4) // 2)  # fsdp 2; the stack also over 4 stages
-  assert est["logits"] == (8 // 2) * L8_LOGITS_ROW  # the whole batch of 8 over data x fsdp = 2, not 8 / 4
+  assert est["logits"] == (8 // 2) * L8_LOGITS_ROW // 4  # the whole batch of 8 over data x fsdp = 2; 8192 / 4 positions
   flat = estimate(load_config([*base, "mesh.fsdp=2", "mesh.data=4"]), 8)  # the same 8 devices without stages
   assert flat["logits"] == L8_LOGITS_ROW  # a micro-batch of 2 rows over 8 devices: 1 row (rounded up)
   assert flat["params"] == 4 * L8_PARAMS // 2

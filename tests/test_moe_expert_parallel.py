@@ -101,6 +101,7 @@ MESHES = {  # name: (mesh, devices, model changes)
     "expert2_data2_fsdp2": (MeshConfig(expert=2, data=2, fsdp=2), 8, {}),
     "expert2_context2": (MeshConfig(expert=2, context=2, fsdp=1), 4, {}),  # the sequence split too
     "expert4_capacity": (MeshConfig(expert=4, fsdp=1), 4, CAPACITY),
+    "expert2_dense_kernel": (MeshConfig(expert=2, fsdp=1), 2, {"moe": dataclasses.replace(TINY.moe, kernel="dense")}),
 }
 
 
@@ -119,7 +120,7 @@ def test_expert_parallel_train_steps_equal_one_device(case):
   metrics, grads, state = train_steps(mesh_cfg, n_devices, **model_kw)
   n = sum(x.size for x in jax.tree_util.tree_leaves(ref_state.params))
   for i, ((loss, norm, aux, dropped), (r_loss, r_norm, r_aux, r_dropped)) in enumerate(zip(metrics, ref_metrics)):
-    assert dropped == r_dropped and (dropped > 0) == bool(model_kw), (case, i, dropped, r_dropped)
+    assert dropped == r_dropped and (dropped > 0) == (model_kw is CAPACITY), (case, i, dropped, r_dropped)
     np.testing.assert_allclose(loss, r_loss, rtol=LOSS_DIFF, err_msg=f"{case} step {i}")
     np.testing.assert_allclose(aux, r_aux, rtol=LOSS_DIFF, err_msg=f"{case} step {i} aux loss")
     np.testing.assert_allclose(norm, r_norm, rtol=GRAD_DIFF + np.sqrt(n) * U32, err_msg=f"{case} step {i}")

@@ -25,7 +25,7 @@ from maxlm.data import BATCH_KEYS
 from maxlm.layers import moe, precision_scope
 from maxlm.model import Transformer
 from maxlm.optim import make_optimizer
-from maxlm.parallel.mesh import make_mesh
+from maxlm.parallel.mesh import make_mesh, mesh_shape
 from maxlm.parallel.sharding import TE_MESH_AXES, axis_rules, batch_sharding, replicated
 from maxlm.step import make_train_step
 from maxlm.train_state import create_train_state
@@ -188,6 +188,18 @@ def test_experts_and_their_optimizer_state_are_split_over_the_expert_axis():
   mu = [t for t in jax.tree_util.tree_leaves(state.opt_state, is_leaf=lambda x: isinstance(x, dict) and "layers" in x)
         if isinstance(t, dict)][0]
   assert mu["layers"]["moe"]["w1"].addressable_shards[0].data.shape == (4, 2, 64, 128)
+
+
+def test_the_expert_axis_takes_its_devices_from_fsdps_minus_one():
+  """mesh.expert between fsdp and context (the batch over data x fsdp x expert); the other axes' -1 rules as
+  before; an error names mesh.expert only where it is not 1."""
+  assert mesh_shape(MeshConfig(expert=2), 8) == ([1, 1, 4, 2, 1, 1], [1, 1, 1, 1, 1, 1])
+  assert mesh_shape(MeshConfig(expert=-1, fsdp=2), 8) == ([1, 1, 2, 4, 1, 1], [1, 1, 1, 1, 1, 1])
+  assert (mesh_shape(MeshConfig(fsdp=4, dcn_data=1, dcn_expert=-1), 8, n_nodes=2)
+          == ([1, 1, 4, 1, 1, 1], [1, 1, 1, 2, 1, 1]))
+  with pytest.raises(ConfigError, match=r"^mesh: mesh.pipeline=1 x mesh.data=1 x mesh.fsdp=2 x mesh.expert=2 x "
+                                        r"mesh.context=1 x mesh.tensor=1 multiply to 4, but there are 8 devices"):
+    mesh_shape(MeshConfig(fsdp=2, expert=2), 8)
 
 
 @pytest.mark.parametrize("bad,words", [

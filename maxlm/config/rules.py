@@ -66,8 +66,8 @@ def check_expert_degree(experts: int, ep: int) -> None:
 
 def check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
   """model.moe: k <= E; the MoE layers exist; what the scanned stack and the pipeline cannot run yet; the expert
-  degree, where no -1 leaves it to the device count, divides E (maxlm/parallel/mesh.py checks it again on the
-  mesh)."""
+  degree, where no -1 leaves it to the device count, divides E (a -1 degree: checked on the mesh, by the trainer and the dry
+  run)."""
   e = m.moe
   if mesh.expert != -1 and mesh.dcn_expert != -1:
     check_expert_degree(e.experts, mesh.expert * mesh.dcn_expert)

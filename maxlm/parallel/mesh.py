@@ -78,4 +78,3 @@ def check_context_split(seq_len: int, context: int) -> None:
     raise ConfigError(f"data.seq_len={seq_len} is not divisible by 2 x the context-parallel degree {context} "
                       f"(mesh.context x mesh.dcn_context): each device holds two chunks of the sequence; use a "
                       f"multiple of {2 * context}")
-

@@ -53,13 +53,14 @@ def train_steps(mesh_cfg: MeshConfig, n_devices: int, steps: int = 2, optimizer=
   """`steps` jitted, sharded train steps: ([(loss, grad_norm, aux loss, drop rate or -1)], [gradients on the host],
   final state)."""
   mesh = make_mesh(mesh_cfg, jax.devices()[:n_devices])
-  model = Transformer(dataclasses.replace(TINY, **model_kw), max_segments=16)
+  cfg = dataclasses.replace(TINY, **model_kw)
+  model = Transformer(cfg, max_segments=16)
   _, schedule = make_optimizer(OptimConfig(warmup_steps=0, learning_rate=1e-2), 10)
   optimizer = optimizer or recorder()
 
   @contextlib.contextmanager
   def scope():
-    with jax.set_mesh(mesh), axis_rules(), precision_scope("bf16", "flax", mesh_axes=TE_MESH_AXES):
+    with jax.set_mesh(mesh), axis_rules(), precision_scope("bf16", cfg.backend, mesh_axes=TE_MESH_AXES):
       yield
 
   with scope():
@@ -102,14 +103,16 @@ MESHES = {  # name: (mesh, devices, model changes)
     "expert2_context2": (MeshConfig(expert=2, context=2, fsdp=1), 4, {}),  # the sequence split too
     "expert4_capacity": (MeshConfig(expert=4, fsdp=1), 4, CAPACITY),
     "expert2_dense_kernel": (MeshConfig(expert=2, fsdp=1), 2, {"moe": dataclasses.replace(TINY.moe, kernel="dense")}),
+    "expert2_fsdp2_te": (MeshConfig(expert=2, fsdp=2), 4, {"backend": "te"}),  # TE's dense layers, pure-JAX experts
 }
+CASES = [pytest.param(name, marks=pytest.mark.te) if name.endswith("_te") else name for name in MESHES]
 
 
 def leaf_names(state) -> list[str]:
   return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
 
 
-@pytest.mark.parametrize("case", list(MESHES))
+@pytest.mark.parametrize("case", CASES)
 def test_expert_parallel_train_steps_equal_one_device(case):
   """Loss, gradient norm, the load-balancing loss and every gradient of two train steps (the second on the first's
   batch 1, a different routing) with the experts split equal one device's within the float32 bounds above; in

@@ -9,6 +9,7 @@ import pytest
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from maxlm.cli.train import main
 from maxlm.config import load_config
 from maxlm.parallel import experts
 from maxlm.plan import collectives, memory
@@ -92,3 +93,18 @@ def test_the_collectives_inventory_reads_the_exchange_compiled_by_xla_cpu():
   slots = ep * (n // ep) * k * d * 4
   assert inv["count"] == 5 and inv["bytes"] == 4 * slots + ep * (e // ep) * 4
   assert inv["wire"] == pytest.approx((4 * slots + 32) * (ep - 1) / ep) and inv["dcn_wire"] == 0
+
+
+def test_the_dry_run_reports_the_expert_split_and_the_exchange(capsys):
+  """`--dry-run` of Mixtral on 8 devices at expert 8: the mesh line names expert 8, the parameters an 8th each
+  (46,702,792,704 x 4 B / 8 = 21.7 GiB), the exchange's 2 x 8 x 8192 x 2 x 4096 x 2 B = 2.0 GiB."""
+  code = main(["--dry-run", "config=mixtral8x7b.yml", "mesh.expert=8", "mesh.fsdp=1", "--devices", "8",
+               "--device-memory-gb", "141"])
+  out = capsys.readouterr().out
+  assert code == 0, out
+  assert "pipeline 1 x data 1 x fsdp 1 x expert 8 x context 1 x tensor 1" in out
+  assert "params         21.7 GiB   float32, sharded over fsdp x context x expert x tensor" in out
+  assert "exchange        2.0 GiB   one MoE layer's all-to-all buffers over expert 8" in out
+  dense = main(["--dry-run", "config=llama8b.yml", "--devices", "8", "--device-memory-gb", "141"])
+  text = capsys.readouterr().out
+  assert dense == 0 and "exchange" not in text and "x expert" not in text

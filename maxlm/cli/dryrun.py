@@ -267,7 +267,8 @@ def render(p: dict) -> str:
   ]
   piped = ms["pipeline"] > 1
   off = c["optim"]["offload"]
-  rows = [("params", f"{m['param_dtype']}, sharded over fsdp x context x tensor" + (", the layers also over pipeline" if piped
+  over = "fsdp x context x expert x tensor" if ms["expert"] > 1 else "fsdp x context x tensor"
+  rows = [("params", f"{m['param_dtype']}, sharded over {over}" + (", the layers also over pipeline" if piped
                                                                           else "")
            + ("; in host memory (optim.offload=host_params)" if off == "host_params" else "")),
           ("optimizer", f"AdamW mu in {c['optim']['mu_dtype']}, nu in {c['optim']['nu_dtype']}, the params' "
@@ -279,6 +280,9 @@ def render(p: dict) -> str:
            + ", fp32 for the loss + the compute-dtype copy"),
           ("activations", "rough: everything the backward pass reads, every layer" if mem["remat"] == "none"
            else f"rough: what remat={mem['remat']} keeps per layer + one layer recomputed")]
+  if est.get("exchange"):
+    rows.append(("exchange", f"one MoE layer's all-to-all buffers over expert {ms['expert']}: send and receive, "
+                             "padded (dropless)"))
   if off == "host_params":
     rows.append(("copy", "the params on the device for the step: matmul weights in the compute dtype"))
   for key, why in rows:

@@ -112,12 +112,13 @@ def step_time(cfg: Config, target: Target) -> dict:
   compute = work / (n * peak)
   once = stages > 1 and cfg.train.pipeline_gather == "step"
   gathered = (layers * (1 if once else passes) + other * (1 if stages > 1 else a)) / deg["tensor"]  # per device
-  # 2 gathers (bf16) + scatter, over fsdp x context x expert; a device gathers only its E / expert experts, over
-  # fsdp x context (their D split), in float32 (maxlm/layers/moe.py casts them after the exchange's entry)
+  # 2 gathers (bf16) + scatter, over fsdp x context x expert; with expert parallelism a device gathers only its
+  # E / expert experts, over fsdp x context (their D split), in float32 (maxlm/layers/moe.py casts them after the
+  # exchange's entry: 2 x 4 B gathered, 4 B scattered)
   experts = expert_params(m) / stages * (1 if once else passes) / deg["tensor"]
-  group = zero // deg["expert"]
+  group, ep = zero // deg["expert"], deg["expert"]
   fsdp = (3 * (gathered - experts) * 2 * (zero - 1) / zero
-          + (2 * 4 + 4) * experts / deg["expert"] * (group - 1) / group) / link
+          + ((2 * 4 + 4) * experts / ep * (group - 1) / group if ep > 1 else 3 * experts * 2 * (zero - 1) / zero)) / link
   bw = net if target.n_nodes > 1 else link
   data = 2 * 4 * held / shards * (deg["data"] - 1) / deg["data"] / bw  # fp32 all-reduce
   if stages > 1:  # the stage's weights read again and its gradients summed at every tick

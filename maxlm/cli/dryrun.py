@@ -229,6 +229,16 @@ def _watchdog_line(wd: dict) -> str:
           f"the first step {wd['first_step_s']:g} s ({wd['first_step_how']})")
 
 
+def _axes(ms: dict) -> str:
+  """'pipeline 1 x data 1 x fsdp 8 x context 1 x tensor 1': every mesh axis's degree, expert only above 1."""
+  return " x ".join(f"{a} {ms[a]}" for a in AXES if a != "expert" or ms[a] > 1)
+
+
+def _param_split(ms: dict) -> str:
+  """The mesh axes the parameters are split over, as the report names them (expert only where it is above 1)."""
+  return "fsdp x context x expert x tensor" if ms["expert"] > 1 else "fsdp x context x tensor"
+
+
 def render(p: dict) -> str:
   """The plan as text, one topic per block."""
   c, m, ms, pa, fl, mem, da = (p["config"], p["config"]["model"], p["mesh"], p["params"], p["flops"], p["memory"],
@@ -249,8 +259,7 @@ def render(p: dict) -> str:
       f"{c['optim']['learning_rate']:g} {c['optim']['schedule']}, warmup {c['optim']['warmup_steps']}; run dir "
       f"{c['run_dir']}",
       f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): "
-      + " x ".join(f"{a} {ms[a]}" for a in AXES if a != "expert" or ms[a] > 1)
-      + f" (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
+      + _axes(ms) + f" (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
       + (f"; attention over the context axis: {ms['context_strategy']}" if ms["context"] > 1 else "")
       + (f"; {ms['pipeline']} stages of {m['n_layers'] // ms['pipeline']} layers over {c['train']['grad_accum']} "
          + ("micro-batches (1F1B)" if ms["schedule"] == "1f1b" else "micro-batches (GPipe)" if ms["repeats"] == 1 else
@@ -267,8 +276,7 @@ def render(p: dict) -> str:
   ]
   piped = ms["pipeline"] > 1
   off = c["optim"]["offload"]
-  over = "fsdp x context x expert x tensor" if ms["expert"] > 1 else "fsdp x context x tensor"
-  rows = [("params", f"{m['param_dtype']}, sharded over {over}" + (", the layers also over pipeline" if piped
+  rows = [("params", f"{m['param_dtype']}, sharded over {_param_split(ms)}" + (", the layers also over pipeline" if piped
                                                                           else "")
            + ("; in host memory (optim.offload=host_params)" if off == "host_params" else "")),
           ("optimizer", f"AdamW mu in {c['optim']['mu_dtype']}, nu in {c['optim']['nu_dtype']}, the params' "
@@ -280,9 +288,8 @@ def render(p: dict) -> str:
            + ", fp32 for the loss + the compute-dtype copy"),
           ("activations", "rough: everything the backward pass reads, every layer" if mem["remat"] == "none"
            else f"rough: what remat={mem['remat']} keeps per layer + one layer recomputed")]
-  if est.get("exchange"):
-    rows.append(("exchange", f"one MoE layer's all-to-all buffers over expert {ms['expert']}: send and receive, "
-                             "padded (dropless)"))
+  rows += [("exchange", f"one MoE layer's all-to-all buffers over expert {ms['expert']}: send and receive, padded "
+                        "(dropless)")] if est.get("exchange") else []
   if off == "host_params":
     rows.append(("copy", "the params on the device for the step: matmul weights in the compute dtype"))
   for key, why in rows:

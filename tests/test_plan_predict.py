@@ -82,9 +82,10 @@ def test_pipeline_compute_holds_the_bubble_and_the_hand_offs_are_exposed():
   t = Target(16, 2, "NVIDIA H200", 140 * GIB, 0.95, True, gpu_target="h200")
   pp = load_config(["config=llama8b.yml", "model.remat=none", "model.scan_layers=true", "data.global_batch_size=16",
                     "mesh.dcn_pipeline=2", "mesh.dcn_data=1", "train.grad_accum=4"])
-  # GPipe, 2 stages, 4 micro-batches: 5 ticks; the layers' work at each tick, the LM head on both stages
+  # GPipe, 2 stages, 4 micro-batches: 5 ticks; the layers' work at each tick, the LM head once (its length split
+  # over the stages)
   head = 6 * D * V * 16 * S
-  work = (model_flops(16) - head) * 5 / 4 + head * 2
+  work = (model_flops(16) - head) * 5 / 4 + head
   bubble = (model_flops(16) - head) * 1 / 4 / (16 * PEAK)  # (S - 1) / M of the layers' work: a fifth of 5/4
   inv = _inventory(allreduce_ici=NVLINK * 0.01, permute_dcn=NVLINK * 0.02, ops=OPS)
   p = predict.predict(pp, t, inv)

@@ -22,7 +22,7 @@ different factors for different settings; the times are for ordering, and the GP
 
 With pipeline stages (maxlm/parallel/pipelining.py; V = 1 for GPipe, train.pipeline_repeats for circular): every stage
 computes 1/V of its layers at each of the V M + S - 1 ticks, V M of them useful (the bubble, `bubble_s`); the LM
-head runs on every stage for the whole batch; a stage's FSDP gathers the layers of each tick
+head runs once for the whole batch, its length split over the stages; a stage's FSDP gathers the layers of each tick
 (train.pipeline_gather=tick) or its own layers once (step); 1f1b (maxlm/parallel/onefoneb.py) has GPipe's
 bubble, (S - 1) / (M + S - 1), and computes a stage's forward once more per micro-batch (its backward phase
 recomputes it from the kept input); and each tick hands one micro-batch's activations to

@@ -11,7 +11,7 @@ result is a bound: real steps are slower, by factors that differ between setting
 
 * compute_s: cost.step_time's compute: the step's FLOPs (the MFU convention) plus every FLOP the remat policy
   recomputes, at the bf16 peak; with pipeline stages every stage computes at each of the M + S - 1 ticks (the
-  GPipe bubble, bubble_s of it) and the LM head runs on every stage.
+  GPipe bubble, bubble_s of it) and the LM head once, its length split over the stages.
 * memory_s: cost.step_time's terms that no collective carries, not overlapped (as there): per extra
   micro-batch the weights read again and the gradient sum (accum_s), the optimizer update (optimizer_s), and the
   moments' trip to the host with optim.offload=host (offload_s).

@@ -101,12 +101,12 @@ def evaluate_params(cfg: Config, params, mesh, tok: Tokenizer, skip_ids, batches
   step = jax.jit(make_eval_step(Transformer(cfg.model, max_segments=cfg.data.max_segments_per_row),
                                 packed=True))
   weights = _Weights(params, {})
-  dp = mesh.shape["data"] * mesh.shape["fsdp"]
+  dp = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
   n_bytes = [0]
 
   def run_batch(batch):
     rows = batch["targets"].shape[0]
-    where = batch_sharding(mesh) if rows % dp == 0 else replicated(mesh)  # rows split over data x fsdp
+    where = batch_sharding(mesh) if rows % dp == 0 else replicated(mesh)  # rows split over data x fsdp x expert
     with model_scope(cfg.model, resolve_backend(cfg.model.backend), mesh, quantized=False):
       return step(weights, jax.device_put(dict(batch), where))
 

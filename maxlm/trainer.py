@@ -25,6 +25,7 @@ from maxlm.checkpoint import run_dir as run_dirs
 from maxlm.checkpoint import run_lock
 from maxlm.checkpoint import start as start_checkpoints
 from maxlm.config import Config, ConfigError, DataConfig, TrainConfig, dump_yaml
+from maxlm.config.rules import check_expert_degree
 from maxlm.layers import PrecisionError, check_precision, check_remat, resolve_backend
 from maxlm.loop import Run, RunError, subscribe
 from maxlm.parallel.mesh import check_context_split, make_mesh
@@ -37,13 +38,15 @@ __all__ = ["RunEnd", "RunError", "Trainer", "check_batch_split", "train"]
 
 
 def check_batch_split(d: DataConfig, t: TrainConfig, mesh_shape) -> None:
-  """ConfigError unless each micro-batch splits evenly over the data-parallel devices (data x fsdp)."""
-  dp = mesh_shape["data"] * mesh_shape["fsdp"]
+  """ConfigError unless each micro-batch splits evenly over the data-parallel devices (data x fsdp x expert)."""
+  ep = mesh_shape.get("expert", 1)
+  dp = mesh_shape["data"] * mesh_shape["fsdp"] * ep
   micro = d.global_batch_size // t.grad_accum
   if micro % dp:
     raise ConfigError(f"data.global_batch_size={d.global_batch_size} gives micro-batches of {micro} rows "
                       f"(train.grad_accum={t.grad_accum}), not divisible by the {dp} data-parallel devices "
-                      f"(mesh data={mesh_shape['data']} x fsdp={mesh_shape['fsdp']}); use a "
+                      f"(mesh data={mesh_shape['data']} x fsdp={mesh_shape['fsdp']}"
+                      + (f" x expert={ep}" if ep > 1 else "") + "); use a "
                       f"multiple of {dp * t.grad_accum}")
 
 
@@ -74,6 +77,7 @@ class Trainer:
         probe.close()
 
   def _check_batch_split(self) -> None:
+    check_expert_degree(self.cfg.model.moe.experts, self.mesh.shape["expert"])  # a -1 degree, filled
     check_batch_split(self.cfg.data, self.cfg.train, self.mesh.shape)
     check_context_split(self.cfg.data.seq_len, self.mesh.shape["context"])
 

@@ -62,7 +62,7 @@ def _advance(state):
 def saved(tmp_path_factory):
   """Checkpoints of steps 2 and 3 of a run on mesh (data, fsdp, tensor) = (2, 2, 2)."""
   cfg, t = _trainer("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-  assert dict(t.mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "context": 1, "tensor": 2}
+  assert dict(t.mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
   root = tmp_path_factory.mktemp("saved") / "checkpoints"
   ckpt = Checkpointer(root, CheckpointConfig(enabled=True, keep=5))
   states, data = {}, {}

@@ -156,7 +156,7 @@ def test_llama70b_without_allocating(tmp_path):
   p = json.loads(r.stdout)
   assert L70_TOTAL == p["params"]["total"] == 70_553_706_496
   # llama70b.yml shards over every device, across nodes too (dcn_fsdp=-1, dcn_data=1)
-  assert (p["mesh"]["data"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (1, 64, [1, 1, 8, 1, 1])
+  assert (p["mesh"]["data"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (1, 64, [1, 1, 8, 1, 1, 1])
   peak_rss = int(r.stderr.strip().splitlines()[-1])
   assert peak_rss < 128256 * 8192 * 4 / 2  # half the embedding alone: no parameter was materialized
   assert list(tmp_path.iterdir()) == []  # nothing written
@@ -169,7 +169,7 @@ def test_llama70b_with_pipeline_stages_across_nodes(capsys):
           "model.scan_layers=true")  # the stages split the scanned stack (llama70b.yml unrolls it)
   code, out, _ = dry(capsys, "--json", *args)
   p = json.loads(out)
-  assert code == 0 and (p["mesh"]["pipeline"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (4, 16, [4, 1, 2, 1, 1])
+  assert code == 0 and (p["mesh"]["pipeline"], p["mesh"]["fsdp"], p["mesh"]["inter_node"]) == (4, 16, [4, 1, 2, 1, 1, 1])
   d, f, v, n = 8192, 28672, 128256, 80
   layer = d * (64 + 2 * 8) * 128 + 64 * 128 * d + 3 * d * f  # qkv, out, SwiGLU: over 4 stages x 16 fsdp
   # fp32: the layers' norms over the stages only; embedding and head over fsdp; the final norm whole

@@ -40,7 +40,7 @@ def test_cli_trains_and_writes_the_run_directory(tmp_path):
     assert key in rows[-1]
   assert rows[-1]["tokens_per_sec"] > 0 and rows[-1]["mfu"] is None  # no known peak for a CPU
   assert list((run / "tensorboard").glob("events.out.tfevents.*"))
-  assert "step 6/6" in r.stdout and "mesh {'pipeline': 1, 'data': 1, 'fsdp': 2, 'context': 1, 'tensor': 1}" in r.stdout
+  assert "step 6/6" in r.stdout and "mesh {'pipeline': 1, 'data': 1, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 1}" in r.stdout
 
 
 @pytest.mark.te

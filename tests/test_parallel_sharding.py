@@ -27,18 +27,18 @@ MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_head
 
 
 def test_mesh_shape_fills_minus_one():
-  assert mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=2), 8) == ([1, 2, 2, 1, 2], [1, 1, 1, 1, 1])
+  assert mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=2), 8) == ([1, 2, 2, 1, 1, 2], [1, 1, 1, 1, 1, 1])
   assert (mesh_shape(MeshConfig(data=1, fsdp=-1, tensor=1, dcn_data=-1), 16, n_nodes=2)
-          == ([1, 1, 8, 1, 1], [1, 2, 1, 1, 1]))
+          == ([1, 1, 8, 1, 1, 1], [1, 2, 1, 1, 1, 1]))
   # the defaults: FSDP inside a process, data parallel across processes; another dcn degree takes over
-  assert mesh_shape(MeshConfig(), 16, n_nodes=2) == ([1, 1, 8, 1, 1], [1, 2, 1, 1, 1])
-  assert mesh_shape(MeshConfig(dcn_fsdp=4), 32, n_nodes=4) == ([1, 1, 8, 1, 1], [1, 1, 4, 1, 1])
+  assert mesh_shape(MeshConfig(), 16, n_nodes=2) == ([1, 1, 8, 1, 1, 1], [1, 2, 1, 1, 1, 1])
+  assert mesh_shape(MeshConfig(dcn_fsdp=4), 32, n_nodes=4) == ([1, 1, 8, 1, 1, 1], [1, 1, 4, 1, 1, 1])
   # pipeline stages across nodes (the outermost axis), FSDP inside them
-  assert mesh_shape(MeshConfig(dcn_pipeline=4, dcn_data=1), 32, n_nodes=4) == ([1, 1, 8, 1, 1], [4, 1, 1, 1, 1])
-  assert mesh_shape(MeshConfig(pipeline=2, fsdp=-1), 8) == ([2, 1, 4, 1, 1], [1, 1, 1, 1, 1])
+  assert mesh_shape(MeshConfig(dcn_pipeline=4, dcn_data=1), 32, n_nodes=4) == ([1, 1, 8, 1, 1, 1], [4, 1, 1, 1, 1, 1])
+  assert mesh_shape(MeshConfig(pipeline=2, fsdp=-1), 8) == ([2, 1, 4, 1, 1, 1], [1, 1, 1, 1, 1, 1])
   # the context axis takes its devices from fsdp's -1, inside a node or across nodes
-  assert mesh_shape(MeshConfig(context=2), 8) == ([1, 1, 4, 2, 1], [1, 1, 1, 1, 1])
-  assert mesh_shape(MeshConfig(dcn_data=1, dcn_context=-1), 16, n_nodes=2) == ([1, 1, 8, 1, 1], [1, 1, 1, 2, 1])
+  assert mesh_shape(MeshConfig(context=2), 8) == ([1, 1, 4, 1, 2, 1], [1, 1, 1, 1, 1, 1])
+  assert mesh_shape(MeshConfig(dcn_data=1, dcn_context=-1), 16, n_nodes=2) == ([1, 1, 8, 1, 1, 1], [1, 1, 1, 1, 2, 1])
   with pytest.raises(ConfigError, match=r"mesh.dcn_data is -1 by default: set it to 1"):
     mesh_shape(MeshConfig(dcn_fsdp=-1), 16, n_nodes=2)
   # each error names the keys and their values
@@ -290,7 +290,7 @@ def test_params_are_actually_sharded():
   _, _, state = one_step(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices(), optimizer=optimizer)
   qkv = state.params["layers"]["qkv"]["kernel"]  # [L, D, KV, G+2, Dh]
   spec = qkv.sharding.spec
-  assert spec[1] == ("fsdp", "context") and spec[2] == "tensor"
+  assert spec[1] == ("fsdp", "context", "expert") and spec[2] == "tensor"
   assert qkv.addressable_shards[0].data.shape == (2, 32, 2, 4, 8)  # D = 64 over fsdp 2
   moments = moment_trees(state.opt_state, state.params)
   assert len(moments) == 2  # AdamW's first and second moments follow the params' shardings

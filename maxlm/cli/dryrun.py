@@ -38,6 +38,7 @@ from maxlm.data.sources import resolve_type
 from maxlm.runtime import watchdog, xla_presets
 from maxlm.parallel import context
 from maxlm.layers import check_remat, resolve_backend, supported_precisions
+from maxlm.config.rules import check_expert_degree
 from maxlm.parallel.mesh import AXES, check_context_split, mesh_shape
 from maxlm.metrics import device_peak_flops
 from maxlm.model import count_params, flops_per_step
@@ -115,6 +116,7 @@ class Shapes:
     ici, dcn = mesh_shape(cfg.mesh, n_devices, n_nodes)
     self.degrees = degrees = dict(zip(AXES, (i * j for i, j in zip(ici, dcn))))
     check_pipeline(m, t, cfg.mesh, degrees["pipeline"], degrees["context"])
+    check_expert_degree(m.moe.experts, degrees["expert"])
     check_batch_split(d, t, degrees)
     check_context_split(d.seq_len, degrees["context"])
     backend = resolve_backend(m.backend)
@@ -227,6 +229,16 @@ def _watchdog_line(wd: dict) -> str:
           f"the first step {wd['first_step_s']:g} s ({wd['first_step_how']})")
 
 
+def _axes(ms: dict) -> str:
+  """'pipeline 1 x data 1 x fsdp 8 x context 1 x tensor 1': every mesh axis's degree, expert only above 1."""
+  return " x ".join(f"{a} {ms[a]}" for a in AXES if a != "expert" or ms[a] > 1)
+
+
+def _param_split(ms: dict) -> str:
+  """The mesh axes the parameters are split over, as the report names them (expert only where it is above 1)."""
+  return "fsdp x context x expert x tensor" if ms["expert"] > 1 else "fsdp x context x tensor"
+
+
 def render(p: dict) -> str:
   """The plan as text, one topic per block."""
   c, m, ms, pa, fl, mem, da = (p["config"], p["config"]["model"], p["mesh"], p["params"], p["flops"], p["memory"],
@@ -247,7 +259,7 @@ def render(p: dict) -> str:
       f"{c['optim']['learning_rate']:g} {c['optim']['schedule']}, warmup {c['optim']['warmup_steps']}; run dir "
       f"{c['run_dir']}",
       f"mesh    {ms['devices']} device(s) on {ms['nodes']} node(s): "
-      + " x ".join(f"{a} {ms[a]}" for a in AXES) + f" (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
+      + _axes(ms) + f" (intra-node {ms['intra_node']}, inter-node {ms['inter_node']})"
       + (f"; attention over the context axis: {ms['context_strategy']}" if ms["context"] > 1 else "")
       + (f"; {ms['pipeline']} stages of {m['n_layers'] // ms['pipeline']} layers over {c['train']['grad_accum']} "
          + ("micro-batches (1F1B)" if ms["schedule"] == "1f1b" else "micro-batches (GPipe)" if ms["repeats"] == 1 else
@@ -264,7 +276,7 @@ def render(p: dict) -> str:
   ]
   piped = ms["pipeline"] > 1
   off = c["optim"]["offload"]
-  rows = [("params", f"{m['param_dtype']}, sharded over fsdp x context x tensor" + (", the layers also over pipeline" if piped
+  rows = [("params", f"{m['param_dtype']}, sharded over {_param_split(ms)}" + (", the layers also over pipeline" if piped
                                                                           else "")
            + ("; in host memory (optim.offload=host_params)" if off == "host_params" else "")),
           ("optimizer", f"AdamW mu in {c['optim']['mu_dtype']}, nu in {c['optim']['nu_dtype']}, the params' "
@@ -276,6 +288,8 @@ def render(p: dict) -> str:
            + ", fp32 for the loss + the compute-dtype copy"),
           ("activations", "rough: everything the backward pass reads, every layer" if mem["remat"] == "none"
            else f"rough: what remat={mem['remat']} keeps per layer + one layer recomputed")]
+  rows += [("exchange", f"one MoE layer's all-to-all buffers over expert {ms['expert']}: send and receive, padded "
+                        "(dropless)")] if est.get("exchange") else []
   if off == "host_params":
     rows.append(("copy", "the params on the device for the step: matmul weights in the compute dtype"))
   for key, why in rows:

@@ -176,13 +176,17 @@ _DEGREE = "[1, inf) or -1"
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh degrees: intra-node (NVLink) pipeline/data/fsdp/context/tensor and inter-node (InfiniBand) dcn_*;
+  """Device mesh degrees: intra-node (NVLink) pipeline/data/fsdp/expert/context/tensor and inter-node (InfiniBand)
+  dcn_*;
   one degree of each kind may be -1 (filled from the device count)."""
   pipeline: int = option(1, "intra-node pipeline-parallel degree: stages of consecutive layers, fed "
                          "train.grad_accum micro-batches (usually 1: pipeline across nodes with dcn_pipeline)",
                          within=_DEGREE)
   data: int = option(1, "intra-node data-parallel degree", within=_DEGREE)
   fsdp: int = option(-1, "intra-node FSDP degree (parameters sharded on `embed`)", within=_DEGREE)
+  expert: int = option(1, "intra-node expert-parallel degree: the experts of every MoE layer split over it "
+                       "(model.moe.experts divisible by the total expert degree), tokens exchanged to them by "
+                       "all-to-all; the batch is split over data x fsdp x expert", within=_DEGREE)
   context: int = option(1, "intra-node context-parallel degree: the sequence of every activation is split over "
                         "it and attention exchanges keys/values (long sequences; data.seq_len divisible by 2 x "
                         "the total context degree)", within=_DEGREE)
@@ -191,6 +195,7 @@ class MeshConfig:
   dcn_data: int = option(-1, "inter-node data-parallel degree (-1: the process count over the other dcn "
                          "degrees, so a multi-process run needs no mesh keys)", within=_DEGREE)
   dcn_fsdp: int = option(1, "inter-node FSDP degree", within=_DEGREE)
+  dcn_expert: int = option(1, "inter-node expert-parallel degree (the all-to-all crosses nodes)", within=_DEGREE)
   dcn_context: int = option(1, "inter-node context-parallel degree", within=_DEGREE)
   dcn_tensor: int = option(1, "inter-node tensor-parallel degree", within=_DEGREE)
   context_strategy: str = option("auto", "how attention exchanges keys/values over the context axis: all_gather "

@@ -55,9 +55,22 @@ def check_distributed(d: DistributedConfig) -> None:
   local_device_ids(d.local_device_ids)
 
 
+def check_expert_degree(experts: int, ep: int) -> None:
+  """ConfigError unless the total expert degree `ep` (mesh.expert x mesh.dcn_expert) is 1 or splits
+  model.moe.experts: each device of the expert axis holds experts / ep whole experts."""
+  if ep > 1 and (not experts or experts % ep):
+    what = "no experts (a dense model)" if not experts else f"{experts} experts, not divisible by it"
+    raise ConfigError(f"mesh.expert x mesh.dcn_expert = {ep} (expert parallelism) but model.moe.experts={experts}: "
+                      f"{what}; use an expert degree that divides model.moe.experts, or 1")
+
+
 def check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
-  """model.moe: k <= E; the MoE layers exist; what the scanned stack and the pipeline cannot run yet."""
+  """model.moe: k <= E; the MoE layers exist; what the scanned stack and the pipeline cannot run yet; the expert
+  degree, where no -1 leaves it to the device count, divides E (a -1 degree: checked on the mesh, by the trainer and the dry
+  run)."""
   e = m.moe
+  if mesh.expert != -1 and mesh.dcn_expert != -1:
+    check_expert_degree(e.experts, mesh.expert * mesh.dcn_expert)
   if not e.experts:
     return
   if e.top_k > e.experts:

@@ -22,7 +22,15 @@ Auxiliary losses, reported for the caller to weigh (maxlm/step.py adds them to t
 
 Parameters (the names Hugging Face's Mixtral uses, so import and export map one to one): `router` [D, E] float32
 input to the softmax; `w1` (gate) and `w3` (up) [E, D, F], `w2` (down) [E, F, D]. Logical axes: "expert" first, so
-that an expert mesh axis shards the experts.
+that an expert mesh axis shards the experts, and their D "expert_embed" (split like `embed`, but never over the
+expert axis, which already splits E).
+
+Expert parallelism (maxlm/parallel/experts.py): when the rules put `expert` on a mesh axis of more than one device
+that also splits the tokens, the experts run there, each device its E / ep experts on the tokens the all-to-all
+brings it (the same grouped or dense kernel, dropless, padded), and the outputs go back. Routing, the capacity
+mask, the auxiliary losses and the statistics are computed before, on the global view of the tokens: the
+load-balancing loss is the whole batch's, as on one device. Capacity mode runs too: its mask is the same global
+first-come order, and a dropped assignment travels with weight zero (no exchange saved).
 """
 
 from __future__ import annotations
@@ -34,9 +42,11 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from maxlm.parallel import context, experts as expert_parallel
+
 COLLECTION = "moe"  # the Flax collection the decoder's MoE blocks sow their statistics into (maxlm/model.py)
-EXPERT_AXES = ("expert", "embed", "mlp")  # w1, w3 [E, D, F]
-DOWN_AXES = ("expert", "mlp", "embed")  # w2 [E, F, D]
+EXPERT_AXES = ("expert", "expert_embed", "mlp")  # w1, w3 [E, D, F]
+DOWN_AXES = ("expert", "mlp", "expert_embed")  # w2 [E, F, D]
 ROUTER_AXES = ("embed", "expert_logits")  # router [D, E]
 KERNELS = ("grouped", "dense")
 
@@ -142,11 +152,25 @@ class MoE(nn.Module):
     kept = jnp.ones_like(weights, dtype=bool)
     if self.capacity_factor > 0:
       kept = capacity_keep(chosen, e, capacity(b * t, self.top_k, e, self.capacity_factor))
-    y = experts_apply(tokens, jnp.where(kept, weights, 0.0), chosen, w1, w3, w2, self.kernel)  # [N, D]
+    y = self._run(tokens, jnp.where(kept, weights, 0.0), chosen, w1, w3, w2)  # [N, D]
     stats = {"load_balancing": load_balancing_loss(probs, chosen), "z_loss": z_loss(logits),
              "tokens_per_expert": jnp.bincount(chosen.reshape(-1), length=e),
              "dropped": 1.0 - jnp.mean(kept.astype(weights.dtype))}
     return y.reshape(b, t, d), stats
+
+  def _run(self, tokens, weights, chosen, w1, w3, w2):
+    """The experts' weighted outputs [N, D]: split over the expert axis when there is one that the tokens are
+    split over too (a batch that does not split, e.g. one row of generation: here, the experts gathered)."""
+    split = expert_parallel.axis()
+    if split is None or split[0] not in context.batch_axes(tokens.shape[0]):
+      return experts_apply(tokens, weights, chosen, w1, w3, w2, self.kernel)
+    swiglu = _swiglu_grouped if self.kernel == "grouped" else _swiglu_dense
+    # cast on each device, after the exchange's entry: the weights' gradients are then summed over the batch axes
+    # in float32, as one device's GEMM accumulates them (XLA:CPU also aborts on a bfloat16 all-reduce there)
+    def local(rows, p, sizes):
+      return swiglu(rows, *(w.astype(rows.dtype) for w in p), sizes)
+    return expert_parallel.apply(local, tokens, weights, chosen, (w1, w3, w2), n_experts=self.experts, name=split[0],
+                                 ep=split[1])
 
 
 def sown_stats(collection: dict) -> dict[str, jnp.ndarray]:

@@ -1,8 +1,11 @@
-"""Device mesh with axes (pipeline, data, fsdp, context, tensor): intra-node (NVLink) x inter-node (InfiniBand)
-degrees.
+"""Device mesh with axes (pipeline, data, fsdp, expert, context, tensor): intra-node (NVLink) x inter-node
+(InfiniBand) degrees.
 
 `pipeline` comes first, the outermost axis: its stages exchange only one micro-batch's activations per tick
-(point to point), the least traffic of any axis, so it is the one to lay across nodes (mesh.dcn_pipeline)."""
+(point to point), the least traffic of any axis, so it is the one to lay across nodes (mesh.dcn_pipeline).
+`expert` follows data and fsdp: the batch is split over data x fsdp x expert (expert parallelism inside data
+parallelism, as Megatron and MaxText arrange it), and its all-to-all, every token of an MoE layer twice each way,
+stays among neighbouring devices, inside the node unless mesh.dcn_expert says otherwise."""
 
 from __future__ import annotations
 
@@ -15,12 +18,13 @@ from jax.sharding import Mesh
 
 from maxlm.config import ConfigError, MeshConfig
 
-AXES = ("pipeline", "data", "fsdp", "context", "tensor")
+AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
 
 
 def _named(degrees: list[int], what: str) -> str:
+  """The degrees as keys, the expert axis only where it is not 1 (most models have no experts)."""
   prefix = "mesh.dcn_" if what == "node" else "mesh."
-  return " x ".join(f"{prefix}{a}={d}" for a, d in zip(AXES, degrees))
+  return " x ".join(f"{prefix}{a}={d}" for a, d in zip(AXES, degrees) if a != "expert" or d != 1)
 
 
 def _fill(degrees: list[int], total: int, what: str) -> list[int]:

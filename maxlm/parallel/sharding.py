@@ -15,15 +15,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
-BATCH = ("data", "fsdp")
+BATCH = ("data", "fsdp", "expert")  # expert parallelism inside data parallelism (maxlm/parallel/experts.py)
 # The axes a parameter's `embed` dimension is split over: fsdp and context together (ZeRO-3 over both, as MaxText's
 # rules shard `embed` over its context axis and Megatron's distributed optimizer over data x context). The devices
 # of a context group compute gradients of the same weights on different tokens, so those gradients are summed over
 # `context` anyway: split over it, the sum is a reduce-scatter and the parameters and optimizer state a cp-th each,
 # instead of every context device holding them whole (the 8B at 131k tokens on context 8: 96 GiB of state each).
-ZERO = ("fsdp", "context")
+# `expert` is in it too, for the same reason: the devices of an expert group hold different tokens (the batch is split
+# over it) and the same dense weights, whose gradients are summed over `expert`; Megatron's distributed optimizer
+# shards the dense parameters' state over data x expert likewise. The experts' own weights [E, D, F] are split over
+# `expert` on E, so their D dimension (`expert_embed`) is split over fsdp x context only: a mesh axis shards one
+# dimension of an array at most.
+ZERO = ("fsdp", "context", "expert")
+EXPERT_ZERO = ("fsdp", "context")
 
-# logical axis -> mesh axes. Parameters are FSDP-sharded on `embed` (over fsdp x context: ZERO) and tensor-parallel
+# logical axis -> mesh axes. Parameters are FSDP-sharded on `embed` (over fsdp x context x expert: ZERO) and tensor-parallel
 # (Megatron-style) on heads / mlp / vocab; activations are sharded on batch, on length over `context`
 # (context parallelism: maxlm/parallel/context.py) and on heads/mlp. The scanned
 # layer stack [L, ...] is split over `pipeline` in contiguous blocks: stage s holds layers s*L/S .. (s+1)*L/S - 1
@@ -40,7 +46,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act", None),
     ("norm", None),
     ("layers", "pipeline"),
-    ("expert", None),  # the experts of an MoE block [E, ...] (maxlm/layers/moe.py): no expert axis yet
+    ("expert", "expert"),  # the experts of an MoE block [E, ...] (maxlm/layers/moe.py; maxlm/parallel/experts.py)
+    ("expert_embed", EXPERT_ZERO),  # the experts' D dimension
     ("expert_logits", None),  # the router's output dimension [D, E]
     # activations
     ("activation_batch", BATCH),
@@ -98,7 +105,7 @@ def strip_boxes(tree):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batches [B, T] are split over the data-parallel axes."""
+  """Batches [B, T] are split over the data-parallel axes (data x fsdp x expert)."""
   return NamedSharding(mesh, P(BATCH, None))
 
 

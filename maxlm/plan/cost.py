@@ -9,6 +9,8 @@ fitted to a run:
   TFLOP/s, B200 2,250);
 * FSDP gathers and scatters, the data-parallel all-reduce and context parallelism's exchange of keys and
   values at the link's bandwidth (NVLink within a node, the network across nodes), overlapped with compute;
+* with expert parallelism, the MoE layers' all-to-all (`expert_exchange_bytes`), on the critical path: the
+  experts wait for their rows and the next layer for their outputs;
 * per extra micro-batch, the weights read again and the gradient sum read and written, at HBM bandwidth;
 * the optimizer update's memory traffic (read parameter, gradient, moments; write parameter, moments) at HBM
   bandwidth, the moments in their dtypes; with `optim.offload=host` the moments' trip to the host and back at
@@ -84,8 +86,8 @@ def step_time(cfg: Config, target: Target) -> dict:
   deg = degrees(cfg, target)
   params = count_params(m)
   work = flops_per_step(m, d.global_batch_size, d.seq_len) + _recompute_flops(cfg)
-  zero = deg["fsdp"] * deg["context"]  # the parameters' embed split (maxlm/parallel/sharding.py ZERO)
-  shards = zero * deg["tensor"]
+  zero = deg["fsdp"] * deg["context"] * deg["expert"]  # the parameters' embed split (maxlm/parallel/sharding.py ZERO)
+  shards = zero * deg["tensor"]  # the experts: E / expert each, D over fsdp x context: the same split
   a, stages = cfg.train.grad_accum, deg["pipeline"]
   # per stage and device: the parameters a micro-batch (a tick) passes through, and those kept (all of them
   # without a pipeline; the stage's layers and the embedding, head and final norm with one)
@@ -101,7 +103,7 @@ def step_time(cfg: Config, target: Target) -> dict:
     passes = ticks / v  # the stage's layers run this often; the head once, its length split over the stages
     bubble = (work - head) * (stages - 1) / (v * a) / (n * peak)
     work = (work - head) * passes / a + head
-    rows = d.global_batch_size / a / (deg["data"] * deg["fsdp"])  # a micro-batch's rows per device
+    rows = d.global_batch_size / a / (deg["data"] * deg["fsdp"] * deg["expert"])  # a micro-batch's rows per device
     act = rows * (d.seq_len // deg["context"]) * m.d_model * (4 if m.dtype == "float32" else 2)  # [B/M, T/cp, D]
     across = mesh_shape(cfg.mesh, target.n_devices, target.n_nodes)[1][AXES.index("pipeline")] > 1
     # per tick, forward and backward: the hand-off (a collective-permute) and the last stage's output summed
@@ -110,7 +112,13 @@ def step_time(cfg: Config, target: Target) -> dict:
   compute = work / (n * peak)
   once = stages > 1 and cfg.train.pipeline_gather == "step"
   gathered = (layers * (1 if once else passes) + other * (1 if stages > 1 else a)) / deg["tensor"]  # per device
-  fsdp = 3 * gathered * 2 * (zero - 1) / zero / link  # 2 gathers (bf16) + scatter, over fsdp x context
+  # 2 gathers (bf16) + scatter, over fsdp x context x expert; with expert parallelism a device gathers only its
+  # E / expert experts, over fsdp x context (their D split), in float32 (maxlm/layers/moe.py casts them after the
+  # exchange's entry: 2 x 4 B gathered, 4 B scattered)
+  experts = expert_params(m) / stages * (1 if once else passes) / deg["tensor"]
+  group, ep = zero // deg["expert"], deg["expert"]
+  fsdp = (3 * (gathered - experts) * 2 * (zero - 1) / zero
+          + ((2 * 4 + 4) * experts / ep * (group - 1) / group if ep > 1 else 3 * experts * 2 * (zero - 1) / zero)) / link
   bw = net if target.n_nodes > 1 else link
   data = 2 * 4 * held / shards * (deg["data"] - 1) / deg["data"] / bw  # fp32 all-reduce
   if stages > 1:  # the stage's weights read again and its gradients summed at every tick
@@ -126,8 +134,10 @@ def step_time(cfg: Config, target: Target) -> dict:
   crossings = 2 * moment_bytes + (3 * p_bytes if cfg.optim.offload == "host_params" else 0)
   offload = per_device * crossings / host if host_trip else 0.0
   context = context_exchange_bytes(cfg, deg) / (net if cfg.mesh.dcn_context != 1 else link)
-  total = max(compute, fsdp + data + context) + accum + handoff + optimizer + offload
+  expert = expert_exchange_bytes(cfg, deg) / (net if cfg.mesh.dcn_expert != 1 else link)
+  total = max(compute, fsdp + data + context) + expert + accum + handoff + optimizer + offload
   return {"compute_s": compute, "bubble_s": bubble, "comm_s": fsdp + data + context, "context_s": context,
+          "expert_s": expert,
           "accum_s": accum, "pipeline_s": handoff, "optimizer_s": optimizer,
           "offload_s": offload, "total_s": total}
 
@@ -145,9 +155,36 @@ def context_exchange_bytes(cfg: Config, deg: dict) -> float:
   m, d = cfg.model, cfg.data
   stages = deg["pipeline"]
   passes = cfg.train.grad_accum + stages - 1
-  rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
+  rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"] * deg.get("expert", 1)))
   c = 4 if m.dtype == "float32" else 2
   block = rows * (d.seq_len // cp) * m.n_kv_heads * m.head_dim  # elements
   packed = d.type != "synthetic" or bool(m.sliding_window)  # as maxlm/build.py and the attention layers see rows
   grads = c if resolve_strategy(cfg.mesh.context_strategy, cp, d.seq_len, packed) == "ring" else 4
   return passes * (m.n_layers // stages) * 2 * block * (2 * c + grads) * (cp - 1)
+
+
+def moe_blocks(m) -> int:
+  """How many blocks are MoE (N-1, 2N-1, ...: maxlm.model.moe_layers), counted, not listed (an absurd
+  n_layers stays arithmetic)."""
+  return m.n_layers // m.moe.every if m.moe.experts else 0
+
+
+def expert_params(m) -> int:
+  """The experts' weights of every MoE layer: E x 3 x D x F each (w1, w3, w2)."""
+  return moe_blocks(m) * m.moe.experts * 3 * m.d_model * m.ffn_dim
+
+
+def expert_exchange_bytes(cfg: Config, deg: dict) -> float:
+  """Bytes one device sends to the others per step for expert parallelism (maxlm/parallel/experts.py): per MoE
+  layer and micro-batch 4 all-to-alls (dispatch and combine forward, their transposes backward), each of ep slots
+  of N k rows of D in the compute dtype (dropless, padded: N the micro-batch's tokens on the device), (ep - 1) / ep
+  of it leaving the device. The per-expert counts (ep x E / ep int32) are left out. A remat policy that recomputes
+  the MoE layer in the backward pass runs the forward pair again: not counted."""
+  ep = deg["expert"]
+  m, d = cfg.model, cfg.data
+  if ep == 1 or not m.moe.experts:
+    return 0.0
+  a = cfg.train.grad_accum
+  tokens = d.global_batch_size // a // (deg["data"] * deg["fsdp"] * ep) * (d.seq_len // deg["context"])
+  c = 4 if m.dtype == "float32" else 2
+  return a * moe_blocks(m) * 4 * ep * tokens * m.moe.top_k * m.d_model * c * (ep - 1) / ep

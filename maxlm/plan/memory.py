@@ -40,10 +40,16 @@
 `estimate(..., state=...)` takes params / optimizer / fp8_meta bytes per device measured elsewhere
 (`maxlm.cli.dryrun` reads them off the abstract train state and its shardings) instead of the formulas.
 
-Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x context x tensor
-degree (rounded up; `embed` is split over fsdp and context: maxlm/parallel/sharding.py ZERO), those of the
-layer stack also by the pipeline degree (its stages split the layers);
-the logits' batch by data x fsdp, their positions by context and their vocabulary by tensor (each rounded
+* exchange: with expert parallelism (`mesh.expert` x `mesh.dcn_expert` = ep > 1), the buffers of one MoE layer's
+  all-to-all (maxlm/parallel/experts.py), dropless and padded: the send and the receive buffer, each ep slots of
+  N k rows of D in the compute dtype, N = the micro-batch's tokens on a device (k = model.moe.top_k); ep x what
+  a ragged exchange would hold. 0 without expert parallelism.
+
+Sharding is kept simple: parameter, optimizer and gradient bytes are divided by the fsdp x context x expert x
+tensor degree (rounded up; `embed` is split over fsdp, context and expert: maxlm/parallel/sharding.py ZERO; the
+experts [E, D, F] over expert on E, E / ep per device, and over fsdp x context on D: the same product), those of
+the layer stack also by the pipeline degree (its stages split the layers);
+the logits' batch by data x fsdp x expert, their positions by context and their vocabulary by tensor (each rounded
 up). A dimension that does not divide its mesh axes is replicated in practice, so `lower_bound` stays a
 lower bound. Activations are divided by the batch and context degrees only. With pipeline stages
 (maxlm/parallel/pipelining.py) the LM head runs once on the whole batch (its micro-batches are all in flight), its
@@ -81,8 +87,9 @@ def _fill(degrees: list[int], total: int) -> list[int]:
 
 
 def mesh_degrees(mesh: MeshConfig, n_devices: int, n_nodes: int = 1) -> dict[str, int]:
-  """Total pipeline / data / fsdp / context / tensor degrees (intra-node x inter-node) on n_devices over n_nodes."""
-  axes = ("pipeline", "data", "fsdp", "context", "tensor")  # maxlm.parallel.mesh.AXES (which imports JAX)
+  """Total pipeline / data / fsdp / expert / context / tensor degrees (intra-node x inter-node) on n_devices over
+  n_nodes."""
+  axes = ("pipeline", "data", "fsdp", "expert", "context", "tensor")  # maxlm.parallel.mesh.AXES (imports JAX)
   dcn = _fill([getattr(mesh, f"dcn_{a}") for a in axes], n_nodes)
   ici = _fill([getattr(mesh, a) for a in axes], max(1, n_devices // n_nodes))
   return {a: i * j for a, i, j in zip(axes, ici, dcn)}
@@ -143,7 +150,7 @@ def _gathered(cfg: Config, layer_params: int, stages: int, deg: dict[str, int], 
 
 def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
              state: dict[str, int] | None = None) -> dict[str, int]:
-  """Bytes per device: params, optimizer, gradients, fp8_meta, logits, head, activations, gathered, copy,
+  """Bytes per device: params, optimizer, gradients, fp8_meta, logits, head, activations, gathered, exchange, copy,
   copy_embedding, lower_bound, total, and host (pinned host memory, not in the totals)."""
   if n_devices < 1 or n_nodes < 1:
     raise ValueError(f"n_devices ({n_devices}) and n_nodes ({n_nodes}) must be >= 1")
@@ -155,10 +162,10 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
   counts, stages = count_params(m), deg["pipeline"]
   n_params = counts["total"] - counts["layers"] + -(-counts["layers"] // stages)  # per pipeline stage
   p_bytes, c_bytes = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[PRECISIONS[m.precision].compute_dtype or m.dtype]
-  shards = deg["fsdp"] * deg["context"] * deg["tensor"]
+  shards = deg["fsdp"] * deg["context"] * deg["expert"] * deg["tensor"]  # dense and experts alike (module doc)
   params = -(-n_params * p_bytes // shards)  # ceil
   micro = d.global_batch_size // (1 if stages > 1 else cfg.train.grad_accum)  # pipelined: all micro-batches at once
-  rows = -(-micro // (deg["data"] * deg["fsdp"]))
+  rows = -(-micro // (deg["data"] * deg["fsdp"] * deg["expert"]))
   vocab = -(-m.vocab_size // deg["tensor"])
   logit_bytes = 4 + (c_bytes if c_bytes != 4 else 0)
   moments = -(-n_params * moment_bytes(cfg.optim) // shards)
@@ -182,18 +189,27 @@ def estimate(cfg: Config, n_devices: int, n_nodes: int = 1,
       "gathered": _gathered(cfg, counts["layers"], stages, deg, p_bytes),
   }
   if stages > 1 and cfg.train.pipeline_schedule == "1f1b":  # R stage inputs kept, one micro-batch's layers live
-    mb_rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"]))
+    mb_rows = -(-(d.global_batch_size // cfg.train.grad_accum) // (deg["data"] * deg["fsdp"] * deg["expert"]))
     kept = in_flight("1f1b", stages, cfg.train.grad_accum) * m.d_model
     out["activations"] = (mb_rows * (d.seq_len // deg["context"]) * (kept + _activation_elements(
         cfg, m.n_layers // stages)) * c_bytes)
+  out["exchange"] = exchange_bytes(m, rows * (d.seq_len // deg["context"]), deg["expert"], c_bytes)
   out["head"] = rows * -(-_logit_positions(m, d.seq_len) // stages) * vocab * c_bytes  # the LM head's output
   held = copy - copy_embedding  # host_params: read again by the backward pass (and by every micro-batch)
   live = (out["gradients"] + out["head"] + held if cfg.train.grad_accum > 1
           else max(out["gradients"], out["head"] + held))
   out["lower_bound"] = out["params"] + out["optimizer"] + out["fp8_meta"] + live + out["gathered"]
   out["total"] = (out["params"] + out["optimizer"] + out["gradients"] + out["fp8_meta"] + out["logits"]
-                  + out["activations"] + copy + out["gathered"])
+                  + out["activations"] + copy + out["gathered"] + out["exchange"])
   return out
+
+
+def exchange_bytes(m: ModelConfig, tokens: int, ep: int, c_bytes: int) -> int:
+  """One MoE layer's all-to-all buffers on a device holding `tokens` tokens: send and receive, each ep slots of
+  tokens x top_k rows of d_model (the module doc's `exchange`); 0 without experts or expert parallelism."""
+  if ep == 1 or not m.moe.experts:
+    return 0
+  return 2 * ep * tokens * m.moe.top_k * m.d_model * c_bytes
 
 
 def check_fits(cfg: Config, n_devices: int, bytes_per_device: int, n_nodes: int = 1) -> None:
@@ -212,8 +228,9 @@ def check_fits(cfg: Config, n_devices: int, bytes_per_device: int, n_nodes: int 
            f"{'and' if both else 'or'} the LM head's output {human_bytes(est['head'])}"
            + ("" if both else ", whichever is larger"))
   pipe = f"pipeline {deg['pipeline']} x " if deg["pipeline"] > 1 else ""
+  shown = {a: n for a, n in deg.items() if a != "pipeline" and (a != "expert" or n > 1)}
   raise ConfigError(
       f"model needs at least {human_bytes(est['lower_bound'])} per device ({parts}) on {n_devices} "
-      f"device(s) with mesh {pipe}{' x '.join(f'{a} {n}' for a, n in deg.items() if a != 'pipeline')}, but a device "
+      f"device(s) with mesh {pipe}{' x '.join(f'{a} {n}' for a, n in shown.items())}, but a device "
       f"has {human_bytes(bytes_per_device)}; reduce model.n_layers/d_model/vocab_size or "
       "data.global_batch_size/seq_len, or use more devices")

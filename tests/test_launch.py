@@ -256,11 +256,11 @@ def test_sbatch_two_by_two_devices_dcn_across_processes_ici_inside(runs):
     pytest.skip(why)
   job = runs.get("sbatch_2x2")
   line = next(x for x in job.output().splitlines() if "mesh over 2 processes" in x)
-  # mesh axes (pipeline, data, fsdp, context, tensor) = (1, 2, 2, 1, 1): data is the dcn axis (one process per
-  # data index), fsdp, context and tensor stay inside a process
-  assert "processes along each axis: pipeline 1, data 2, fsdp 1, context 1, tensor 1" in line, line
+  # mesh axes (pipeline, data, fsdp, expert, context, tensor) = (1, 2, 2, 1, 1, 1): data is the dcn axis (one
+  # process per data index), fsdp, expert, context and tensor stay inside a process
+  assert "processes along each axis: pipeline 1, data 2, fsdp 1, expert 1, context 1, tensor 1" in line, line
   placement = json.loads(line.split("process of each device by mesh position: ")[1])
-  assert placement == [[[[[0]], [[0]]], [[[1]], [[1]]]]], line
+  assert placement == [[[[[[0]]], [[[0]]]], [[[[1]]], [[[1]]]]]], line
   _same_losses(job.run_dir, runs.get("on_4"), FOUR_WAY_RTOL)
 
 

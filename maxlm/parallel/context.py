@@ -28,7 +28,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen as nn
+
+from maxlm.parallel.sharding import rule_axes, split_axis
 
 RING_FROM = 32768  # tokens per device from which `auto` passes K/V around a ring instead of gathering them
 MAX_STRIPE = 128  # TE's recommended stripe for the all-gather over striped (THD) rows
@@ -45,21 +46,7 @@ class Layout:
 def axis() -> tuple[str, int] | None:
   """(mesh axis, size) that splits the activations' length under the current mesh and logical rules, when
   it has more than one device; else None."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return None
-  try:
-    spec = nn.logical_to_mesh_axes(("activation_length",))
-  except ValueError:  # no rules installed
-    return None
-  name = spec[0] if len(spec) else None
-  if isinstance(name, tuple):
-    if len(name) != 1:
-      return None
-    name = name[0]
-  if name is None or name not in mesh.axis_names or mesh.shape[name] == 1:
-    return None
-  return name, mesh.shape[name]
+  return split_axis("activation_length")
 
 
 def resolve_strategy(strategy: str, cp: int, seq_len: int, packed: bool) -> str:
@@ -172,16 +159,8 @@ def ring_exchange(step, acc, blocks, name: str, cp: int):
 def batch_axes(batch: int) -> tuple[str, ...]:
   """The mesh axes that split the batch (`activation_batch`) under the current mesh and rules, those of more
   than one device, when together they divide `batch`; else ()."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return ()
-  try:
-    spec = nn.logical_to_mesh_axes(("activation_batch",))
-  except ValueError:  # no rules installed
-    return ()
-  names = spec[0] if len(spec) else None
-  names = () if names is None else names if isinstance(names, tuple) else (names,)
-  names = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+  names, mesh = rule_axes("activation_batch"), jax.sharding.get_abstract_mesh()
+  names = tuple(a for a in names or () if a in mesh.axis_names and mesh.shape[a] > 1)
   return names if batch % math.prod(mesh.shape[a] for a in names) == 0 else ()
 
 

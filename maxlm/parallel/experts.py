@@ -24,27 +24,15 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 
 from maxlm.parallel import context
+from maxlm.parallel.sharding import split_axis
 
 
 def axis() -> tuple[str, int] | None:
   """(mesh axis, size) that splits the experts (the logical axis `expert`) under the current mesh and rules, when
   it has more than one device; else None."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return None
-  try:
-    spec = nn.logical_to_mesh_axes(("expert",))
-  except ValueError:  # no rules installed
-    return None
-  name = spec[0] if len(spec) else None
-  if isinstance(name, tuple):
-    name = name[0] if len(name) == 1 else None
-  if name is None or name not in mesh.axis_names or mesh.shape[name] == 1:
-    return None
-  return name, mesh.shape[name]
+  return split_axis("expert")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -113,6 +113,28 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def rule_axes(logical: str) -> tuple[str, ...] | None:
+  """The mesh axes the installed logical rules map `logical` to, () for none; None without a current mesh or
+  without rules."""
+  if jax.sharding.get_abstract_mesh().empty:
+    return None
+  try:
+    spec = nn.logical_to_mesh_axes((logical,))
+  except ValueError:  # no rules installed
+    return None
+  name = spec[0] if len(spec) else None
+  return () if name is None else name if isinstance(name, tuple) else (name,)
+
+
+def split_axis(logical: str) -> tuple[str, int] | None:
+  """(mesh axis, size) when the rules map `logical` to one axis of the current mesh with more than one device;
+  else None (the one lookup of context parallelism's `activation_length` and expert parallelism's `expert`)."""
+  names, mesh = rule_axes(logical), jax.sharding.get_abstract_mesh()
+  if not names or len(names) != 1 or names[0] not in mesh.axis_names or mesh.shape[names[0]] == 1:
+    return None
+  return names[0], mesh.shape[names[0]]
+
+
 def axis_rules():
   """Context manager installing the logical rules for `nn.with_logical_constraint`."""
   return nn.logical_axis_rules(LOGICAL_RULES)

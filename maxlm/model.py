@@ -318,3 +318,24 @@ def flops_per_step(cfg: ModelConfig, batch: int, seq_len: int) -> float:
   pairs = seq_len * w - w * w / 2.0  # attended (query, key) pairs per row; S^2/2 when causal
   attn = 12.0 * batch * pairs * cfg.n_heads * cfg.head_dim * cfg.n_layers
   return 6.0 * n * batch * seq_len + attn
+
+
+MATMUL_WEIGHTS = ("kernel", "wi_kernel", "wo_kernel", "w1", "w2", "w3")  # the parameters that multiply activations
+# (w1, w2, w3: the experts of maxlm/layers/moe.py; its router stays in float32)
+
+
+def cast_matmul_weights(params, dtype, cfg: ModelConfig):
+  """The params with every matmul weight (the model's `kernel`, `wi_kernel`, `wo_kernel`; the embedding
+  unless tied) cast to `dtype`: what each use casts them to anyway. Norm scales stay as they are (the
+  norms compute in fp32). A tied embedding is left alone: its two uses' gradients are summed in the
+  master dtype, not in `dtype`."""
+  return jax.tree_util.tree_map_with_path(matmul_cast(dtype, cfg), params)
+
+
+def matmul_cast(dtype, cfg: ModelConfig):
+  """`cast(path, x)`: one leaf as `cast_matmul_weights` gives it."""
+  names = MATMUL_WEIGHTS + (() if cfg.tie_embeddings else ("embedding",))
+
+  def cast(path, x):
+    return x.astype(dtype) if getattr(path[-1], "key", None) in names else x
+  return cast

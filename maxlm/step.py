@@ -25,15 +25,13 @@ from maxlm import moe_loss
 from maxlm.config import ModelConfig
 from maxlm.layers import moe
 from maxlm.loss_scale import update_loss_scale
-from maxlm.model import BTV, compute_dtype
+from maxlm.model import BTV, compute_dtype, matmul_cast
 from maxlm.offload import in_host_memory, to_device_in_turn, to_device_memory, to_host_memory
 from maxlm.optim import LAG, apply_updates
 from maxlm.parallel import context
 from maxlm.tables import PRECISIONS
 from maxlm.train_state import TrainState
 
-MATMUL_WEIGHTS = ("kernel", "wi_kernel", "wo_kernel", "w1", "w2", "w3")  # the parameters that multiply activations
-# (w1, w2, w3: the experts of maxlm/layers/moe.py; its router stays in float32)
 
 
 def token_losses(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -236,23 +234,6 @@ def _forward_loss(model: nn.Module, packed: bool):
   return loss_fn
 
 
-def cast_matmul_weights(params, dtype, cfg: ModelConfig):
-  """The params with every matmul weight (the model's `kernel`, `wi_kernel`, `wo_kernel`; the embedding
-  unless tied) cast to `dtype`: what each use casts them to anyway. Norm scales stay as they are (the
-  norms compute in fp32). A tied embedding is left alone: its two uses' gradients are summed in the
-  master dtype, not in `dtype`."""
-  return jax.tree_util.tree_map_with_path(_matmul_cast(dtype, cfg), params)
-
-
-def _matmul_cast(dtype, cfg: ModelConfig):
-  """`cast(path, x)`: one leaf as `cast_matmul_weights` gives it."""
-  names = MATMUL_WEIGHTS + (() if cfg.tie_embeddings else ("embedding",))
-
-  def cast(path, x):
-    return x.astype(dtype) if getattr(path[-1], "key", None) in names else x
-  return cast
-
-
 def _select(pred, a, b):
   """jnp.where(pred, a, b) computed on the device: leaves in host memory (optim.offload) are moved there first
   and the result back after (XLA:GPU would otherwise run the select as host compute)."""
@@ -270,7 +251,7 @@ def forward_params(params, cfg: ModelConfig, cast_once: bool, host_params: bool)
   not the master weights, and only LAG leaves as they were in host memory at once); under a quantized precision
   (FP8: its GEMMs quantize the master weights) they are moved as they are."""
   quantized = PRECISIONS[cfg.precision].quantized
-  cast = (_matmul_cast(compute_dtype(cfg), cfg) if cast_once or (host_params and not quantized)
+  cast = (matmul_cast(compute_dtype(cfg), cfg) if cast_once or (host_params and not quantized)
           else (lambda path, x: x))
   if host_params:
     return to_device_in_turn(params, cast, LAG)

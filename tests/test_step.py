@@ -16,9 +16,9 @@ import reference as R
 from maxlm.config import MeshConfig, ModelConfig, OptimConfig
 from maxlm.layers import FP8_COLLECTION, PrecisionError, check_precision, precision_scope
 from maxlm.parallel.mesh import make_mesh
-from maxlm.model import Transformer
+from maxlm.model import Transformer, cast_matmul_weights
 from maxlm.optim import make_optimizer
-from maxlm.step import (accumulated, averaged, cast_matmul_weights, chunked_token_losses, forward_params,
+from maxlm.step import (accumulated, averaged, chunked_token_losses, forward_params,
                         fp8_chunked_head, guarded_update, loss_and_grad, make_eval_step, make_train_step, pow2_scale,
                         quantize, token_losses, use_chunked_loss)
 from maxlm.train_state import abstract_state, create_train_state

@@ -23,7 +23,7 @@ from maxlm.config.rules import check_distributed, check_moe, check_run_name
 from maxlm.config.schema import ConfigError, option
 from maxlm.tables import PRECISIONS, REMATS
 from maxlm.config.sections import (  # the process and tool sections, re-exported
-    LEVERS, CompileConfig, MoEConfig, PlanConfig, ProfileConfig, XlaConfig)
+    LEVERS, CompileConfig, DistributedConfig, MoEConfig, PlanConfig, ProfileConfig, XlaConfig)
 
 SEED_RANGE = "[0, 2**32-1]"  # jax.random.PRNGKey and Grain take 32-bit seeds
 
@@ -262,25 +262,6 @@ class CheckpointConfig:
   async_save: bool = option(True, "false: training waits until each checkpoint is on disk")
   load_params: str = option("", "start from these parameters (a step dir, a checkpoints dir, an Orbax tree) "
                             "unless resuming")
-
-
-@dataclasses.dataclass(frozen=True)
-class DistributedConfig:
-  """Several processes (jax.distributed; see maxlm/runtime/distributed.py and launch/README.md): found from
-  the launcher (SLURM srun, OpenMPI 4 mpirun) or set explicitly (any other launcher)."""
-  mode: str = option("auto", "auto = initialize when launched by srun or mpirun (or when coordinator_address "
-                     "is set); off = one process; slurm / mpi / explicit = insist on that source",
-                     choices=("auto", "off", "slurm", "mpi", "explicit"))
-  coordinator_address: str = option("", "host:port of process 0's coordinator; \"\" = from the launcher "
-                                    "(first node of the SLURM step / the mpirun host)")
-  num_processes: int = option(0, "processes in the run; 0 = from the launcher", within="[0, 2**31-1]")
-  process_id: int = option(-1, "this process's index; -1 = from the launcher (differs per process)",
-                           within="[0, 2**31-1] or -1")
-  local_device_ids: str = option("", "GPUs this process drives: \"\" = all when it is the node's only "
-                                 "process, else the one numbered by its local rank; all; or e.g. 0,1")
-  initialization_timeout_s: int = option(300, "seconds to wait for every process to reach the coordinator "
-                                         "and to agree on the config, before stopping with an error",
-                                         within="[1, 86400]")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The config sections of the process and its tools (profiling, XLA flags, the planner, compilation and its
-cache) and the model's mixture-of-experts subsection; maxlm/config/__init__.py holds the model and run sections,
+"""The config sections of the process and its tools (several processes, profiling, XLA flags, the planner,
+compilation and its cache) and the model's mixture-of-experts subsection; maxlm/config/__init__.py holds the model and run sections,
 the whole `Config`, and re-exports these."""
 
 from __future__ import annotations
@@ -90,3 +90,22 @@ class CompileConfig:
   warm_start: bool = option(True, "with the cache on, also keep the planner's decision and the serialized "
                             "executables of the init and the train step (maxlm/runtime/warm_start.py), so that a restart "
                             "of the same run skips planning, tracing and compiling (one process only)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """Several processes (jax.distributed; see maxlm/runtime/distributed.py and launch/README.md): found from
+  the launcher (SLURM srun, OpenMPI 4 mpirun) or set explicitly (any other launcher)."""
+  mode: str = option("auto", "auto = initialize when launched by srun or mpirun (or when coordinator_address "
+                     "is set); off = one process; slurm / mpi / explicit = insist on that source",
+                     choices=("auto", "off", "slurm", "mpi", "explicit"))
+  coordinator_address: str = option("", "host:port of process 0's coordinator; \"\" = from the launcher "
+                                    "(first node of the SLURM step / the mpirun host)")
+  num_processes: int = option(0, "processes in the run; 0 = from the launcher", within="[0, 2**31-1]")
+  process_id: int = option(-1, "this process's index; -1 = from the launcher (differs per process)",
+                           within="[0, 2**31-1] or -1")
+  local_device_ids: str = option("", "GPUs this process drives: \"\" = all when it is the node's only "
+                                 "process, else the one numbered by its local rank; all; or e.g. 0,1")
+  initialization_timeout_s: int = option(300, "seconds to wait for every process to reach the coordinator "
+                                         "and to agree on the config, before stopping with an error",
+                                         within="[1, 86400]")

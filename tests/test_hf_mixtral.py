@@ -8,12 +8,12 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from maxlm import Model
 from maxlm.config import ModelConfig, MoEConfig
 from maxlm.hf.config import HFConfigError, from_hf, to_hf
+from test_convert import bits  # {tensor: (dtype, raw bits)} of a safetensors directory
 
 BACKENDS = [pytest.param("flax"), pytest.param("te", marks=pytest.mark.te)]
 U32 = 2.0 ** -24  # float32 unit roundoff
@@ -133,16 +133,6 @@ def test_greedy_generation_with_the_kv_cache_matches_the_numpy_mixtral(tmp_path)
   assert Model.from_pretrained(tmp_path / "m", backend="flax").generate([prompt], 6)[0] == seq[len(prompt):]
 
 
-def _bits(directory) -> dict[str, tuple[str, np.ndarray]]:
-  out = {}
-  for f in sorted(directory.glob("*.safetensors")):
-    with safe_open(str(f), framework="flax") as st:
-      for k in st.keys():
-        x = np.asarray(st.get_tensor(k))
-        out[k] = (str(x.dtype), x.view(f"uint{8 * x.dtype.itemsize}"))
-  return out
-
-
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_round_trip_is_lossless(dtype, tmp_path):
   """Import then export: every tensor bit for bit in the files' dtype, the config.json as it was (the router,
@@ -152,10 +142,10 @@ def test_round_trip_is_lossless(dtype, tmp_path):
   assert m.config.model.moe == MoEConfig(experts=4, top_k=2, aux_loss_coef=0.02)
   assert m.params["layers"]["moe"]["router"].dtype == jnp.float32
   out = m.save_pretrained(tmp_path / "out")
-  have, want = _bits(out), _bits(tmp_path / "m")
+  have, want = bits(out), bits(tmp_path / "m")
   assert have.keys() == want.keys()
-  for k, (dt, bits) in want.items():
-    assert have[k][0] == dt and np.array_equal(have[k][1], bits), k
+  for k, (dt, raw) in want.items():
+    assert have[k][0] == dt and np.array_equal(have[k][1], raw), k
   assert json.loads((out / "config.json").read_text()) == json.loads((tmp_path / "m" / "config.json").read_text())
 
 
